@@ -1,0 +1,5 @@
+"""``python -m glassloop`` (what ``torchrun -m glassloop`` runs)."""
+
+from glassloop.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,96 @@
+"""From a :class:`~glassloop.config.Config` to a ready :class:`~glassloop.loop.Trainer`.
+
+This is what ``glassloop train`` does before it calls ``fit``; Python users can call it too::
+
+    cfg = glassloop.load_config("recipe.toml", ["optim.lr=3e-4"])
+    run = glassloop.build(cfg, run_dir="runs/try1")
+    history = run.trainer.fit(run.train_loader, run.val_loader, epochs=cfg.train.epochs)
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from glassloop.config import Config, optimizer_class, scheduler_class, to_dict
+from glassloop.data import Splits, load_splits, make_loaders
+from glassloop.device import resolve_device
+from glassloop.errors import ConfigError
+from glassloop.loop import Trainer
+from glassloop.models import build_model
+from glassloop.rng import seed_everything
+
+
+@dataclass
+class Run:
+    """Everything a configured run needs: the resolved config, data, and the trainer."""
+
+    config: Config
+    splits: Splits
+    train_loader: DataLoader[Any]
+    val_loader: DataLoader[Any]
+    trainer: Trainer
+
+
+def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    cls = optimizer_class(cfg.optim.name)
+    try:
+        return cls(model.parameters(), lr=cfg.optim.lr, **cfg.optim.kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"config: optim: {cls.__name__} rejected its arguments: {err}") from err
+
+
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> Any:
+    name = cfg.scheduler.name
+    if name.lower() == "none":
+        return None
+    kwargs = dict(cfg.scheduler.kwargs)
+    if name == "CosineAnnealingLR" and "T_max" not in kwargs:
+        # Span the whole run: epochs, or optimizer steps when stepped per step.
+        per = steps_per_epoch if cfg.scheduler.interval == "step" else 1
+        kwargs["T_max"] = cfg.train.epochs * per
+        cfg.scheduler.kwargs = kwargs  # recorded in the resolved config
+    cls = scheduler_class(name)
+    try:
+        return cls(optimizer, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"config: scheduler: {name} rejected its arguments: {err}") from err
+
+
+def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
+    """Seed, load the data, build model/optimizer/scheduler, and return a :class:`Run`."""
+    cfg = copy.deepcopy(cfg)
+    device = resolve_device(cfg.train.device)
+    seed_everything(cfg.train.seed)  # before building the model: reproducible initial weights
+    splits = load_splits(cfg.data)
+    model = build_model(cfg.model, splits.input_shape, splits.num_classes)
+    train_loader, val_loader = make_loaders(
+        splits,
+        batch_size=cfg.data.batch_size,
+        eval_batch_size=cfg.data.eval_batch_size or None,
+        shuffle=cfg.data.shuffle,
+        num_workers=cfg.data.num_workers,
+        seed=cfg.train.seed,
+        pin_memory=device.type == "cuda",
+    )
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_scheduler(cfg, optimizer, len(train_loader))
+    trainer = Trainer(
+        model,
+        optimizer,
+        nn.CrossEntropyLoss(),
+        scheduler=scheduler,
+        scheduler_interval=cfg.scheduler.interval,
+        device=device,
+        progress=cfg.train.progress,
+        log_every=cfg.train.log_every,
+        run_dir=run_dir,
+        config=to_dict(cfg),
+    )
+    return Run(cfg, splits, train_loader, val_loader, trainer)

@@ -1,0 +1,1 @@
+"""The ``glassloop`` command: argparse over the library; the library never imports it."""

