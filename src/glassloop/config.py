@@ -128,6 +128,8 @@ SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "train": TrainConfig,
 }
+# Optimizer arguments that choose a kernel, not the mathematics; not recorded as defaults.
+IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 # Sections whose unknown keys are keyword arguments of the class they name.
 OPEN_SECTIONS = {"optim", "scheduler"}
 CHOICES = {
@@ -206,20 +208,32 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 
 def suggest(name: str, candidates: list[str]) -> str | None:
-    """The candidate a user most likely meant, or ``None``."""
+    """The candidate a user most likely meant (alias, case, spelling, prefix), or ``None``.
+
+    >>> suggest("learning_rate", ["lr", "name"]), suggest("adamw", ["Adam", "AdamW"])
+    ('lr', 'AdamW')
+    """
     alias = ALIASES.get(name.lower())
     if alias in candidates:
         return alias
-    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
-    return close[0] if close else None
+    lower = {c.lower(): c for c in candidates}
+    if name.lower() in lower:
+        return lower[name.lower()]
+    close = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.6)
+    if close:
+        return lower[close[0]]
+    starts = [c for c in candidates if c.lower().startswith(name.lower())]
+    return starts[0] if len(name) >= 3 and len(starts) == 1 else None
 
 
-def unknown_key(prefix: str, name: str, candidates: list[str]) -> ConfigError:
+def unknown_key(prefix: str, name: str, candidates: list[str], owner: str = "") -> ConfigError:
     full = f"{prefix}.{name}" if prefix else name
     guess = suggest(name, candidates)
-    hint = f" (did you mean '{prefix + '.' if prefix else ''}{guess}'?)" if guess else ""
-    if not guess:
-        hint = f" (known: {', '.join(sorted(candidates))})"
+    if guess:
+        hint = f" (did you mean '{prefix + '.' if prefix else ''}{guess}'?)"
+    else:
+        what = f"{owner} accepts" if owner else "known keys"
+        hint = f" ({what}: {', '.join(sorted(candidates))})"
     return ConfigError(f"config: unknown key '{full}'{hint}")
 
 
@@ -312,8 +326,8 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
             and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
             and n != "Optimizer"
         ]
-        guess = suggest(name, names) or difflib.get_close_matches(name.capitalize(), names, 1)
-        hint = f" (did you mean '{guess if isinstance(guess, str) else guess[0]}'?)" if guess else ""
+        guess = suggest(name, names)
+        hint = f" (did you mean '{guess}'?)" if guess else ""
         raise ConfigError(f"config: optim.name {name!r} is not a torch.optim optimizer{hint}")
     return cls
 
@@ -346,15 +360,15 @@ def checked_kwargs(
     out: dict[str, Any] = {}
     for key, value in kwargs.items():
         if key not in allowed:
-            err = unknown_key(section, key, allowed + [k for k in own if k != "kwargs"])
-            raise ConfigError(f"{err} for {cls.__name__}")
+            raise unknown_key(
+                section, key, allowed + [k for k in own if k != "kwargs"], cls.__name__
+            )
         default = params[key].default
         if isinstance(default, bool):
             value = check_type(f"{section}.{key}", value, bool)
-        elif isinstance(default, float):
+        elif isinstance(default, (int, float)):  # SGD's momentum defaults to int 0
             value = check_type(f"{section}.{key}", value, float)
-        elif isinstance(default, int):
-            value = check_type(f"{section}.{key}", value, int)
+            value = int(value) if isinstance(default, int) and value.is_integer() else value
         elif isinstance(default, tuple):
             if not isinstance(value, list):
                 raise ConfigError(f"config: {section}.{key} must be a list, got {value!r}")
@@ -371,7 +385,7 @@ def optimizer_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     defaults = {
         key: param.default
         for key, param in inspect.signature(cls.__init__).parameters.items()
-        if key not in ("self", "params", "lr")
+        if key not in ("self", "params", "lr", *IMPLEMENTATION_FLAGS)
         and isinstance(param.default, (bool, int, float, tuple))
     }
     return {**defaults, **checked}

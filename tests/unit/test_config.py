@@ -1,0 +1,77 @@
+"""Config parsing: typed keys, overrides, and one-line errors with suggestions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from glassloop import Config, ConfigError, load_config
+from glassloop.config import from_dict, to_dict
+
+
+def test_defaults_are_the_demo_run() -> None:
+    cfg = load_config(None)
+    assert (cfg.model.name, cfg.model.hidden) == ("mlp", [512, 512])
+    assert (cfg.data.name, cfg.data.batch_size) == ("mnist-5k", 64)
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.kwargs["weight_decay"]) == ("AdamW", 1e-3, 0.01)
+    assert cfg.scheduler.name == "CosineAnnealingLR"
+    assert cfg.train.epochs == 10
+
+
+def test_toml_file_and_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        '[optim]\nname = "SGD"\nlr = 0.1\nmomentum = 0.9\n'
+        '[model]\nhidden = [32]\n[scheduler]\nname = "StepLR"\nstep_size = 2\n'
+    )
+    cfg = load_config(path, ["optim.lr=3e-4", "data.name=digits", "model.hidden=[16, 8]"])
+    assert cfg.optim.name == "SGD" and cfg.optim.lr == 3e-4
+    assert cfg.optim.kwargs["momentum"] == 0.9
+    assert cfg.scheduler.kwargs == {"step_size": 2}
+    assert cfg.data.name == "digits"
+    assert cfg.model.hidden == [16, 8]
+
+
+def test_resolved_config_round_trips() -> None:
+    cfg = load_config(None, ["optim.betas=[0.8, 0.9]", "model.kwargs.width=3"])
+    assert cfg.optim.kwargs["betas"] == (0.8, 0.9)
+    assert from_dict(to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["optim.learning_rate=1"], "config: unknown key 'optim.learning_rate' (did you mean 'optim.lr'?)"),
+        (["optim.weight_decy=0.1"], "config: unknown key 'optim.weight_decy' (did you mean 'optim.weight_decay'?)"),
+        (["train.epoch=3"], "config: unknown key 'train.epoch' (did you mean 'train.epochs'?)"),
+        (["optimizer.lr=1"], "config: unknown key 'optimizer' (did you mean 'optim'?)"),
+        (["train.epochs=abc"], "config: train.epochs must be an integer, got 'abc'"),
+        (["optim.lr=fast"], "config: optim.lr must be a number, got 'fast'"),
+        (["data.shuffle=1"], "config: data.shuffle must be true or false, got 1"),
+        (["train.epochs=0"], "config: train.epochs must be >= 1, got 0"),
+        (["optim.name=adamw"], "config: optim.name 'adamw' is not a torch.optim optimizer (did you mean 'AdamW'?)"),
+        (["scheduler.interval=batch"], "config: scheduler.interval must be one of epoch, step; got 'batch'"),
+        (["data.name=imagenet"], "config: data.name must be one of mnist-5k, digits, synthetic, npz; got 'imagenet'"),
+        (["optim.momentum=0.9"], "config: unknown key 'optim.momentum' (AdamW accepts:"),
+        (["epochs=3"], "config: --set expects section.key=value"),
+    ],
+)
+def test_errors_say_what_and_suggest(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert str(info.value).startswith(message)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_and_invalid_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config: file '.*nope.toml' not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optim\nlr = 1")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(bad)
+
+
+def test_config_is_a_plain_dataclass() -> None:
+    assert isinstance(load_config(None), Config)

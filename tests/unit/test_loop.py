@@ -1,0 +1,149 @@
+"""The Trainer's contract: history, output lines, callbacks, batch forms, clear errors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from glassloop import Callback, DataError, ModelError, Trainer
+
+
+def make_trainer(**kwargs: Any) -> Trainer:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    options: dict[str, Any] = {"device": "cpu", "progress": "none", **kwargs}
+    return Trainer(model, optimizer, nn.CrossEntropyLoss(), **options)
+
+
+def data(n: int = 100, classes: int = 3) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, classes, (n,), generator=g))
+
+
+def test_history_has_one_row_per_epoch() -> None:
+    trainer = make_trainer()
+    history = trainer.fit(DataLoader(data(), batch_size=16), DataLoader(data(40), batch_size=16), epochs=3)
+    assert [row["epoch"] for row in history] == [1, 2, 3]
+    assert history[-1]["step"] == 3 * 7  # ceil(100 / 16) optimizer steps per epoch
+    assert history[-1]["samples"] == 300
+    for key in ("train_loss", "val_loss", "val_accuracy", "lr", "seconds"):
+        assert key in history[0]
+    assert trainer.state.epoch == 3 and trainer.state.step == 21
+
+
+def test_train_loss_is_the_sample_weighted_mean() -> None:
+    class Recorder(Trainer):
+        losses: list[tuple[float, int]] = []
+
+        def train_step(self, inputs: Any, target: Any) -> torch.Tensor:
+            loss = super().train_step(inputs, target)
+            self.losses.append((loss.item(), int(target.shape[0])))
+            return loss
+
+    trainer = make_trainer()
+    trainer.__class__ = Recorder
+    history = trainer.fit(DataLoader(data(), batch_size=16), epochs=1)
+    total = sum(loss * n for loss, n in Recorder.losses) / sum(n for _, n in Recorder.losses)
+    assert history[0]["train_loss"] == pytest.approx(total, rel=1e-6)
+
+
+def test_plain_lines_follow_the_tutorial_format(capsys: pytest.CaptureFixture[str]) -> None:
+    trainer = make_trainer(progress="lines", log_every=3)
+    trainer.fit(DataLoader(data(), batch_size=16), DataLoader(data(40), batch_size=16), epochs=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"loss: \d\.\d{6}  \[   16/  100\]", lines[0])
+    assert re.fullmatch(r"loss: \d\.\d{6}  \[   64/  100\]", lines[1])  # batch 4 (every 3)
+    summary = [line for line in lines if line.startswith("epoch")]
+    assert re.fullmatch(
+        r"epoch 1/2  train_loss \d\.\d{4}  val_loss \d\.\d{4}  val_accuracy \d+\.\d\d%  "
+        r"lr 1\.00e-01  \d+\.\ds",
+        summary[0],
+    )
+
+
+def test_callback_can_stop_training() -> None:
+    class StopAfterTwo(Callback):
+        calls: list[str] = []
+
+        def on_fit_start(self, trainer: Trainer) -> None:
+            self.calls.append("start")
+
+        def on_epoch_end(self, trainer: Trainer, row: dict[str, Any]) -> None:
+            self.calls.append(f"epoch{row['epoch']}")
+            trainer.should_stop = row["epoch"] >= 2
+
+        def on_fit_end(self, trainer: Trainer) -> None:
+            self.calls.append("end")
+
+    trainer = make_trainer(callbacks=[StopAfterTwo()])
+    history = trainer.fit(DataLoader(data(), batch_size=50), epochs=10)
+    assert len(history) == 2
+    assert StopAfterTwo.calls == ["start", "epoch1", "epoch2", "end"]
+
+
+def test_any_iterable_and_dict_batches() -> None:
+    class DictModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 3)
+
+        def forward(self, features: torch.Tensor) -> torch.Tensor:
+            return self.lin(features)
+
+    model = DictModel()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                      device="cpu", progress="none")
+    x, y = data().tensors
+    batches = [{"features": x[i : i + 25], "labels": y[i : i + 25]} for i in range(0, 100, 25)]
+    history = trainer.fit(batches, batches, epochs=2)
+    assert history[-1]["step"] == 8
+    assert 0.0 <= history[-1]["val_accuracy"] <= 1.0
+
+
+def test_per_step_scheduler_steps_once_per_optimizer_step() -> None:
+    trainer = make_trainer()
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0 / (1 + s))
+    trainer.scheduler_interval = "step"
+    trainer.fit(DataLoader(data(), batch_size=25), epochs=2)
+    assert trainer.scheduler.last_epoch == 8
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 9)
+
+
+def test_labels_out_of_range_are_a_clear_error() -> None:
+    trainer = make_trainer()
+    with pytest.raises(DataError, match=r"label is outside .*labels must be in \[0, num_outputs\)"):
+        trainer.fit(DataLoader(data(classes=5), batch_size=16), epochs=1)
+
+
+def test_rejected_first_batch_names_the_shape() -> None:
+    trainer = make_trainer()
+    bad = TensorDataset(torch.randn(10, 5), torch.zeros(10, dtype=torch.long))
+    with pytest.raises(ModelError, match=r"first batch \(\(10, 5\) float32, \(10,\) int64\)"):
+        trainer.fit(DataLoader(bad, batch_size=10), epochs=1)
+
+
+def test_empty_training_data_is_a_clear_error() -> None:
+    with pytest.raises(DataError, match="no batches"):
+        make_trainer().fit([], epochs=1)
+
+
+def test_run_dir_files(tmp_path: Path) -> None:
+    trainer = make_trainer(run_dir=tmp_path / "run")
+    trainer.fit(DataLoader(data(), batch_size=16), DataLoader(data(40), batch_size=16), epochs=2)
+    run = tmp_path / "run"
+    for name in ("config.json", "run.json", "metrics.csv", "metrics.jsonl", "model.safetensors"):
+        assert (run / name).is_file(), name
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert sum('"kind": "epoch"' in line for line in lines) == 2
+    assert sum('"kind": "step"' in line for line in lines) == 2  # log_every=100: batch 1 only
+    from safetensors.torch import load_file
+
+    weights = load_file(run / "model.safetensors")
+    assert torch.equal(weights["1.weight"], trainer.model.state_dict()["1.weight"])
