@@ -39,11 +39,14 @@ class Run:
 
 
 def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
-    cls = optimizer_class(cfg.optim.name)
+    cls: Any = optimizer_class(cfg.optim.name)  # a concrete subclass: it takes lr
     try:
-        return cls(model.parameters(), lr=cfg.optim.lr, **cfg.optim.kwargs)
+        optimizer: torch.optim.Optimizer = cls(
+            model.parameters(), lr=cfg.optim.lr, **cfg.optim.kwargs
+        )
     except (TypeError, ValueError) as err:
         raise ConfigError(f"config: optim: {cls.__name__} rejected its arguments: {err}") from err
+    return optimizer
 
 
 def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> Any:

@@ -146,14 +146,18 @@ POSITIVE = {
 }
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
     """Read a TOML (or a run's ``config.json``), apply ``--set`` overrides, validate.
 
     >>> load_config(None, ["optim.lr=3e-4"]).optim.lr
     0.0003
-    >>> load_config(None, ["optim.learning_rate=1"])
-    Traceback (most recent call last):
-    glassloop.errors.ConfigError: config: unknown key 'optim.learning_rate' (did you mean 'optim.lr'?)
+    >>> try:
+    ...     load_config(None, ["optim.learning_rate=1"])
+    ... except ConfigError as err:
+    ...     print(err)
+    config: unknown key 'optim.learning_rate' (did you mean 'optim.lr'?)
     """
     raw: dict[str, Any] = {}
     if path is not None:
@@ -321,7 +325,8 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     cls = getattr(torch.optim, name, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         names = [
-            n for n in dir(torch.optim)
+            n
+            for n in dir(torch.optim)
             if isinstance(getattr(torch.optim, n), type)
             and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
             and n != "Optimizer"
@@ -338,7 +343,8 @@ def scheduler_class(name: str) -> type:
     base = (sched.LRScheduler, sched.ReduceLROnPlateau)
     if not (isinstance(cls, type) and issubclass(cls, base)):
         names = [
-            n for n in dir(sched)
+            n
+            for n in dir(sched)
             if isinstance(getattr(sched, n), type) and issubclass(getattr(sched, n), base)
         ]
         guess = suggest(name, names)
@@ -354,7 +360,7 @@ def checked_kwargs(
     section: str, cls: type, kwargs: dict[str, Any], reserved: tuple[str, ...]
 ) -> dict[str, Any]:
     """Check ``kwargs`` against ``cls.__init__``'s signature: names and basic types."""
-    params = inspect.signature(cls.__init__).parameters
+    params = inspect.signature(cls).parameters
     allowed = [p for p in params if p not in ("self", *reserved) and not p.startswith("_")]
     own = [f.name for f in fields(OptimConfig if section == "optim" else SchedulerConfig)]
     out: dict[str, Any] = {}
@@ -384,7 +390,7 @@ def optimizer_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     checked = checked_kwargs("optim", cls, kwargs, ("params", "lr"))
     defaults = {
         key: param.default
-        for key, param in inspect.signature(cls.__init__).parameters.items()
+        for key, param in inspect.signature(cls).parameters.items()
         if key not in ("self", "params", "lr", *IMPLEMENTATION_FLAGS)
         and isinstance(param.default, (bool, int, float, tuple))
     }

@@ -71,7 +71,9 @@ def predict(
     (torch.Size([2, 3]), True)
     """
     device = device if device is not None else next(model.parameters()).device
-    batches: Iterable[Any] = data.split(batch_size) if isinstance(data, torch.Tensor) else data
+    batches: Iterable[Any] = (
+        torch.split(data, batch_size) if isinstance(data, torch.Tensor) else data
+    )
     was_training = model.training
     model.eval()
     outputs: list[torch.Tensor] = []

@@ -105,7 +105,7 @@ class Trainer:
         args, kwargs = inputs
         output = self.model(*args, **kwargs)  # forward
         loss = self.loss_fn(output, target)
-        loss.backward()  # gradients accumulate into .grad
+        loss.backward()  # type: ignore[no-untyped-call]  # gradients accumulate into .grad
         self.optimizer.step()  # exactly torch's step: nothing wrapped, nothing skipped
         self.optimizer.zero_grad(set_to_none=True)  # None frees memory; next backward writes
         if self.scheduler is not None and self.scheduler_interval == "step":
@@ -299,7 +299,7 @@ class Trainer:
 def _num_samples(loader: Iterable[Any]) -> int | None:
     dataset = getattr(loader, "dataset", None)
     try:
-        return len(dataset) if dataset is not None else None  # type: ignore[arg-type]
+        return len(dataset) if dataset is not None else None
     except TypeError:
         return None
 
@@ -319,4 +319,3 @@ def _jsonable(value: Any) -> Any:
 def _write_json(path: Path, data: Any) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n", encoding="utf-8")
-

@@ -33,12 +33,10 @@ class ClassificationSums:
         self.num_invalid = torch.zeros((), dtype=torch.int64, device=device)
         self.confusion: torch.Tensor | None = None
         if num_classes is not None:
-            self.confusion = torch.zeros(
-                num_classes, num_classes, dtype=torch.int64, device=device
-            )
+            self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)
 
     def update(self, mean_loss: torch.Tensor, output: torch.Tensor, target: Any) -> None:
-        """Add one batch: its mean loss (weighted by its size), logits ``[N, C]``, labels ``[N]``."""
+        """Add a batch: its mean loss (weighted by its size), logits ``[N, C]``, labels ``[N]``."""
         n = int(target.shape[0]) if isinstance(target, torch.Tensor) else int(output.shape[0])
         # The loss is a per-sample mean, so mean * n is the batch's sum: the epoch average is
         # then over samples, not the mean of batch means (which over-weights a short last batch).
@@ -151,7 +149,7 @@ def format_report(
             f"{r['f1-score']:>9.4f} {int(r['support']):>9d}"
         )
 
-    lines += [row(name, report[k]) for name, k in zip(names, classes)]
+    lines += [row(name, report[k]) for name, k in zip(names, classes, strict=True)]
     total = int(report["macro avg"]["support"])
     lines += ["", f"{'accuracy':>{width}} {'':>9} {'':>9} {accuracy:>9.4f} {total:>9d}"]
     lines += [row("macro avg", report["macro avg"]), row("weighted avg", report["weighted avg"])]

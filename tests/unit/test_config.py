@@ -42,17 +42,32 @@ def test_resolved_config_round_trips() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["optim.learning_rate=1"], "config: unknown key 'optim.learning_rate' (did you mean 'optim.lr'?)"),
-        (["optim.weight_decy=0.1"], "config: unknown key 'optim.weight_decy' (did you mean 'optim.weight_decay'?)"),
+        (
+            ["optim.learning_rate=1"],
+            "config: unknown key 'optim.learning_rate' (did you mean 'optim.lr'?)",
+        ),
+        (
+            ["optim.weight_decy=0.1"],
+            "config: unknown key 'optim.weight_decy' (did you mean 'optim.weight_decay'?)",
+        ),
         (["train.epoch=3"], "config: unknown key 'train.epoch' (did you mean 'train.epochs'?)"),
         (["optimizer.lr=1"], "config: unknown key 'optimizer' (did you mean 'optim'?)"),
         (["train.epochs=abc"], "config: train.epochs must be an integer, got 'abc'"),
         (["optim.lr=fast"], "config: optim.lr must be a number, got 'fast'"),
         (["data.shuffle=1"], "config: data.shuffle must be true or false, got 1"),
         (["train.epochs=0"], "config: train.epochs must be >= 1, got 0"),
-        (["optim.name=adamw"], "config: optim.name 'adamw' is not a torch.optim optimizer (did you mean 'AdamW'?)"),
-        (["scheduler.interval=batch"], "config: scheduler.interval must be one of epoch, step; got 'batch'"),
-        (["data.name=imagenet"], "config: data.name must be one of mnist-5k, digits, synthetic, npz; got 'imagenet'"),
+        (
+            ["optim.name=adamw"],
+            "config: optim.name 'adamw' is not a torch.optim optimizer (did you mean 'AdamW'?)",
+        ),
+        (
+            ["scheduler.interval=batch"],
+            "config: scheduler.interval must be one of epoch, step; got 'batch'",
+        ),
+        (
+            ["data.name=imagenet"],
+            "config: data.name must be one of mnist-5k, digits, synthetic, npz; got 'imagenet'",
+        ),
         (["optim.momentum=0.9"], "config: unknown key 'optim.momentum' (AdamW accepts:"),
         (["epochs=3"], "config: --set expects section.key=value"),
     ],
@@ -65,11 +80,11 @@ def test_errors_say_what_and_suggest(overrides: list[str], message: str) -> None
 
 
 def test_missing_and_invalid_files(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="config: file '.*nope.toml' not found"):
+    with pytest.raises(ConfigError, match=r"config: file '.*nope\.toml' not found"):
         load_config(tmp_path / "nope.toml")
     bad = tmp_path / "bad.toml"
     bad.write_text("[optim\nlr = 1")
-    with pytest.raises(ConfigError, match="is not valid TOML"):
+    with pytest.raises(ConfigError, match=r"is not valid TOML"):
         load_config(bad)
 
 

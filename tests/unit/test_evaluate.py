@@ -17,7 +17,9 @@ def skewed_problem() -> tuple[nn.Module, TensorDataset]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5))
     x = torch.randn(203, 6)  # 203: the last batch of 32 is short (11 samples)
-    y = torch.cat([torch.zeros(120, dtype=torch.long), torch.randint(0, 4, (83,))])  # class 4 absent
+    y = torch.cat(
+        [torch.zeros(120, dtype=torch.long), torch.randint(0, 4, (83,))]
+    )  # class 4 absent
     return model, TensorDataset(x, y)
 
 
@@ -35,9 +37,7 @@ def test_loss_accuracy_and_report_match_hand_and_sklearn() -> None:
     assert result["accuracy"] == (pred == y).sum().item() / len(y)  # exact
     assert result["confusion"] == confusion_matrix(y, pred, labels=range(5)).tolist()
 
-    expected = classification_report(
-        y, pred, labels=range(5), output_dict=True, zero_division=0
-    )
+    expected = classification_report(y, pred, labels=range(5), output_dict=True, zero_division=0)
     for key, row in result["report"].items():
         for metric, value in row.items():
             assert value == pytest.approx(expected[key][metric], abs=1e-12), (key, metric)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -24,12 +24,16 @@ def make_trainer(**kwargs: Any) -> Trainer:
 
 def data(n: int = 100, classes: int = 3) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, classes, (n,), generator=g))
+    return TensorDataset(
+        torch.randn(n, 8, generator=g), torch.randint(0, classes, (n,), generator=g)
+    )
 
 
 def test_history_has_one_row_per_epoch() -> None:
     trainer = make_trainer()
-    history = trainer.fit(DataLoader(data(), batch_size=16), DataLoader(data(40), batch_size=16), epochs=3)
+    history = trainer.fit(
+        DataLoader(data(), batch_size=16), DataLoader(data(40), batch_size=16), epochs=3
+    )
     assert [row["epoch"] for row in history] == [1, 2, 3]
     assert history[-1]["step"] == 3 * 7  # ceil(100 / 16) optimizer steps per epoch
     assert history[-1]["samples"] == 300
@@ -40,7 +44,7 @@ def test_history_has_one_row_per_epoch() -> None:
 
 def test_train_loss_is_the_sample_weighted_mean() -> None:
     class Recorder(Trainer):
-        losses: list[tuple[float, int]] = []
+        losses: ClassVar[list[tuple[float, int]]] = []
 
         def train_step(self, inputs: Any, target: Any) -> torch.Tensor:
             loss = super().train_step(inputs, target)
@@ -70,7 +74,7 @@ def test_plain_lines_follow_the_tutorial_format(capsys: pytest.CaptureFixture[st
 
 def test_callback_can_stop_training() -> None:
     class StopAfterTwo(Callback):
-        calls: list[str] = []
+        calls: ClassVar[list[str]] = []
 
         def on_fit_start(self, trainer: Trainer) -> None:
             self.calls.append("start")
@@ -98,8 +102,13 @@ def test_any_iterable_and_dict_batches() -> None:
             return self.lin(features)
 
     model = DictModel()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-                      device="cpu", progress="none")
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        nn.CrossEntropyLoss(),
+        device="cpu",
+        progress="none",
+    )
     x, y = data().tensors
     batches = [{"features": x[i : i + 25], "labels": y[i : i + 25]} for i in range(0, 100, 25)]
     history = trainer.fit(batches, batches, epochs=2)
@@ -109,7 +118,9 @@ def test_any_iterable_and_dict_batches() -> None:
 
 def test_per_step_scheduler_steps_once_per_optimizer_step() -> None:
     trainer = make_trainer()
-    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0 / (1 + s))
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(
+        trainer.optimizer, lambda s: 1.0 / (1 + s)
+    )
     trainer.scheduler_interval = "step"
     trainer.fit(DataLoader(data(), batch_size=25), epochs=2)
     assert trainer.scheduler.last_epoch == 8

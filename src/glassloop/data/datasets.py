@@ -123,7 +123,7 @@ def synthetic(cfg: DataConfig) -> Splits:
     centres = rng.normal(0.0, 1.0, size=(cfg.num_classes, cfg.num_features)).astype(np.float32)
     y = rng.integers(0, cfg.num_classes, size=cfg.num_samples).astype(np.int64)
     x = centres[y] + rng.normal(0.0, 1.0, size=(cfg.num_samples, cfg.num_features))
-    n_val = max(1, int(round(cfg.num_samples * cfg.val_fraction)))
+    n_val = max(1, round(cfg.num_samples * cfg.val_fraction))
     return _tensors(x[n_val:], y[n_val:], x[:n_val], y[:n_val], cfg.num_classes)
 
 
@@ -143,9 +143,7 @@ def npz(cfg: DataConfig) -> Splits:
     elif {"x", "y"} <= arrays.keys():
         if len(arrays["y"]) == 0:
             raise DataError(f"data: '{path}' holds an empty dataset (0 samples)")
-        parts = stratified_split(
-            arrays["x"], arrays["y"], val_size=cfg.val_fraction, seed=cfg.seed
-        )
+        parts = stratified_split(arrays["x"], arrays["y"], val_size=cfg.val_fraction, seed=cfg.seed)
     else:
         raise DataError(
             f"data: '{path}' must hold arrays x and y, or x_train, y_train, x_val and y_val; "
@@ -156,9 +154,7 @@ def npz(cfg: DataConfig) -> Splits:
         if len(xs) == 0:
             raise DataError(f"data: the {name} set in '{path}' is empty (0 samples)")
         if len(xs) != len(ys):
-            raise DataError(
-                f"data: '{path}' {name} set has {len(xs)} inputs but {len(ys)} labels"
-            )
+            raise DataError(f"data: '{path}' {name} set has {len(xs)} inputs but {len(ys)} labels")
         if not np.issubdtype(ys.dtype, np.integer):
             raise DataError(f"data: '{path}' {name} labels must be integers, got {ys.dtype}")
         if ys.min() < 0:

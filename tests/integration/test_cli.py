@@ -1,0 +1,171 @@
+"""The glassloop command end to end, and every user error: one line, exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+FAST = ["--set", "train.epochs=2", "--set", "train.progress=lines"]
+
+
+def glassloop(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "glassloop", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+        check=False,
+    )
+
+
+def assert_user_error(result: subprocess.CompletedProcess[str], message: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert message in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    run_dir = tmp_path_factory.mktemp("cli") / "run"
+    return run_dir, glassloop("train", *FAST, "--run-dir", str(run_dir))
+
+
+def test_train_on_bundled_mnist_writes_the_run_dir(
+    trained_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    run_dir, result = trained_run
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "loss: " in out and "[   64/ 4000]" in out
+    assert "epoch 2/2  train_loss" in out
+    accuracy = float(out.split("final validation accuracy: ")[1].split("%")[0])
+    assert accuracy >= 85.0  # two epochs of the demo; ten reach >= 90% (make demo)
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["data"]["name"] == "mnist-5k" and config["train"]["epochs"] == 2
+    assert config["scheduler"]["T_max"] == 2  # resolved: the cosine spans the run
+    run_info = json.loads((run_dir / "run.json").read_text())
+    assert run_info["status"] == "finished" and run_info["torch"]
+    header = (run_dir / "metrics.csv").read_text().splitlines()[0]
+    assert header.startswith("kind,epoch,step,samples,train_loss,val_loss,val_accuracy")
+    assert (run_dir / "model.safetensors").stat().st_size > 2_000_000
+
+
+def test_eval_prints_the_same_accuracy_and_a_report(
+    trained_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    run_dir, train = trained_run
+    result = glassloop("eval", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    trained = train.stdout.split("final validation accuracy: ")[1].split("%")[0]
+    assert f"accuracy: {trained}%" in result.stdout
+    assert "precision" in result.stdout and "weighted avg" in result.stdout
+    assert len([line for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]) == 10
+
+
+def test_help_documents_every_flag() -> None:
+    result = glassloop("train", "--help")
+    assert result.returncode == 0
+    for flag in ("--set", "--run-dir", "CONFIG"):
+        assert flag in result.stdout
+
+
+def write_model(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "user_model.py"
+    path.write_text("import torch\nfrom torch import nn\n\n" + body)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--set", "optim.learning_rate=1"],
+            "config: unknown key 'optim.learning_rate' (did you mean 'optim.lr'?)",
+        ),
+        (["--set", "train.epochs=two"], "config: train.epochs must be an integer, got 'two'"),
+        (["missing.toml"], "config: file 'missing.toml' not found"),
+        (
+            ["--set", "model.target=no_such_pkg.models:Net"],
+            "could not be imported: ModuleNotFoundError",
+        ),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_config_errors_are_one_line_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
+    result = glassloop("train", *args, "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert_user_error(result, message)
+    assert not (tmp_path / "run").exists()  # nothing written for a run that never started
+
+
+def test_labels_out_of_range(tmp_path: Path) -> None:
+    model = write_model(
+        tmp_path, "def Net():\n    return nn.Sequential(nn.Flatten(), nn.Linear(784, 5))\n"
+    )
+    result = glassloop(
+        "train", *FAST, "--set", f"model.target={model}:Net", "--run-dir", str(tmp_path / "r")
+    )
+    assert_user_error(result, "a label is outside the model's output range")
+
+
+def test_first_batch_rejected_names_the_data_shape(tmp_path: Path) -> None:
+    model = write_model(
+        tmp_path, "def Net():\n    return nn.Sequential(nn.Flatten(), nn.Linear(100, 10))\n"
+    )
+    result = glassloop(
+        "train", *FAST, "--set", f"model.target={model}:Net", "--run-dir", str(tmp_path / "r")
+    )
+    assert_user_error(
+        result, "model: the first batch ((64, 1, 28, 28) float32, (64,) int64) was rejected"
+    )
+    assert "64x784 and 100x10" in result.stderr
+
+
+def test_empty_dataset(tmp_path: Path) -> None:
+    path = tmp_path / "empty.npz"
+    np.savez(path, x=np.zeros((0, 4), np.float32), y=np.zeros((0,), np.int64))
+    result = glassloop(
+        "train",
+        *FAST,
+        "--set",
+        "data.name=npz",
+        "--set",
+        f"data.path={path}",
+        "--run-dir",
+        str(tmp_path / "r"),
+    )
+    assert_user_error(result, "holds an empty dataset")
+
+
+def test_npz_training_end_to_end(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, 300)
+    x = (np.eye(3)[y] * 3 + rng.normal(size=(300, 3))).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    result = glassloop(
+        "train",
+        *FAST,
+        "--set",
+        "data.name=npz",
+        "--set",
+        f"data.path={tmp_path / 'd.npz'}",
+        "--set",
+        "model.hidden=[16]",
+        "--run-dir",
+        str(tmp_path / "r"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "final validation accuracy" in result.stdout
+
+
+def test_eval_of_a_directory_that_is_not_a_run(tmp_path: Path) -> None:
+    assert_user_error(glassloop("eval", str(tmp_path)), "is not a run directory")
