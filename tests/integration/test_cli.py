@@ -169,3 +169,26 @@ def test_npz_training_end_to_end(tmp_path: Path) -> None:
 
 def test_eval_of_a_directory_that_is_not_a_run(tmp_path: Path) -> None:
     assert_user_error(glassloop("eval", str(tmp_path)), "is not a run directory")
+
+
+def test_a_run_config_reruns_the_run(
+    trained_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
+    run_dir, _ = trained_run
+    result = glassloop(
+        "train",
+        str(run_dir / "config.json"),
+        "--set",
+        "train.epochs=1",
+        "--set",
+        "train.progress=none",
+        "--run-dir",
+        str(tmp_path / "again"),
+    )
+    assert result.returncode == 0, result.stderr
+    first = json.loads((run_dir / "config.json").read_text())
+    again = json.loads((tmp_path / "again" / "config.json").read_text())
+    first["train"]["epochs"] = again["train"]["epochs"] = 0
+    first["train"]["progress"] = again["train"]["progress"] = ""
+    first["scheduler"]["T_max"] = again["scheduler"]["T_max"] = 0
+    assert first == again
