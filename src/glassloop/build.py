@@ -10,7 +10,7 @@ This is what ``glassloop train`` does before it calls ``fit``; Python users can 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from glassloop.config import Config, optimizer_class, scheduler_class, to_dict
 from glassloop.data import Splits, load_splits, make_loaders
+from glassloop.data.loaders import ResumableLoader
 from glassloop.device import resolve_device
 from glassloop.errors import ConfigError
 from glassloop.loop import Trainer
@@ -33,7 +34,7 @@ class Run:
 
     config: Config
     splits: Splits
-    train_loader: DataLoader[Any]
+    train_loader: ResumableLoader
     val_loader: DataLoader[Any]
     trainer: Trainer
 
@@ -66,6 +67,16 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epo
         raise ConfigError(f"config: scheduler: {name} rejected its arguments: {err}") from err
 
 
+def model_spec(cfg: Config, splits: Splits) -> dict[str, Any]:
+    """What :func:`glassloop.load_model` needs to rebuild the model from a weights file."""
+    return {
+        "model": asdict(cfg.model),
+        "input_shape": list(splits.input_shape),
+        "num_classes": splits.num_classes,
+        "class_names": splits.class_names,
+    }
+
+
 def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
     """Seed, load the data, build model/optimizer/scheduler, and return a :class:`Run`."""
     cfg = copy.deepcopy(cfg)
@@ -94,6 +105,8 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
         progress=cfg.train.progress,
         log_every=cfg.train.log_every,
         run_dir=run_dir,
+        checkpoint=cfg.checkpoint,
         config=to_dict(cfg),
+        model_spec=model_spec(cfg, splits),
     )
     return Run(cfg, splits, train_loader, val_loader, trainer)

@@ -8,6 +8,7 @@ Sections and keys (every key has a default; see the README's config reference)::
     [optim]      name, lr, and any keyword argument of that torch.optim class
     [scheduler]  name, interval, and any keyword argument of that lr_scheduler class
     [train]      epochs, seed, device, log_every, progress
+    [checkpoint] every_n_steps, every_n_epochs, keep_last, monitor, mode
 
 ``--set section.key=value`` overrides any key; the value is read as TOML (``3e-4``,
 ``true``, ``[256, 128]``) and falls back to a plain string (``--set data.name=digits``).
@@ -104,6 +105,18 @@ class SchedulerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """When to save (``every_n_steps``, ``every_n_epochs``; always at the end), how many to
+    keep, and which validation metric picks ``RUN_DIR/best/`` (``""``: no best tracking)."""
+
+    every_n_steps: int = 0  # 0: off
+    every_n_epochs: int = 1  # 0: off
+    keep_last: int = 3
+    monitor: str = ""  # e.g. "val_loss" or "val_accuracy"
+    mode: str = "auto"  # "min", "max", or "auto" (max for accuracy/F1, else min)
+
+
+@dataclass
 class TrainConfig:
     epochs: int = 10
     seed: int = 0
@@ -119,6 +132,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -127,6 +141,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "scheduler": SchedulerConfig,
     "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
 }
 # Optimizer arguments that choose a kernel, not the mathematics; not recorded as defaults.
 IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
@@ -136,6 +151,8 @@ CHOICES = {
     ("scheduler", "interval"): ("epoch", "step"),
     ("train", "progress"): ("auto", "bar", "lines", "none"),
     ("data", "name"): ("mnist-5k", "digits", "synthetic", "npz"),
+    ("checkpoint", "mode"): ("auto", "min", "max"),
+    ("checkpoint", "monitor"): ("", "train_loss", "val_loss", "val_accuracy"),
 }
 POSITIVE = {
     ("data", "batch_size"),
@@ -282,6 +299,9 @@ def from_dict(raw: dict[str, Any]) -> Config:
         raise ConfigError(
             f"config: data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}"
         )
+    for key in ("every_n_steps", "every_n_epochs", "keep_last"):
+        if getattr(cfg.checkpoint, key) < 0:
+            raise ConfigError(f"config: checkpoint.{key} must be >= 0")
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise ConfigError(f"config: model.dropout must be in [0, 1), got {cfg.model.dropout}")
     return cfg
@@ -416,4 +436,47 @@ def to_dict(cfg: Config) -> dict[str, Any]:
         if section in OPEN_SECTIONS:
             values.update(values.pop("kwargs"))
         out[section] = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+    return out
+
+
+# Keys a resumed run may change without changing what it computes.
+RESUME_SAFE_KEYS = (
+    "train.epochs",
+    "train.log_every",
+    "train.progress",
+    "train.device",
+    "data.num_workers",
+    "data.eval_batch_size",
+)
+RESUME_SAFE_PREFIXES = ("checkpoint.",)
+
+
+def config_differences(saved: Any, current: Any) -> list[str]:
+    """``key: saved -> current`` for every key that differs, except keys that do not change
+    the trajectory (logging, device, workers, epochs to run, checkpoint policy).
+
+    >>> config_differences({"optim": {"lr": 0.1}}, {"optim": {"lr": 0.2}})
+    ['optim.lr: 0.1 -> 0.2']
+    """
+    old = _dotted(json.loads(json.dumps(saved, default=repr)))
+    new = _dotted(json.loads(json.dumps(current, default=repr)))
+    changes = []
+    for key in sorted(old.keys() | new.keys()):
+        if key in RESUME_SAFE_KEYS or key.startswith(RESUME_SAFE_PREFIXES):
+            continue
+        if old.get(key, "<unset>") != new.get(key, "<unset>"):
+            changes.append(f"{key}: {old.get(key, '<unset>')} -> {new.get(key, '<unset>')}")
+    return changes
+
+
+def _dotted(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out.update(_dotted(value, name))
+        else:
+            out[name] = value
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -13,13 +14,28 @@ from torch import nn
 
 from glassloop.batch import Inputs, batch_size_of, describe, split_batch
 from glassloop.callbacks import Callback
-from glassloop.checkpoint import atomic_path, save_weights
+from glassloop.checkpoint import (
+    FORMAT_VERSION,
+    CheckpointError,
+    clean_temporaries,
+    find_resumable,
+    list_checkpoints,
+    load_weights,
+    prune,
+    read_checkpoint,
+    save_best,
+    save_checkpoint,
+    save_weights,
+    write_json,
+)
+from glassloop.config import CheckpointConfig, config_differences
 from glassloop.device import move_to_device, resolve_device
-from glassloop.errors import DataError, GlassloopError, ModelError
+from glassloop.errors import ConfigError, DataError, GlassloopError, ModelError
 from glassloop.evaluate import LossFn, evaluate, predict
+from glassloop.preemption import Preempted, StopSignals
 from glassloop.provenance import environment
-from glassloop.rng import seed_everything
-from glassloop.sinks import ConsoleSink, CSVSink, JSONLSink
+from glassloop.rng import capture_rng_state, restore_rng_state, seed_everything
+from glassloop.sinks import ConsoleSink, CSVSink, JSONLSink, truncate_rows
 from glassloop.state import TrainState
 
 SCHEDULER_INTERVALS = ("epoch", "step")
@@ -69,7 +85,9 @@ class Trainer:
         log_every: int = 100,
         run_dir: str | Path | None = None,
         callbacks: Sequence[Callback] = (),
+        checkpoint: CheckpointConfig | None = None,
         config: Mapping[str, Any] | None = None,
+        model_spec: Mapping[str, Any] | None = None,
     ) -> None:
         if scheduler_interval not in SCHEDULER_INTERVALS:
             raise GlassloopError(
@@ -88,13 +106,21 @@ class Trainer:
         self.log_every = log_every
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.callbacks = list(callbacks)
+        self.checkpoint = checkpoint if checkpoint is not None else CheckpointConfig()
         self.config = dict(config) if config is not None else None
+        # How to rebuild the model from its weights file alone (glassloop.load_model).
+        self.model_spec = dict(model_spec) if model_spec is not None else None
         self.console = ConsoleSink(progress)
         self.state = TrainState()
         self.history: list[dict[str, Any]] = []
         self.last_eval: dict[str, Any] | None = None
         self.should_stop = False
         self._sinks: list[CSVSink | JSONLSink] = []
+        self._signals = StopSignals()
+        self._train_loader: Iterable[Any] = ()
+        self._environment: dict[str, Any] = {}
+        self._epoch_losses: list[torch.Tensor] = []
+        self._epoch_sizes: list[int] = []
 
     # ----------------------------------------------------------------------------- the step
     def train_step(self, inputs: Inputs, target: Any) -> torch.Tensor:
@@ -119,32 +145,53 @@ class Trainer:
         val_loader: Iterable[Any] | None = None,
         *,
         epochs: int,
+        resume: str | Path | None = None,
+        allow_config_change: bool = False,
     ) -> list[dict[str, Any]]:
-        """Train for ``epochs`` epochs; return the history, one dict per epoch.
+        """Train until ``epochs`` epochs are done; return the history, one dict per epoch.
 
-        ``train_loader`` is any iterable of batches (a ``DataLoader``, a list, a generator
-        factory re-iterated every epoch) and is iterated exactly as given.
+        ``train_loader`` is any iterable of batches (a ``DataLoader``, a list, ...) and is
+        iterated exactly as given. ``resume="auto"`` continues from the newest valid
+        checkpoint in ``run_dir`` (or starts fresh if there is none); a path resumes from that
+        checkpoint. Resume is exact when the loader has ``state_dict``/``load_state_dict``
+        (:class:`glassloop.data.ResumableLoader`); other loaders replay the epoch's first
+        batches. SIGTERM/SIGINT stop after the current step with a checkpoint and raise
+        :class:`glassloop.Preempted`.
         """
         if not isinstance(epochs, int) or epochs < 1:
             raise GlassloopError(f"train.epochs must be a positive integer, got {epochs!r}")
         self.should_stop = False
+        self._train_loader = train_loader
+        self._environment = environment()
+        if self.run_dir is not None:
+            clean_temporaries(self.run_dir)
+        if resume is not None:
+            self._resume(resume, allow_config_change)
+        elif self.run_dir is not None and list_checkpoints(self.run_dir):
+            raise CheckpointError(
+                f"checkpoint: '{self.run_dir}' already holds checkpoints; pass resume='auto' "
+                "(--resume) to continue that run, or choose another run_dir"
+            )
+        if self.state.epoch >= epochs:
+            self.console.message(
+                f"run already finished at step {self.state.step} (epoch {self.state.epoch}/"
+                f"{epochs}); nothing to do"
+            )
+            return self.history
         self._open_run_dir(val_loader is not None)
         status = "failed"
         try:
-            for callback in self.callbacks:
-                callback.on_fit_start(self)
-            while self.state.epoch < epochs and not self.should_stop:
-                row = self._run_epoch(train_loader, val_loader, epochs)
-                self.history.append(row)
-                for sink in self._sinks:
-                    sink.write(row)
-                self.console.epoch_end(row, epochs)
+            with StopSignals() as self._signals:
                 for callback in self.callbacks:
-                    callback.on_epoch_end(self, row)
-            for callback in self.callbacks:
-                callback.on_fit_end(self)
+                    callback.on_fit_start(self)
+                while self.state.epoch < epochs and not self.should_stop:
+                    row = self._run_epoch(train_loader, val_loader, epochs)
+                    self._end_epoch(row, epochs)
+                for callback in self.callbacks:
+                    callback.on_fit_end(self)
+                self.save_checkpoint(finished=True)  # always at the end
             status = "finished"
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, Preempted):
             status = "interrupted"
             raise
         finally:
@@ -160,25 +207,33 @@ class Trainer:
         start = time.perf_counter()
         self.console.epoch_start(epoch, epochs, _num_samples(train_loader))
         self.model.train()  # dropout on, batch-norm updates its running statistics
-        losses: list[torch.Tensor] = []
-        sizes: list[int] = []
-        seen = 0
+        if state.batch_in_epoch == 0:  # a fresh epoch (a resumed one keeps its sums)
+            self._epoch_losses, self._epoch_sizes = [], []
+        losses, sizes = self._epoch_losses, self._epoch_sizes
+        batches: Iterable[Any] = train_loader
+        if state.batch_in_epoch and not hasattr(train_loader, "load_state_dict"):
+            # A loader without state: replay (load and drop) the batches already trained on.
+            batches = itertools.islice(train_loader, state.batch_in_epoch, None)
+        every_n_steps = self.checkpoint.every_n_steps if self.run_dir is not None else 0
+        signals = self._signals
         batch: Any = None
-        state.batch_in_epoch = 0
         try:
-            for batch in train_loader:
+            for batch in batches:
                 inputs, target = split_batch(move_to_device(batch, self.device))
                 n = batch_size_of(target, inputs)
                 loss = self.train_step(inputs, target)
                 losses.append(loss)  # kept on the device: no host sync per step
                 sizes.append(n)
-                seen += n
                 state.step += 1
                 state.samples_seen += n
                 state.batch_in_epoch += 1
                 self.console.advance(n)
                 if (state.batch_in_epoch - 1) % self.log_every == 0:
-                    self._log_step(loss, seen)
+                    self._log_step(loss, sum(sizes))
+                if every_n_steps and state.step % every_n_steps == 0:
+                    self.save_checkpoint()
+                if signals.received is not None:
+                    self._preempt(signals.received)
         except (RuntimeError, IndexError, ValueError) as err:
             explained = self._explain(err, batch)
             if explained is err:
@@ -190,7 +245,7 @@ class Trainer:
                 "batch_size larger than the dataset with drop_last=True)"
             )
         weights = torch.tensor(sizes, dtype=torch.float64, device=self.device)
-        train_loss = float(torch.stack(losses).to(torch.float64) @ weights) / seen
+        train_loss = float(torch.stack(losses).to(torch.float64) @ weights) / sum(sizes)
         row: dict[str, Any] = {
             "kind": "epoch",
             "epoch": epoch,
@@ -209,8 +264,150 @@ class Trainer:
                 self.scheduler.step()
         state.epoch = epoch
         state.batch_in_epoch = 0
+        self._epoch_losses, self._epoch_sizes = [], []
         row["seconds"] = time.perf_counter() - start
         return row
+
+    def _end_epoch(self, row: dict[str, Any], epochs: int) -> None:
+        """Record the epoch, let callbacks see it, checkpoint per policy, track the best."""
+        self.history.append(row)
+        for sink in self._sinks:
+            sink.write(row)
+        self.console.epoch_end(row, epochs)
+        for callback in self.callbacks:
+            callback.on_epoch_end(self, row)
+        improved = self._update_best(row)
+        every = self.checkpoint.every_n_epochs
+        if every and self.state.epoch % every == 0:
+            self.save_checkpoint()
+        if improved and self.run_dir is not None:
+            save_best(self.run_dir, self.model, self.state_dict(), self._meta(finished=False))
+        if self._signals.received is not None:
+            self._preempt(self._signals.received)
+
+    def _update_best(self, row: dict[str, Any]) -> bool:
+        monitor = self.checkpoint.monitor
+        if not monitor:
+            return False
+        if monitor not in row:
+            names = sorted(k for k, v in row.items() if _is_scalar(v) and k != "epoch")
+            raise ConfigError(
+                f"config: checkpoint.monitor {monitor!r} is not a metric of this run "
+                f"(available: {', '.join(names)})"
+            )
+        value = float(row[monitor])
+        mode = self.checkpoint.mode
+        if mode == "auto":
+            mode = "max" if "accuracy" in monitor or "f1" in monitor else "min"
+        best = self.state.best_metric
+        if best is not None and not (value > best if mode == "max" else value < best):
+            return False
+        self.state.best_metric = value
+        return True
+
+    def _preempt(self, signum: int) -> None:
+        path = self.save_checkpoint() if self.run_dir is not None else None
+        raise Preempted(signum, self.state.step, str(path) if path is not None else None)
+
+    # ------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the weights that an exact resume needs (see :mod:`checkpoint`)."""
+        loader = self._train_loader
+        return {
+            "loop": self.state.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            # The current epoch's per-step losses, so its train_loss is exact after a resume.
+            "epoch_losses": torch.stack(self._epoch_losses) if self._epoch_losses else None,
+            "epoch_sizes": list(self._epoch_sizes),
+            "history": self.history,
+            "rng": capture_rng_state(),
+            "data": loader.state_dict() if hasattr(loader, "state_dict") else None,
+            "callbacks": [
+                cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.callbacks
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the global RNGs last, right before training goes on."""
+        self.state.load_state_dict(state["loop"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        losses = state["epoch_losses"]
+        self._epoch_losses = list(losses.to(self.device).unbind()) if losses is not None else []
+        self._epoch_sizes = [int(n) for n in state["epoch_sizes"]]
+        self.history = list(state["history"])
+        loader = self._train_loader
+        if state["data"] is not None and hasattr(loader, "load_state_dict"):
+            loader.load_state_dict(state["data"])
+        for callback, saved in zip(self.callbacks, state["callbacks"], strict=False):
+            if saved is not None and hasattr(callback, "load_state_dict"):
+                callback.load_state_dict(saved)
+        restore_rng_state(state["rng"])
+
+    def save_checkpoint(self, *, finished: bool = False) -> Path | None:
+        """Commit a checkpoint of the current step under ``run_dir`` (None without one)."""
+        if self.run_dir is None:
+            return None
+        path = save_checkpoint(
+            self.run_dir, self.model, self.state_dict(), self._meta(finished=finished)
+        )
+        prune(self.run_dir, self.checkpoint.keep_last)
+        return path
+
+    def _meta(self, *, finished: bool) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "step": self.state.step,
+            "epoch": self.state.epoch,
+            "batch_in_epoch": self.state.batch_in_epoch,
+            "finished": finished,
+            "metrics": self.history[-1] if self.history else None,
+            "config": self.config or self._describe(),
+            "model_spec": self.model_spec,
+            "versions": self._environment,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+
+    def _resume(self, resume: str | Path, allow_config_change: bool) -> None:
+        if str(resume) == "auto":
+            if self.run_dir is None:
+                raise GlassloopError("resume='auto' needs a run_dir to look for checkpoints in")
+            found, warnings = find_resumable(self.run_dir)
+            for warning in warnings:
+                self.console.message(f"warning: {warning}")
+            if found is None:
+                self.console.message(
+                    f"no checkpoint in '{self.run_dir / 'checkpoints'}'; starting at step 0"
+                )
+                return
+            checkpoint = found
+        else:
+            checkpoint = read_checkpoint(Path(resume))  # named explicitly: no fallback
+        saved = checkpoint.meta.get("config")
+        current = self.config or self._describe()
+        changes = config_differences(saved, current)
+        if changes and not allow_config_change:
+            raise ConfigError(
+                f"config: the run in '{checkpoint.path}' was made with a different config: "
+                f"{'; '.join(changes)}. Resuming would not continue the same run; pass "
+                "--allow-config-change (allow_config_change=True) to resume anyway"
+            )
+        load_weights(self.model, checkpoint.weights)
+        try:
+            self.load_state_dict(checkpoint.state)
+        except (KeyError, ValueError, TypeError, RuntimeError) as err:
+            raise CheckpointError(
+                f"checkpoint: '{checkpoint.path}' does not fit this trainer: "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        if self.run_dir is not None:
+            truncate_rows(self.run_dir, self.state.step)
+        self.console.message(
+            f"resumed from '{checkpoint.path}' at step {self.state.step} (epoch "
+            f"{self.state.epoch + 1}, batch {self.state.batch_in_epoch})"
+        )
 
     def _log_step(self, loss: torch.Tensor, seen_in_epoch: int) -> None:
         value = loss.item()  # a host sync, only every log_every steps
@@ -258,14 +455,15 @@ class Trainer:
         if self.run_dir is None:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(self.run_dir / "config.json", self.config or self._describe())
-        _write_json(self.run_dir / "run.json", {"status": "running", **environment()})
+        write_json(self.run_dir / "config.json", self.config or self._describe())
+        write_json(self.run_dir / "run.json", {"status": "running", **self._environment})
         fields = list(CSV_FIELDS)
         if has_val:
             fields[5:5] = ["val_loss", "val_accuracy"]
+        fresh = self.state.step == 0  # a new run replaces the metrics of one that never saved
         self._sinks = [
-            CSVSink(self.run_dir / "metrics.csv", fields),
-            JSONLSink(self.run_dir / "metrics.jsonl"),
+            CSVSink(self.run_dir / "metrics.csv", fields, fresh=fresh),
+            JSONLSink(self.run_dir / "metrics.jsonl", fresh=fresh),
         ]
 
     def _close_run_dir(self, status: str) -> None:
@@ -276,11 +474,11 @@ class Trainer:
             return
         if status == "finished":
             metadata = {"format": "glassloop-weights"}
-            if self.config is not None:
-                metadata["config"] = json.dumps(self.config)
+            if self.model_spec is not None:
+                metadata["glassloop.model"] = json.dumps(self.model_spec)
             save_weights(self.model, self.run_dir / "model.safetensors", metadata)
         info = {"status": status, "step": self.state.step, "epoch": self.state.epoch}
-        _write_json(self.run_dir / "run.json", {**info, **environment()})
+        write_json(self.run_dir / "run.json", {**info, **self._environment})
 
     def _describe(self) -> dict[str, Any]:
         """The configuration of a run built in Python, for runs without a config file."""
@@ -314,8 +512,3 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return repr(value)
-
-
-def _write_json(path: Path, data: Any) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n", encoding="utf-8")

@@ -96,8 +96,8 @@ def format_epoch_summary(row: dict[str, Any], num_epochs: int) -> str:
 class JSONLSink:
     """One JSON object per line; non-finite floats are written as null (JSON has no NaN)."""
 
-    def __init__(self, path: Path) -> None:
-        self._file = path.open("a", encoding="utf-8")
+    def __init__(self, path: Path, *, fresh: bool = True) -> None:
+        self._file = path.open("w" if fresh else "a", encoding="utf-8")
 
     def write(self, row: dict[str, Any]) -> None:
         clean = {
@@ -114,9 +114,9 @@ class JSONLSink:
 class CSVSink:
     """A CSV with a fixed header chosen at the start; a row leaves absent columns empty."""
 
-    def __init__(self, path: Path, fields: list[str]) -> None:
-        new = not path.exists() or path.stat().st_size == 0
-        self._file = path.open("a", encoding="utf-8", newline="")
+    def __init__(self, path: Path, fields: list[str], *, fresh: bool = True) -> None:
+        new = fresh or not path.exists() or path.stat().st_size == 0
+        self._file = path.open("w" if new else "a", encoding="utf-8", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=fields, extrasaction="ignore")
         if new:
             self._writer.writeheader()
@@ -128,3 +128,38 @@ class CSVSink:
 
     def close(self) -> None:
         self._file.close()
+
+
+def truncate_rows(run_dir: Path, max_step: int) -> None:
+    """Drop metric rows written after ``max_step`` (by a run that died after its last
+    checkpoint), so that a resumed run's files hold each step once."""
+    for name in ("metrics.jsonl", "metrics.csv"):
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        if name.endswith(".jsonl"):
+            kept = [line for line in lines if _jsonl_step(line) <= max_step]
+        else:
+            header, rows = lines[:1], lines[1:]
+            reader = csv.DictReader(header + rows)
+            kept = header + [
+                line for line, row in zip(rows, reader, strict=True) if _row_step(row) <= max_step
+            ]
+        tmp = path.with_name(f".{name}.tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        tmp.replace(path)
+
+
+def _jsonl_step(line: str) -> int:
+    try:
+        return _row_step(json.loads(line))
+    except ValueError:  # a line cut short by a kill: drop it
+        return 2**62
+
+
+def _row_step(row: dict[str, Any]) -> int:
+    try:
+        return int(row["step"])
+    except (KeyError, TypeError, ValueError):
+        return 0

@@ -1,7 +1,9 @@
-"""``glassloop train`` and ``glassloop eval``.
+"""``glassloop train``, ``eval`` and ``export``.
 
-Exit codes: 0 success; 1 an unexpected error (a bug: traceback printed); 2 a usage, config,
-data or model error (one line on stderr); 130 interrupted by Ctrl-C.
+Exit codes: 0 success (also: resuming a run that already finished); 1 an unexpected error
+(a bug: traceback printed); 2 a usage, config, data, model or checkpoint error (one line on
+stderr); 3 a checkpoint could not be written (disk full, quota; earlier checkpoints intact);
+128 + N stopped by signal N after saving a checkpoint (143 SIGTERM, 130 SIGINT/Ctrl-C).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 class Parser(argparse.ArgumentParser):
@@ -54,16 +56,35 @@ def make_parser() -> Parser:
     train.add_argument(
         "--run-dir",
         metavar="DIR",
-        help="where to write config, metrics and weights (default: runs/<timestamp>)",
+        help="where to write config, metrics, checkpoints and weights (default: runs/<timestamp>)",
+    )
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const="auto",
+        metavar="CHECKPOINT",
+        help="continue the run in --run-dir from its newest valid checkpoint (or from the "
+        "CHECKPOINT directory given), at the exact next batch",
+    )
+    train.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume even though the config differs from the checkpoint's in keys that "
+        "change the result (lr, batch size, shapes, ...)",
     )
 
     evaluate = commands.add_parser(
         "eval",
-        help="evaluate a run's final weights on its validation data",
-        description="Evaluate RUN_DIR/model.safetensors on the run's validation data and print "
+        help="evaluate a run's weights on its validation data",
+        description="Evaluate weights on the validation data of the run that made them and print "
         "the loss, accuracy and per-class report.",
     )
-    evaluate.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by train")
+    evaluate.add_argument(
+        "source",
+        metavar="MODEL",
+        help="a run directory (its final weights, else newest checkpoint), a checkpoint "
+        "directory, or a .safetensors file written by glassloop export",
+    )
     evaluate.add_argument(
         "--set",
         dest="overrides",
@@ -71,6 +92,19 @@ def make_parser() -> Parser:
         default=[],
         metavar="KEY=VALUE",
         help="override a key of the run's config, e.g. --set data.eval_batch_size=500",
+    )
+
+    export = commands.add_parser(
+        "export",
+        help="write a run's weights as one safetensors file that rebuilds the model",
+        description="Export weights only (no optimizer state) with the model's description in "
+        "the safetensors metadata; glassloop.load_model(FILE) rebuilds the model from it.",
+    )
+    export.add_argument(
+        "source", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory or checkpoint directory"
+    )
+    export.add_argument(
+        "--output", "-o", required=True, metavar="FILE", help="the .safetensors file to write"
     )
     return parser
 
@@ -87,12 +121,21 @@ def default_run_dir() -> Path:
 def cmd_train(args: argparse.Namespace) -> int:
     from glassloop.build import build
     from glassloop.config import load_config
+    from glassloop.errors import GlassloopError
 
     cfg = load_config(args.config, args.overrides)
+    if args.resume == "auto" and not args.run_dir:
+        raise GlassloopError("--resume needs --run-dir DIR: the run to continue")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     run = build(cfg, run_dir=run_dir)
-    history = run.trainer.fit(run.train_loader, run.val_loader, epochs=cfg.train.epochs)
-    last = history[-1]
+    history = run.trainer.fit(
+        run.train_loader,
+        run.val_loader,
+        epochs=cfg.train.epochs,
+        resume=args.resume,
+        allow_config_change=args.allow_config_change,
+    )
+    last = history[-1] if history else {}
     if "val_accuracy" in last:
         print(f"final validation accuracy: {100 * last['val_accuracy']:.2f}%")
     print(f"run directory: {run_dir}")
@@ -102,17 +145,22 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from glassloop.build import build
     from glassloop.checkpoint import load_weights
-    from glassloop.config import load_config
+    from glassloop.config import apply_override, from_dict
     from glassloop.errors import GlassloopError
+    from glassloop.export import locate_weights
     from glassloop.metrics import format_report
 
-    run_dir = Path(args.run_dir)
-    if not (run_dir / "config.json").is_file():
-        raise GlassloopError(f"eval: '{run_dir}' is not a run directory (no config.json)")
-    cfg = load_config(run_dir / "config.json", args.overrides)
-    run = build(cfg)
-    load_weights(run.trainer.model, run_dir / "model.safetensors")
+    weights, config = locate_weights(args.source)
+    if config is None:
+        raise GlassloopError(
+            f"eval: '{args.source}' does not say which data it was trained on (no config)"
+        )
+    for item in args.overrides:
+        apply_override(config, item)
+    run = build(from_dict(config))
+    load_weights(run.trainer.model, weights)
     result = run.trainer.evaluate(run.val_loader)
+    print(f"weights: {weights}")
     print(f"validation samples: {len(run.splits.y_val)}")
     print(f"loss: {result['loss']:.6f}")
     if "accuracy" in result:
@@ -122,17 +170,32 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from glassloop.export import export_model
+
+    path = export_model(args.source, args.output)
+    print(f"exported {path} ({path.stat().st_size} bytes)")
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    from glassloop.checkpoint import CheckpointWriteError
     from glassloop.errors import GlassloopError
+    from glassloop.preemption import Preempted
 
+    commands = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export}
     try:
-        if args.command == "train":
-            return cmd_train(args)
-        return cmd_eval(args)
+        return commands[args.command](args)
+    except CheckpointWriteError as err:
+        print(f"glassloop: error: {err}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
     except GlassloopError as err:
         print(f"glassloop: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except Preempted as stop:
+        print(f"glassloop: {stop}; continue with --resume", file=sys.stderr)
+        return stop.exit_code
     except KeyboardInterrupt:
         print("glassloop: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

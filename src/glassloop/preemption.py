@@ -1,0 +1,67 @@
+"""Graceful stop on SIGTERM/SIGINT: finish the optimizer step, checkpoint, exit.
+
+The first signal only sets a flag that the loop reads after each optimizer step (never in
+the middle of one). A second signal aborts at once with exit code ``128 + signal`` without
+touching the last good checkpoint (a write in progress leaves only a temporary directory,
+removed at the next start).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Preempted(Exception):
+    """Training stopped on a signal; ``checkpoint`` is where it was saved (or None)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None) -> None:
+        self.signum = signum
+        self.step = step
+        self.checkpoint = checkpoint
+        name = signal.Signals(signum).name
+        where = f"checkpoint saved to {checkpoint}" if checkpoint else "no run_dir: not saved"
+        super().__init__(f"stopped by {name} after step {step}; {where}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class StopSignals:
+    """Context manager that turns the first SIGTERM/SIGINT into ``self.received``.
+
+    Outside the main thread (where handlers cannot be installed) it does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is not None:
+            os._exit(128 + signum)  # second signal: abort now, write nothing
+        self.received = signum
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """DataLoader ``worker_init_fn``: workers ignore SIGTERM/SIGINT sent to the process group,
+    so the main process can finish its step (workers exit when the main process does)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)

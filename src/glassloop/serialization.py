@@ -1,0 +1,98 @@
+"""Pickle-free storage of nested training state: tensors to safetensors, the rest to JSON.
+
+``flatten(obj)`` walks dicts, lists, tuples, tensors, numpy arrays and scalars and returns a
+JSON-able tree in which every tensor is replaced by ``{"__tensor__": "t000001"}``, plus the
+dict of those tensors. ``unflatten`` reverses it. Anything else (a lambda, an arbitrary
+object) is refused: a checkpoint that needed pickle to load would be a security hole.
+
+Why not ``torch.save``/``torch.load``: loading a pickle runs code, ``weights_only=True`` has had
+bypasses and is switched off by ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``. JSON and safetensors
+carry data only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+MARKERS = ("__tensor__", "__tuple__", "__pairs__", "__ndarray__")
+
+
+class UnserializableError(TypeError):
+    """A value that cannot be stored without pickle."""
+
+
+def flatten(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Split ``obj`` into a JSON-able tree and a dict of named tensors.
+
+    >>> tree, tensors = flatten({"step": 3, "w": torch.ones(2), "betas": (0.9, 0.99)})
+    >>> tree
+    {'step': 3, 'w': {'__tensor__': 't000000'}, 'betas': {'__tuple__': [0.9, 0.99]}}
+    >>> back = unflatten(tree, tensors)
+    >>> back["betas"], back["w"].tolist()
+    ((0.9, 0.99), [1.0, 1.0])
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
+
+    def walk(value: Any, path: str) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, torch.Tensor):
+            key = seen.get(id(value))
+            if key is None:
+                key = f"t{len(tensors):06d}"
+                # contiguous CPU copies: safetensors stores dense row-major buffers only
+                tensors[key] = value.detach().to("cpu").contiguous()
+                seen[id(value)] = key
+            return {"__tensor__": key}
+        if isinstance(value, np.ndarray):
+            return {"__ndarray__": {"dtype": str(value.dtype), "data": value.tolist()}}
+        if isinstance(value, np.generic):
+            return value.item()
+        if isinstance(value, tuple):
+            return {"__tuple__": [walk(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [walk(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, dict):
+            plain = all(isinstance(k, str) for k in value) and not any(k in MARKERS for k in value)
+            if plain:
+                return {k: walk(v, f"{path}.{k}") for k, v in value.items()}
+            return {
+                "__pairs__": [
+                    [walk(k, f"{path}<key>"), walk(v, f"{path}[{k!r}]")] for k, v in value.items()
+                ]
+            }
+        raise UnserializableError(
+            f"cannot store {path or 'value'} of type {type(value).__name__} without pickle "
+            "(allowed: tensors, numbers, strings, lists, tuples, dicts, numpy arrays)"
+        )
+
+    return walk(obj, ""), tensors
+
+
+def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Rebuild what :func:`flatten` split; a missing tensor key raises ``KeyError``."""
+    if isinstance(tree, list):
+        return [unflatten(v, tensors) for v in tree]
+    if isinstance(tree, dict):
+        if len(tree) == 1:
+            ((marker, payload),) = tree.items()
+            if marker == "__tensor__":
+                return tensors[payload]
+            if marker == "__tuple__":
+                return tuple(unflatten(v, tensors) for v in payload)
+            if marker == "__pairs__":
+                return {_hashable(unflatten(k, tensors)): unflatten(v, tensors) for k, v in payload}
+            if marker == "__ndarray__":
+                return np.asarray(payload["data"], dtype=np.dtype(payload["dtype"]))
+        return {k: unflatten(v, tensors) for k, v in tree.items()}
+    return tree
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, list):
+        return tuple(_hashable(k) for k in key)
+    return key
