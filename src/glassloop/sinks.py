@@ -68,8 +68,8 @@ class ConsoleSink:
             print(format_epoch_summary(row, num_epochs), file=self.stream, flush=True)
 
     def message(self, text: str) -> None:
-        if self.mode != "none":
-            print(text, file=self.stream, flush=True)
+        """Resume notices and warnings: printed whatever the progress mode."""
+        print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

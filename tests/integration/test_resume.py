@@ -1,0 +1,188 @@
+"""Exact resume: kill -9 (or SIGTERM) a real `glassloop train`, resume, compare bit for bit.
+
+The model is a user model file that SIGKILLs its own process at a chosen training forward
+call, so the kill lands at an exact step, in the middle of that step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+KILLABLE = '''
+import os, signal
+from torch import nn
+from glassloop.models import mlp
+
+class KillableMLP(nn.Module):
+    """An MLP with dropout that SIGKILLs its process at training forward KILL_AT_FORWARD."""
+
+    def __init__(self, features: int = 32, classes: int = 10):
+        super().__init__()
+        self.net = mlp((features,), classes, [64], 0.2)
+        self.calls = 0
+        self.kill_at = int(os.environ.get("KILL_AT_FORWARD", "0"))
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if self.calls == self.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.net(x)
+'''
+
+# 480 training samples / batch 32 = 15 steps per epoch; 3 epochs = 45 steps. Shuffling,
+# dropout, AdamW and a per-step cosine schedule; a checkpoint every 4 steps and per epoch.
+CONFIG = """
+[model]
+target = "killable.py:KillableMLP"
+[data]
+name = "synthetic"
+num_samples = 600
+batch_size = 32
+[scheduler]
+interval = "step"
+[train]
+epochs = 3
+progress = "lines"
+log_every = 1
+[checkpoint]
+every_n_steps = 4
+keep_last = 2
+"""
+FINAL = "checkpoints/step-00000045"
+
+
+def glassloop(
+    workdir: Path, run: str, *extra: str, kill_at: int = 0
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "KILL_AT_FORWARD": str(kill_at)}
+    return subprocess.run(
+        [sys.executable, "-m", "glassloop", "train", "cfg.toml", "--run-dir", run, *extra],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("resume")
+    (path / "killable.py").write_text(KILLABLE)
+    (path / "cfg.toml").write_text(CONFIG)
+    result = glassloop(path, "reference")
+    assert result.returncode == 0, result.stderr
+    return path
+
+
+def history(run: Path) -> list[dict[str, object]]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        row.pop("seconds", None)  # wall time is the one thing that may differ
+    return rows
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    for name in ("model.safetensors", f"{FINAL}/model.safetensors", f"{FINAL}/state.safetensors"):
+        ta, tb = load_file(a / name), load_file(b / name)
+        assert ta.keys() == tb.keys(), name
+        for key in ta:  # weights, optimizer moments and steps, RNG states, epoch losses
+            assert torch.equal(ta[key], tb[key]), f"{name}:{key}"
+    state_a = json.loads((a / FINAL / "state.json").read_text())
+    state_b = json.loads((b / FINAL / "state.json").read_text())
+    for state in (state_a, state_b):
+        for row in state["history"]:
+            row.pop("seconds")
+    assert state_a == state_b  # optimizer groups, scheduler, loop state, RNG, data position
+    assert history(a) == history(b)  # every step and epoch row, once each
+
+
+@pytest.mark.parametrize(
+    ("case", "kills"),
+    [
+        ("mid-epoch", [14]),  # checkpoint at step 12, killed inside step 14
+        ("epoch-boundary", [16]),  # killed in the first step of epoch 2 (checkpoint: step 15)
+        ("twice", [7, 20]),  # killed at step 7 (resumes at 4), then 20 steps later (step 24)
+    ],
+)
+def test_sigkill_and_resume_is_bitwise_identical(
+    workdir: Path, case: str, kills: list[int]
+) -> None:
+    for kill_at in kills:
+        killed = glassloop(
+            workdir, case, *(["--resume"] if kill_at != kills[0] else []), kill_at=kill_at
+        )
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = glassloop(workdir, case, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    assert_same_run(workdir / "reference", workdir / case)
+
+
+def test_sigterm_to_the_process_group_with_workers_checkpoints_and_resumes(workdir: Path) -> None:
+    workers = ("--set", "data.num_workers=2")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "glassloop", "train", "cfg.toml", "--run-dir", "term", *workers],
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, like a job under a scheduler
+    )
+    assert proc.stdout is not None
+    lines = 0
+    for line in proc.stdout:
+        lines += line.startswith("loss:")
+        if lines == 20:  # in epoch 2, workers running
+            os.killpg(proc.pid, signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM after step" in err and "checkpoint saved to" in err
+    step = int(err.split("after step ")[1].split(";")[0])
+    assert (workdir / "term" / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file()
+    resumed = glassloop(workdir, "term", "--resume", *workers)
+    assert resumed.returncode == 0, resumed.stderr
+    # Workers do not change the data order: the result equals the num_workers=0 reference.
+    assert_same_run(workdir / "reference", workdir / "term")
+
+
+def test_resuming_a_finished_run_says_so_and_exits_0(workdir: Path) -> None:
+    result = glassloop(workdir, "reference", "--resume")
+    assert result.returncode == 0, result.stderr
+    assert "run already finished at step 45 (epoch 3/3); nothing to do" in result.stdout
+
+
+def test_changed_config_is_refused_with_the_differences(workdir: Path) -> None:
+    result = glassloop(
+        workdir, "reference", "--resume", "--set", "optim.lr=0.01", "--set", "data.batch_size=16"
+    )
+    assert result.returncode == 2
+    assert (
+        "data.batch_size: 32 -> 16" in result.stderr and "optim.lr: 0.001 -> 0.01" in result.stderr
+    )
+    assert "--allow-config-change" in result.stderr
+
+
+def test_a_run_dir_with_checkpoints_is_not_overwritten_without_resume(workdir: Path) -> None:
+    before = (workdir / "reference" / "model.safetensors").read_bytes()
+    result = glassloop(workdir, "reference")
+    assert result.returncode == 2
+    assert "already holds checkpoints; pass resume='auto' (--resume)" in result.stderr
+    assert (workdir / "reference" / "model.safetensors").read_bytes() == before
+
+
+def test_keep_last_prunes_only_our_checkpoints(workdir: Path) -> None:
+    names = sorted(p.name for p in (workdir / "reference" / "checkpoints").iterdir())
+    assert names == ["latest", "step-00000044", "step-00000045"]
