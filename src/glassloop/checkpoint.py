@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -49,6 +49,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 BEST = "best"
 TMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 FILES = ("model.safetensors", "state.safetensors", "state.json", "meta.json")
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
@@ -155,8 +156,23 @@ def weights_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_weights(model: nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:
     """Save the model's weights (unwrapped) to a safetensors file, atomically."""
     with atomic_path(Path(path)) as tmp:
-        save_file(weights_dict(model), str(tmp), metadata=metadata)
+        write_safetensors(weights_dict(model), tmp, metadata)
         tmp.chmod(0o644)  # safetensors creates 0600; weights are meant to be shared
+
+
+def write_safetensors(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None
+) -> None:
+    """``safetensors.torch.save_file``, with its I/O failures (disk full, quota) raised as the
+    ``OSError`` they are, so callers handle every write failure in one place."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as err:
+        found = re.search(r"os error (\d+)", str(err))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from err
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
@@ -325,18 +341,19 @@ def clean_temporaries(run_dir: Path) -> list[Path]:
     for root in (checkpoints_dir(run_dir), Path(run_dir)):
         if not root.is_dir():
             continue
-        for path in root.iterdir():
-            if path.name.startswith((TMP_PREFIX, ".best-tmp-")) and path.is_dir():
+        for path in sorted(root.iterdir()):
+            if not path.is_dir():
+                continue
+            if path.name.startswith(TMP_PREFIX):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
-    best = Path(run_dir) / BEST
-    olds = sorted(Path(run_dir).glob(".best-old-*")) if Path(run_dir).is_dir() else []
-    for old in olds:
-        if not best.exists():
-            os.replace(old, best)  # the swap was cut between its two renames: undo it
-        else:
-            shutil.rmtree(old, ignore_errors=True)
-        removed.append(old)
+            elif path.name.startswith(OLD_PREFIX):
+                original = root / path.name[len(OLD_PREFIX) :].rsplit("-", 1)[0]
+                if original.exists():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.replace(path, original)  # a replace was cut between its renames: undo
+                removed.append(path)
     return removed
 
 
@@ -360,8 +377,8 @@ def write_checkpoint_dir(
         metadata = {"format": "glassloop-weights"}
         if meta.get("model_spec") is not None:
             metadata["glassloop.model"] = json.dumps(meta["model_spec"])
-        save_file(weights_dict(model), str(tmp / "model.safetensors"), metadata=metadata)
-        save_file(tensors, str(tmp / "state.safetensors"))
+        write_safetensors(weights_dict(model), tmp / "model.safetensors", metadata)
+        write_safetensors(tensors, tmp / "state.safetensors", None)
         (tmp / "state.json").write_text(json.dumps(tree), encoding="utf-8")
         (tmp / "meta.json").write_text(
             json.dumps(meta, indent=1, default=_jsonable) + "\n", encoding="utf-8"
@@ -374,8 +391,8 @@ def write_checkpoint_dir(
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         fsync_file(tmp / "manifest.json")
         fsync_dir(tmp)
-        if target.exists():  # replacing (only best/): swap with two renames
-            old = target.parent / f".best-old-{os.getpid()}"
+        if target.exists():  # replacing: swap with two renames (undone at start if cut)
+            old = target.parent / f"{OLD_PREFIX}{target.name}-{os.getpid()}"
             os.replace(target, old)
             os.replace(tmp, target)
             shutil.rmtree(old, ignore_errors=True)
@@ -392,6 +409,9 @@ def save_checkpoint(
 ) -> Path:
     """Commit ``checkpoints/step-<step>/`` and move ``latest`` to it; return its path.
 
+    A checkpoint of the same step is replaced: the state after an epoch's end (evaluation,
+    scheduler step, history) differs from the state after its last batch.
+
     Refuses non-finite weights; a failed write removes its temporary directory, keeps every
     earlier checkpoint and raises :class:`CheckpointWriteError` naming the last good one.
     """
@@ -404,8 +424,6 @@ def save_checkpoint(
             f"checkpoint: the weights at step {meta['step']} are not finite (NaN/inf); not "
             f"saving them over good checkpoints. Last good checkpoint: {last_text}"
         )
-    if target.is_dir() and _ours(target):
-        return target  # this step is already committed (e.g. epoch end == end of training)
     try:
         root.mkdir(parents=True, exist_ok=True)
         write_checkpoint_dir(target, model, state, meta)

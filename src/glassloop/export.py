@@ -22,6 +22,7 @@ from glassloop.checkpoint import (
     load_weights,
     read_checkpoint,
     read_safetensors_header,
+    write_safetensors,
 )
 from glassloop.config import ModelConfig
 from glassloop.models import build_model
@@ -73,10 +74,8 @@ def export_model(source: str | Path, output: str | Path) -> Path:
         )
     tensors = load_file(str(weights))
     output = Path(output)
-    from safetensors.torch import save_file
-
     with atomic_path(output) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
+        write_safetensors(tensors, tmp, metadata)
         tmp.chmod(0o644)
     return output
 

@@ -402,6 +402,12 @@ class Trainer:
                 f"checkpoint: '{checkpoint.path}' does not fit this trainer: "
                 f"{type(err).__name__}: {err}"
             ) from err
+        if self.state.batch_in_epoch and not hasattr(self._train_loader, "load_state_dict"):
+            self.console.message(
+                f"warning: the training loader has no load_state_dict(); resuming replays the "
+                f"first {self.state.batch_in_epoch} batches of the epoch and is exact only if "
+                "it yields them in the same order (use glassloop.data.ResumableLoader)"
+            )
         if self.run_dir is not None:
             truncate_rows(self.run_dir, self.state.step)
         self.console.message(

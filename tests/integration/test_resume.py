@@ -147,7 +147,7 @@ def test_sigterm_to_the_process_group_with_workers_checkpoints_and_resumes(workd
         if lines == 20:  # in epoch 2, workers running
             os.killpg(proc.pid, signal.SIGTERM)
             break
-    out, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM after step" in err and "checkpoint saved to" in err
     step = int(err.split("after step ")[1].split(";")[0])

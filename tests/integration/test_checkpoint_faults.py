@@ -1,0 +1,116 @@
+"""Faults while saving: kill -9 in the middle of a checkpoint write, and a full disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from glassloop.checkpoint import read_checkpoint
+
+CONFIG = """
+[data]
+name = "synthetic"
+num_samples = 600
+num_features = 64
+batch_size = 32
+[model]
+hidden = [256]
+[scheduler]
+name = "none"
+[train]
+epochs = 2
+progress = "none"
+"""
+
+# Runs the CLI with fsync wrapped so that the process SIGKILLs itself when it syncs one file
+# of the step-30 checkpoint: a real kill -9, in the middle of writing a checkpoint directory.
+KILL_DURING_WRITE = """
+import os, signal, sys
+import glassloop.checkpoint as checkpoint
+from glassloop.cli.main import main
+
+real_fsync_file = checkpoint.fsync_file
+
+def fsync_file(path):
+    if path.parent.name.startswith(".tmp-step-00000030") and path.name == "state.json":
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_fsync_file(path)
+
+checkpoint.fsync_file = fsync_file
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def run(
+    cwd: Path, *args: str, env: dict[str, str] | None = None, limit: int | None = None
+) -> subprocess.CompletedProcess[str]:
+    def set_limit() -> None:
+        if limit is not None:  # a full disk, as the kernel reports it: EFBIG on write
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, **(env or {})},
+        preexec_fn=set_limit,
+    )
+
+
+def test_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path: Path) -> None:
+    (tmp_path / "cfg.toml").write_text(CONFIG)
+    (tmp_path / "kill.py").write_text(KILL_DURING_WRITE)
+    # Each checkpoint fsyncs 5 files; the 7th fsync is inside the second checkpoint.
+    killed = run(
+        tmp_path, "kill.py", "train", "cfg.toml", "--run-dir", "r", env={"KILL_AT_FSYNC": "7"}
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    root = tmp_path / "r" / "checkpoints"
+    assert (root / "latest").read_text() == "step-00000015\n"
+    assert read_checkpoint(root / "step-00000015").step == 15  # intact and verified
+    assert any(p.name.startswith(".tmp-") for p in root.iterdir())  # the cut write's leftovers
+    resumed = run(tmp_path, "-m", "glassloop", "train", "cfg.toml", "--run-dir", "r", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert not any(p.name.startswith(".tmp-") for p in root.iterdir())  # cleaned at start
+    assert (root / "latest").read_text() == "step-00000030\n"
+
+
+def test_disk_full_keeps_every_earlier_checkpoint_and_says_where(tmp_path: Path) -> None:
+    (tmp_path / "cfg.toml").write_text(CONFIG.replace("epochs = 2", "epochs = 1"))
+    first = run(tmp_path, "-m", "glassloop", "train", "cfg.toml", "--run-dir", "r")
+    assert first.returncode == 0, first.stderr
+    good = tmp_path / "r" / "checkpoints" / "step-00000015"
+    before = {p.name: p.read_bytes() for p in good.iterdir()}
+    weights = (good / "model.safetensors").stat().st_size
+    # Files may grow to half the weights file: metrics and JSON fit, a checkpoint does not.
+    full = run(
+        tmp_path,
+        "-m",
+        "glassloop",
+        "train",
+        "cfg.toml",
+        "--run-dir",
+        "r",
+        "--resume",
+        "--set",
+        "train.epochs=2",
+        limit=weights // 2,
+    )
+    assert full.returncode == 3, full.stderr
+    line = full.stderr.strip().splitlines()[-1]
+    assert "could not write" in line and "step-00000030" in line
+    assert "File too large (EFBIG)" in line
+    assert "nothing was lost, last good checkpoint: r/checkpoints/step-00000015" in line
+    root = tmp_path / "r" / "checkpoints"
+    assert not any(p.name.startswith(".tmp-") for p in root.iterdir())
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == before
+    assert read_checkpoint(good).step == 15
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["status"] == "failed"

@@ -1,0 +1,240 @@
+"""Checkpoints: atomic layout, integrity checks, no unpickling, pruning, best, export."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from glassloop import CheckpointError, Trainer, load_model, load_weights
+from glassloop.checkpoint import (
+    find_resumable,
+    list_checkpoints,
+    read_checkpoint,
+    read_safetensors_header,
+    save_checkpoint,
+)
+from glassloop.config import CheckpointConfig
+from glassloop.data import ResumableLoader
+
+
+def data(n: int = 96) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def trainer(run_dir: Path, **checkpoint: Any) -> Trainer:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    return Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        nn.CrossEntropyLoss(),
+        device="cpu",
+        progress="none",
+        run_dir=run_dir,
+        checkpoint=CheckpointConfig(**checkpoint),
+    )
+
+
+def train(run_dir: Path, epochs: int = 2, resume: str | None = None, **checkpoint: Any) -> Trainer:
+    t = trainer(run_dir, **checkpoint)
+    loader = ResumableLoader(data(), batch_size=16, seed=0)
+    t.fit(loader, DataLoader(data(48), batch_size=16), epochs=epochs, resume=resume)
+    return t
+
+
+def test_layout_manifest_and_latest(tmp_path: Path) -> None:
+    train(tmp_path, every_n_steps=4)
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").read_text() == "step-00000012\n"
+    ckpt = root / "step-00000012"
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "manifest.json", "meta.json", "model.safetensors", "state.json", "state.safetensors",
+    ]  # fmt: skip
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert set(manifest["files"]) == {
+        "model.safetensors",
+        "state.safetensors",
+        "state.json",
+        "meta.json",
+    }
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert (meta["step"], meta["epoch"], meta["finished"]) == (12, 2, True)
+    assert meta["versions"]["torch"] == torch.__version__
+    assert set(read_safetensors_header(ckpt / "model.safetensors")) >= {"0.weight", "2.bias"}
+    assert not any(p.name.startswith(".tmp-") for p in root.iterdir())
+
+
+def corrupt(path: Path, how: str) -> None:
+    raw = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(raw[: len(raw) // 2])
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "bit-flipped":
+        flipped = bytearray(raw)
+        flipped[len(raw) - 5] ^= 0x01
+        path.write_bytes(bytes(flipped))
+    elif how == "garbage":
+        path.write_bytes(b"\x00garbage" * 50)
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty", "bit-flipped", "garbage"])
+@pytest.mark.parametrize(
+    "name", ["model.safetensors", "state.safetensors", "state.json", "meta.json"]
+)
+def test_damaged_files_raise_one_checkpoint_error(tmp_path: Path, how: str, name: str) -> None:
+    train(tmp_path)
+    ckpt = tmp_path / "checkpoints" / "step-00000012"
+    corrupt(ckpt / name, how)
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint(ckpt)
+    message = str(info.value)
+    assert str(ckpt) in message and name in message
+
+
+def test_damaged_safetensors_without_manifest_fail_before_allocating(tmp_path: Path) -> None:
+    model = nn.Linear(4, 2)
+    path = tmp_path / "w.safetensors"
+    path.write_bytes((2**40).to_bytes(8, "little") + b"{}")  # claims a 1 TiB header
+    with pytest.raises(CheckpointError, match="header claims 1099511627776 bytes"):
+        load_weights(model, path)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1000000], "data_offsets": [0, 4000000]}})
+    path.write_bytes(len(header).to_bytes(8, "little") + header.encode() + b"\x00" * 16)
+    with pytest.raises(CheckpointError, match="points outside the file"):
+        read_safetensors_header(path)
+
+
+def test_resume_falls_back_to_the_previous_valid_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train(tmp_path, epochs=1, every_n_steps=3)  # checkpoints at steps 3 and 6 (keep_last 3)
+    corrupt(tmp_path / "checkpoints" / "step-00000006" / "model.safetensors", "bit-flipped")
+    found, warnings = find_resumable(tmp_path)
+    assert found is not None and found.step == 3
+    assert "step-00000006" in warnings[0] and "SHA-256" in warnings[0]
+    t = train(tmp_path, epochs=1, resume="auto", every_n_steps=3)
+    assert "warning: checkpoint:" in capsys.readouterr().out
+    assert t.state.step == 6
+
+
+def test_an_explicitly_named_bad_checkpoint_fails(tmp_path: Path) -> None:
+    train(tmp_path, epochs=1)
+    ckpt = tmp_path / "checkpoints" / "step-00000006"
+    corrupt(ckpt / "state.json", "truncated")
+    with pytest.raises(CheckpointError, match=r"state\.json"):
+        train(tmp_path, epochs=2, resume=str(ckpt))
+
+
+class Payload:
+    """Unpickling this creates a marker file: proof that code ran."""
+
+    marker = ""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (Path(self.marker),))
+
+
+@pytest.mark.parametrize("force_unsafe", [False, True])
+@pytest.mark.parametrize(
+    "name", ["model.safetensors", "state.safetensors", "state.json", "meta.json"]
+)
+def test_pickle_payload_is_refused_and_never_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, force_unsafe: bool
+) -> None:
+    if force_unsafe:
+        monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    train(tmp_path, epochs=1)
+    ckpt = tmp_path / "checkpoints" / "step-00000006"
+    marker = tmp_path / "pwned"
+    payload = Payload()
+    payload.marker = str(marker)
+    torch.save({"x": payload}, ckpt / name)  # a torch.save file is a pickle
+    with pytest.raises(CheckpointError):
+        train(tmp_path, epochs=2, resume=str(ckpt))
+    # Also with a manifest that vouches for the payload: the formats still refuse it.
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    from glassloop.checkpoint import sha256_of
+
+    manifest["files"][name] = {
+        "size": (ckpt / name).stat().st_size,
+        "sha256": sha256_of(ckpt / name),
+    }
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError):
+        read_checkpoint(ckpt)
+    with pytest.raises(CheckpointError):
+        load_weights(nn.Linear(6, 3), ckpt / name) if name.endswith(
+            ".safetensors"
+        ) else read_checkpoint(ckpt)
+    weights = tmp_path / "model.pt"
+    with weights.open("wb") as f:
+        pickle.dump(payload, f)
+    with pytest.raises(CheckpointError, match="never unpickles"):
+        load_weights(nn.Linear(6, 3), weights)
+    assert not marker.exists()
+
+
+def test_loading_into_a_different_model_lists_every_mismatch(tmp_path: Path) -> None:
+    train(tmp_path, epochs=1)
+    weights = tmp_path / "model.safetensors"
+    other = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4), nn.Linear(4, 4)).double()
+    with pytest.raises(CheckpointError) as info:
+        load_weights(other, weights)
+    message = str(info.value)
+    assert "missing keys ['3.bias', '3.weight']" in message
+    assert "'2.weight' has shape [3, 8], the model expects [4, 8]" in message
+    assert "'0.weight' is F32, the model expects F64" in message
+
+
+def test_non_finite_weights_are_never_committed(tmp_path: Path) -> None:
+    t = train(tmp_path, epochs=1)
+    with torch.no_grad():
+        t.model[0].weight[0, 0] = float("nan")
+    t.state.step = 99
+    with pytest.raises(
+        CheckpointError, match=r"not finite .*Last good checkpoint: .*step-00000006"
+    ):
+        save_checkpoint(tmp_path, t.model, t.state_dict(), {"step": 99})
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000006"]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000006\n"
+
+
+def test_pruning_keeps_foreign_directories(tmp_path: Path) -> None:
+    foreign = tmp_path / "checkpoints" / "step-00000001"
+    foreign.mkdir(parents=True)
+    (foreign / "notes.txt").write_text("mine")
+    (tmp_path / "checkpoints" / "my-stuff").mkdir()
+    train(tmp_path, epochs=3, keep_last=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000018"]
+    assert (foreign / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "checkpoints" / "my-stuff").is_dir()
+
+
+def test_best_checkpoint_follows_the_monitored_metric(tmp_path: Path) -> None:
+    t = train(tmp_path, epochs=4, monitor="val_loss", keep_last=1)
+    best = read_checkpoint(tmp_path / "best")
+    losses = [row["val_loss"] for row in t.history]
+    assert best.meta["metrics"]["val_loss"] == min(losses)
+    assert best.meta["epoch"] == losses.index(min(losses)) + 1
+    assert t.state.best_metric == min(losses)
+
+
+def test_load_model_rebuilds_from_metadata_only(tmp_path: Path) -> None:
+    from glassloop import build, load_config
+
+    cfg = load_config(
+        None, ["data.name=synthetic", "model.hidden=[16]", "train.epochs=1", "train.progress=none"]
+    )
+    run = build(cfg, run_dir=tmp_path)
+    run.trainer.fit(run.train_loader, run.val_loader, epochs=1)
+    model = load_model(tmp_path / "model.safetensors")
+    x = run.splits.x_val[:5]
+    assert torch.equal(run.trainer.predict(x), torch.softmax(model(x), dim=1).detach())
