@@ -192,3 +192,36 @@ def test_a_run_config_reruns_the_run(
     first["train"]["progress"] = again["train"]["progress"] = ""
     first["scheduler"]["T_max"] = again["scheduler"]["T_max"] = 0
     assert first == again
+
+
+def test_export_then_eval_and_load_model(
+    trained_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
+    run_dir, train = trained_run
+    out = tmp_path / "exported.safetensors"
+    result = glassloop("export", str(run_dir), "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    from safetensors import safe_open
+
+    with safe_open(str(out), "pt") as handle:
+        metadata = handle.metadata()
+        assert not any(key.startswith(("module.", "_orig_mod.")) for key in handle.keys())  # noqa: SIM118
+    assert json.loads(metadata["glassloop.model"])["input_shape"] == [1, 28, 28]
+    trained = train.stdout.split("final validation accuracy: ")[1].split("%")[0]
+    for source in (out, run_dir / "checkpoints" / "step-00000126"):
+        evaluated = glassloop("eval", str(source))
+        assert evaluated.returncode == 0, evaluated.stderr
+        assert f"accuracy: {trained}%" in evaluated.stdout
+
+    import glassloop as gl
+
+    model = gl.load_model(out)
+    assert not model.training
+    assert sum(p.numel() for p in model.parameters()) == 669_706
+
+
+def test_eval_refuses_a_pickle_file(tmp_path: Path) -> None:
+    import torch
+
+    torch.save({"w": torch.zeros(2)}, tmp_path / "model.pt")
+    assert_user_error(glassloop("eval", str(tmp_path / "model.pt")), "not a valid safetensors file")
