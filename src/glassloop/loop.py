@@ -47,7 +47,8 @@ class Trainer:
 
     What ``fit`` does, in order (the code below reads the same way)::
 
-        for epoch in range(epochs):
+        restore the checkpoint if resuming           # weights, optimizer, RNG, data position
+        for epoch in range(state.epoch, epochs):
             model.train()
             for batch in train_loader:              # iterated exactly as given
                 x, y = batch moved to device
@@ -56,9 +57,12 @@ class Trainer:
                 optimizer.step()                    # update
                 optimizer.zero_grad()
                 scheduler.step() if interval == "step"
+                checkpoint every n steps; on SIGTERM/SIGINT: checkpoint and stop
             val = evaluate(val_loader)              # eval mode, no grad, mean over samples
             scheduler.step() if interval == "epoch"
             history.append({train_loss, val_loss, val_accuracy, lr, seconds})
+            checkpoint every n epochs; RUN_DIR/best/ when checkpoint.monitor improved
+        checkpoint; RUN_DIR/model.safetensors
 
     Example::
 

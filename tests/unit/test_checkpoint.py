@@ -238,3 +238,36 @@ def test_load_model_rebuilds_from_metadata_only(tmp_path: Path) -> None:
     model = load_model(tmp_path / "model.safetensors")
     x = run.splits.x_val[:5]
     assert torch.equal(run.trainer.predict(x), torch.softmax(model(x), dim=1).detach())
+
+
+def test_saved_keys_carry_no_wrapper_prefixes(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 2))
+    wrapped = nn.DataParallel(model)  # on CPU it just wraps: state_dict keys gain "module."
+    assert next(iter(wrapped.state_dict())).startswith("module.")
+    from glassloop import save_weights
+
+    save_weights(wrapped, tmp_path / "w.safetensors")
+    assert set(read_safetensors_header(tmp_path / "w.safetensors")) - {"__metadata__"} == {
+        "0.weight",
+        "0.bias",
+    }
+    load_weights(nn.Sequential(nn.Linear(4, 2)), tmp_path / "w.safetensors")
+
+
+def test_a_second_signal_aborts_at_once(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, pathlib\n"
+        "from glassloop.preemption import StopSignals\n"
+        "with StopSignals() as s:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    assert s.received == signal.SIGTERM\n"  # the first one only sets a flag
+        "    pathlib.Path('first').touch()\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    pathlib.Path('second').touch()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, timeout=60, check=False)
+    assert result.returncode == 143
+    assert (tmp_path / "first").exists() and not (tmp_path / "second").exists()
