@@ -166,7 +166,9 @@ class Trainer:
             raise GlassloopError(f"train.epochs must be a positive integer, got {epochs!r}")
         self.should_stop = False
         self._train_loader = train_loader
-        self._environment = environment()
+        # Versions and git SHA for run.json and checkpoint metadata (a git subprocess: only
+        # worth it when something is written).
+        self._environment = environment() if self.run_dir is not None else {}
         if self.run_dir is not None:
             clean_temporaries(self.run_dir)
         if resume is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import platform
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 
+@functools.lru_cache(maxsize=8)
 def git_sha(cwd: Path | None = None) -> str | None:
     """The commit of the git repository around ``cwd`` (``None`` outside a repository)."""
     try:
