@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from glassloop.callbacks import Callback, EarlyStopping
 from glassloop.config import Config, optimizer_class, scheduler_class, to_dict
 from glassloop.data import Splits, load_splits, make_loaders
 from glassloop.data.loaders import ResumableLoader
@@ -26,6 +27,7 @@ from glassloop.errors import ConfigError
 from glassloop.loop import Trainer
 from glassloop.models import build_model
 from glassloop.rng import seed_everything
+from glassloop.schedules import warmup_cosine
 
 
 @dataclass
@@ -39,12 +41,27 @@ class Run:
     trainer: Trainer
 
 
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two groups: weights of dimension >= 2 with ``weight_decay``; biases and normalisation
+    weights (1-D) without, since decaying them only hurts."""
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
 def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     cls: Any = optimizer_class(cfg.optim.name)  # a concrete subclass: it takes lr
+    params: Any = model.parameters()
+    if cfg.optim.no_decay_bias_norm:
+        params = parameter_groups(model, float(cfg.optim.kwargs.get("weight_decay", 0.0)))
     try:
-        optimizer: torch.optim.Optimizer = cls(
-            model.parameters(), lr=cfg.optim.lr, **cfg.optim.kwargs
-        )
+        optimizer: torch.optim.Optimizer = cls(params, lr=cfg.optim.lr, **cfg.optim.kwargs)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"config: optim: {cls.__name__} rejected its arguments: {err}") from err
     return optimizer
@@ -55,6 +72,9 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epo
     if name.lower() == "none":
         return None
     kwargs = dict(cfg.scheduler.kwargs)
+    if name == "warmup_cosine":
+        total = cfg.train.epochs * steps_per_epoch
+        return warmup_cosine(optimizer, total_steps=total, **kwargs)
     if name == "CosineAnnealingLR" and "T_max" not in kwargs:
         # Span the whole run: epochs, or optimizer steps when stepped per step.
         per = steps_per_epoch if cfg.scheduler.interval == "step" else 1
@@ -94,17 +114,39 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
         pin_memory=device.type == "cuda",
     )
     optimizer = build_optimizer(cfg, model)
-    scheduler = build_scheduler(cfg, optimizer, len(train_loader))
+    # Optimizer steps per epoch: one per window of grad_accum_steps batches (the last may be
+    # shorter).
+    steps_per_epoch = -(-len(train_loader) // cfg.train.grad_accum_steps)
+    scheduler = build_scheduler(cfg, optimizer, steps_per_epoch)
+    callbacks: list[Callback] = []
+    stop = cfg.early_stopping
+    if stop.monitor:
+        callbacks.append(
+            EarlyStopping(
+                stop.monitor, patience=stop.patience, min_delta=stop.min_delta, mode=stop.mode
+            )
+        )
+    t = cfg.train
     trainer = Trainer(
         model,
         optimizer,
-        nn.CrossEntropyLoss(),
+        nn.CrossEntropyLoss(ignore_index=cfg.train.ignore_index),
         scheduler=scheduler,
         scheduler_interval=cfg.scheduler.interval,
         device=device,
         progress=cfg.train.progress,
         log_every=cfg.train.log_every,
         run_dir=run_dir,
+        callbacks=callbacks,
+        precision=t.precision,
+        grad_accum_steps=t.grad_accum_steps,
+        loss_weighting=t.loss_weighting,
+        ignore_index=t.ignore_index,
+        clip_grad_norm=t.clip_grad_norm or None,
+        clip_grad_value=t.clip_grad_value or None,
+        nonfinite=t.nonfinite,
+        max_nonfinite_skips=t.max_nonfinite_skips,
+        ema_decay=t.ema_decay or None,
         checkpoint=cfg.checkpoint,
         config=to_dict(cfg),
         model_spec=model_spec(cfg, splits),

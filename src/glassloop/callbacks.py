@@ -30,3 +30,68 @@ class Callback:
 
     def on_fit_end(self, trainer: Trainer) -> None:
         """Called once after the last epoch, also when a callback stopped the run early."""
+
+
+class EarlyStopping(Callback):
+    """Stop when ``monitor`` has not improved by more than ``min_delta`` for ``patience``
+    epochs. ``mode="auto"`` maximises metrics named like accuracy/F1 and minimises the rest.
+    Its state is saved in checkpoints, so a resumed run counts patience where it left off.
+
+    >>> stop = EarlyStopping("val_loss", patience=2)
+    >>> stop.state_dict()
+    {'best': None, 'bad_epochs': 0, 'stopped_epoch': None}
+    """
+
+    def __init__(
+        self, monitor: str, *, patience: int = 3, min_delta: float = 0.0, mode: str = "auto"
+    ) -> None:
+        if mode == "auto":
+            mode = "max" if "accuracy" in monitor or "f1" in monitor else "min"
+        if mode not in ("min", "max"):
+            raise ValueError(f"early stopping mode must be 'min', 'max' or 'auto', got {mode!r}")
+        self.monitor = monitor
+        self.patience = patience
+        self.min_delta = min_delta
+        self.mode = mode
+        self.best: float | None = None
+        self.bad_epochs = 0
+        self.stopped_epoch: int | None = None
+
+    def on_epoch_end(self, trainer: Trainer, row: dict[str, Any]) -> None:
+        if self.monitor not in row:
+            from glassloop.errors import ConfigError
+
+            raise ConfigError(
+                f"config: early_stopping.monitor {self.monitor!r} is not a metric of this run "
+                f"(available: {', '.join(sorted(k for k in row if k != 'kind'))})"
+            )
+        value = float(row[self.monitor])
+        improved = self.best is None or (
+            value > self.best + self.min_delta
+            if self.mode == "max"
+            else value < self.best - self.min_delta
+        )
+        if improved:
+            self.best = value
+            self.bad_epochs = 0
+            return
+        self.bad_epochs += 1
+        if self.bad_epochs >= self.patience:
+            self.stopped_epoch = int(row["epoch"])
+            trainer.should_stop = True
+            trainer.console.message(
+                f"early stopping: {self.monitor} has not improved for {self.patience} epochs "
+                f"(best {self.best:.6g})"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "best": self.best,
+            "bad_epochs": self.bad_epochs,
+            "stopped_epoch": self.stopped_epoch,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = state["best"]
+        self.bad_epochs = int(state["bad_epochs"])
+        self.stopped_epoch = state["stopped_epoch"]

@@ -7,8 +7,11 @@ Sections and keys (every key has a default; see the README's config reference)::
                  val_fraction, num_samples, num_features, num_classes, seed
     [optim]      name, lr, and any keyword argument of that torch.optim class
     [scheduler]  name, interval, and any keyword argument of that lr_scheduler class
-    [train]      epochs, seed, device, log_every, progress
+    [train]      epochs, seed, device, log_every, progress, precision, grad_accum_steps,
+                 loss_weighting, ignore_index, clip_grad_norm, clip_grad_value, nonfinite,
+                 max_nonfinite_skips, ema_decay
     [checkpoint] every_n_steps, every_n_epochs, keep_last, monitor, mode
+    [early_stopping] monitor, patience, min_delta, mode
 
 ``--set section.key=value`` overrides any key; the value is read as TOML (``3e-4``,
 ``true``, ``[256, 128]``) and falls back to a plain string (``--set data.name=digits``).
@@ -91,13 +94,16 @@ class OptimConfig:
 
     name: str = "AdamW"
     lr: float = 1e-3
+    no_decay_bias_norm: bool = False  # biases and norm weights (1-D params) get weight_decay 0
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class SchedulerConfig:
     """Any ``torch.optim.lr_scheduler`` class by name (``"none"`` for none); other keys are
-    its keyword arguments. ``CosineAnnealingLR`` without ``T_max`` spans the whole run."""
+    its keyword arguments. ``CosineAnnealingLR`` without ``T_max`` spans the whole run.
+    ``"warmup_cosine"`` (built in, per optimizer step): linear warmup over ``warmup_steps``,
+    then cosine down to ``min_lr_ratio`` x lr at the end of the run."""
 
     name: str = "CosineAnnealingLR"
     interval: str = "epoch"
@@ -123,6 +129,25 @@ class TrainConfig:
     device: str = "auto"
     log_every: int = 100
     progress: str = "auto"
+    precision: str = "32"  # "32", "bf16" (autocast) or "fp16" (autocast + GradScaler)
+    grad_accum_steps: int = 1
+    loss_weighting: str = "samples"  # or "tokens": weight micro-batches by non-ignored labels
+    ignore_index: int = -100  # the label that "tokens" weighting does not count
+    clip_grad_norm: float = 0.0  # 0: off
+    clip_grad_value: float = 0.0  # 0: off
+    nonfinite: str = "raise"  # or "skip": drop a step whose loss is NaN/inf
+    max_nonfinite_skips: int = 10  # "skip": stop after this many in a row
+    ema_decay: float = 0.0  # 0: off; e.g. 0.999: evaluate and export an EMA of the weights
+
+
+@dataclass
+class EarlyStoppingConfig:
+    """Stop when ``monitor`` has not improved by ``min_delta`` for ``patience`` epochs."""
+
+    monitor: str = ""  # "": off; "val_loss", "val_accuracy" or "train_loss"
+    patience: int = 3
+    min_delta: float = 0.0
+    mode: str = "auto"  # "min", "max"; auto: max for accuracy, else min
 
 
 @dataclass
@@ -133,6 +158,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -142,6 +168,7 @@ SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
+    "early_stopping": EarlyStoppingConfig,
 }
 # Optimizer arguments that choose a kernel, not the mathematics; not recorded as defaults.
 IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
@@ -153,8 +180,16 @@ CHOICES = {
     ("data", "name"): ("mnist-5k", "digits", "synthetic", "npz"),
     ("checkpoint", "mode"): ("auto", "min", "max"),
     ("checkpoint", "monitor"): ("", "train_loss", "val_loss", "val_accuracy"),
+    ("early_stopping", "monitor"): ("", "train_loss", "val_loss", "val_accuracy"),
+    ("early_stopping", "mode"): ("auto", "min", "max"),
+    ("train", "precision"): ("32", "bf16", "fp16"),
+    ("train", "loss_weighting"): ("samples", "tokens"),
+    ("train", "nonfinite"): ("raise", "skip"),
 }
 POSITIVE = {
+    ("train", "grad_accum_steps"),
+    ("train", "max_nonfinite_skips"),
+    ("early_stopping", "patience"),
     ("data", "batch_size"),
     ("train", "epochs"),
     ("train", "log_every"),
@@ -302,6 +337,19 @@ def from_dict(raw: dict[str, Any]) -> Config:
     for key in ("every_n_steps", "every_n_epochs", "keep_last"):
         if getattr(cfg.checkpoint, key) < 0:
             raise ConfigError(f"config: checkpoint.{key} must be >= 0")
+    if not 0.0 <= cfg.train.ema_decay < 1.0:
+        raise ConfigError(f"config: train.ema_decay must be in [0, 1), got {cfg.train.ema_decay}")
+    for key in ("clip_grad_norm", "clip_grad_value"):
+        if getattr(cfg.train, key) < 0:
+            raise ConfigError(f"config: train.{key} must be >= 0 (0: off)")
+    if cfg.scheduler.name == "warmup_cosine":
+        if "interval" not in raw.get("scheduler", {}):
+            cfg.scheduler.interval = "step"  # it is defined in optimizer steps
+        elif cfg.scheduler.interval != "step":
+            raise ConfigError(
+                "config: scheduler 'warmup_cosine' is defined in optimizer steps: set "
+                "scheduler.interval = 'step'"
+            )
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise ConfigError(f"config: model.dropout must be in [0, 1), got {cfg.model.dropout}")
     return cfg
@@ -417,7 +465,19 @@ def optimizer_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**defaults, **checked}
 
 
+WARMUP_COSINE_KEYS = {"warmup_steps": int, "min_lr_ratio": float}
+
+
 def scheduler_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    if name == "warmup_cosine":
+        out = {"warmup_steps": 0, "min_lr_ratio": 0.0}
+        for key, value in kwargs.items():
+            if key not in WARMUP_COSINE_KEYS:
+                raise unknown_key(
+                    "scheduler", key, [*WARMUP_COSINE_KEYS, "name", "interval"], "warmup_cosine"
+                )
+            out[key] = check_type(f"scheduler.{key}", value, WARMUP_COSINE_KEYS[key])
+        return out
     if name.lower() == "none":
         if kwargs:
             raise ConfigError(

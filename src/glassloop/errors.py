@@ -22,3 +22,7 @@ class DataError(GlassloopError):
 
 class ModelError(GlassloopError):
     """A model that cannot be built or that rejects the data it is given."""
+
+
+class NonFiniteError(GlassloopError):
+    """Training produced a NaN/inf loss (``train.nonfinite = "raise"``, or too many skips)."""

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from glassloop.batch import Inputs, batch_size_of, describe, split_batch
 from glassloop.callbacks import Callback
@@ -30,8 +31,9 @@ from glassloop.checkpoint import (
 )
 from glassloop.config import CheckpointConfig, config_differences
 from glassloop.device import move_to_device, resolve_device
-from glassloop.errors import ConfigError, DataError, GlassloopError, ModelError
+from glassloop.errors import ConfigError, DataError, GlassloopError, ModelError, NonFiniteError
 from glassloop.evaluate import LossFn, evaluate, predict
+from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import Preempted, StopSignals
 from glassloop.provenance import environment
 from glassloop.rng import capture_rng_state, restore_rng_state, seed_everything
@@ -39,7 +41,10 @@ from glassloop.sinks import ConsoleSink, CSVSink, JSONLSink, truncate_rows
 from glassloop.state import TrainState
 
 SCHEDULER_INTERVALS = ("epoch", "step")
-CSV_FIELDS = ["kind", "epoch", "step", "samples", "train_loss", "loss", "lr", "seconds"]
+CSV_FIELDS = [
+    "kind", "epoch", "step", "samples", "train_loss", "loss", "lr", "grad_norm", "samples_per_s",
+    "seconds",
+]  # fmt: skip
 
 
 class Trainer:
@@ -89,6 +94,15 @@ class Trainer:
         log_every: int = 100,
         run_dir: str | Path | None = None,
         callbacks: Sequence[Callback] = (),
+        precision: str = "32",
+        grad_accum_steps: int = 1,
+        loss_weighting: str = "samples",
+        ignore_index: int = -100,
+        clip_grad_norm: float | None = None,
+        clip_grad_value: float | None = None,
+        nonfinite: str = "raise",
+        max_nonfinite_skips: int = 10,
+        ema_decay: float | None = None,
         checkpoint: CheckpointConfig | None = None,
         config: Mapping[str, Any] | None = None,
         model_spec: Mapping[str, Any] | None = None,
@@ -99,10 +113,38 @@ class Trainer:
             )
         if log_every < 1:
             raise GlassloopError(f"train.log_every must be >= 1, got {log_every}")
+        if grad_accum_steps < 1:
+            raise GlassloopError(f"train.grad_accum_steps must be >= 1, got {grad_accum_steps}")
+        if loss_weighting not in ("samples", "tokens"):
+            raise GlassloopError(
+                f"train.loss_weighting must be 'samples' or 'tokens', got {loss_weighting!r}"
+            )
+        if nonfinite not in ("raise", "skip"):
+            raise GlassloopError(f"train.nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
+        if ema_decay is not None and not 0.0 < ema_decay < 1.0:
+            raise GlassloopError(f"train.ema_decay must be in (0, 1), got {ema_decay}")
         if seed is not None:
             seed_everything(seed)
         self.device = resolve_device(device)
+        check_precision(precision, self.device)
         self.model = model.to(self.device)
+        self.precision = precision
+        self.scaler = make_scaler(precision, self.device)
+        self.grad_accum_steps = grad_accum_steps
+        self.loss_weighting = loss_weighting
+        self.ignore_index = ignore_index
+        self.clip_grad_norm = clip_grad_norm or None
+        self.clip_grad_value = clip_grad_value or None
+        self.nonfinite = nonfinite
+        self.max_nonfinite_skips = max_nonfinite_skips
+        # An exponential moving average of the weights (torch's AveragedModel): evaluated
+        # and exported instead of the raw weights when enabled.
+        self.ema: AveragedModel | None = None
+        if ema_decay:
+            average = get_ema_multi_avg_fn(ema_decay)  # type: ignore[no-untyped-call]
+            self.ema = AveragedModel(self.model, multi_avg_fn=average, use_buffers=True)
+        self.last_grad_norm: torch.Tensor | None = None
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.scheduler = scheduler
@@ -125,22 +167,104 @@ class Trainer:
         self._environment: dict[str, Any] = {}
         self._epoch_losses: list[torch.Tensor] = []
         self._epoch_sizes: list[int] = []
+        self._last_log = (time.perf_counter(), 0)
 
     # ----------------------------------------------------------------------------- the step
-    def train_step(self, inputs: Inputs, target: Any) -> torch.Tensor:
-        """One optimizer step on one batch; returns the detached loss.
+    def train_step(self, window: Sequence[tuple[Inputs, Any]]) -> torch.Tensor | None:
+        """One optimizer step over a window of micro-batches; returns the window's detached
+        loss, or ``None`` when the step was skipped (non-finite loss with
+        ``nonfinite="skip"``, or an fp16 overflow).
 
-        Override it to change what a step does (Keras-style); ``fit`` stays the same.
+        ``window`` holds ``grad_accum_steps`` ``(inputs, target)`` pairs (fewer at the end of an
+        epoch). Override this method to change what a step does; ``fit`` stays the same.
         """
-        args, kwargs = inputs
-        output = self.model(*args, **kwargs)  # forward
-        loss = self.loss_fn(output, target)
-        loss.backward()  # type: ignore[no-untyped-call]  # gradients accumulate into .grad
-        self.optimizer.step()  # exactly torch's step: nothing wrapped, nothing skipped
+        weights = self._loss_weights(window)
+        window_loss: torch.Tensor | None = None
+        for ((args, kwargs), target), weight in zip(window, weights, strict=True):
+            with autocast(self.precision, self.device):
+                output = self.model(*args, **kwargs)  # forward
+                loss = self.loss_fn(output, target)
+            if weight is not None:
+                # This micro-batch's share of the window (its samples or tokens over the
+                # window's), so the summed gradients equal those of one big batch, also for the
+                # last, shorter window of an epoch.
+                loss = loss * weight
+            detached = loss.detach()
+            window_loss = detached if window_loss is None else window_loss + detached
+            if self.scaler is not None:
+                loss = self.scaler.scale(loss)  # fp16: keep small gradients representable
+            loss.backward()  # type: ignore[no-untyped-call]  # gradients add up in .grad
+        assert window_loss is not None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # true gradients for clipping and the norm
+        params = self._params
+        if self.clip_grad_value:
+            torch.nn.utils.clip_grad_value_(params, self.clip_grad_value)
+        if self.clip_grad_norm:
+            # Returns the norm before clipping: what is logged as grad_norm.
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+        if not torch.isfinite(window_loss):  # a host sync; the price of never training on NaN
+            self._nonfinite(window_loss)
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        self.state.consecutive_nonfinite = 0
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # optimizer.step(), unless fp16 grads overflowed
+            self.scaler.update()
+            stepped = self.scaler.get_scale() >= scale  # the scale drops only on a skipped step
+        else:
+            self.optimizer.step()  # exactly torch's step: nothing wrapped, nothing skipped
+            stepped = True
         self.optimizer.zero_grad(set_to_none=True)  # None frees memory; next backward writes
+        if not stepped:
+            self.state.skipped_steps += 1
+            return None
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
         if self.scheduler is not None and self.scheduler_interval == "step":
-            self.scheduler.step()  # once per optimizer step
-        return loss.detach()
+            self.scheduler.step()  # once per optimizer step, never for a skipped one
+        return window_loss
+
+    def _loss_weights(self, window: Sequence[tuple[Inputs, Any]]) -> list[float | None]:
+        """Each micro-batch's weight in its window: ``None`` for a window of one (the loss is
+        used as is), else its samples (or non-ignored tokens) over the window's."""
+        if len(window) == 1:
+            return [None]
+        if self.loss_weighting == "tokens":
+            counts = [int((target != self.ignore_index).sum()) for _, target in window]
+        else:
+            counts = [batch_size_of(target, inputs) for inputs, target in window]
+        total = sum(counts)
+        return [count / total if total else 0.0 for count in counts]
+
+    def _nonfinite(self, loss: torch.Tensor) -> None:
+        """Apply ``nonfinite``: raise with where it happened, or count a skipped step."""
+        state = self.state
+        where = f"step {state.step + 1} (epoch {state.epoch + 1}, batch {state.batch_in_epoch})"
+        bad = next(
+            (
+                name
+                for name, p in self.model.named_parameters()
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+            ),
+            None,
+        )
+        culprit = f"; first non-finite gradient: '{bad}'" if bad else ""
+        if self.nonfinite == "raise":
+            raise NonFiniteError(
+                f"train: loss is {loss.item()} at {where}{culprit}. Lower the learning rate, "
+                "clip gradients (train.clip_grad_norm), check the data for NaN/inf, or set "
+                "train.nonfinite = 'skip'"
+            )
+        state.skipped_steps += 1
+        state.consecutive_nonfinite += 1
+        if state.consecutive_nonfinite >= self.max_nonfinite_skips:
+            raise NonFiniteError(
+                f"train: {state.consecutive_nonfinite} non-finite steps in a row, the last at "
+                f"{where}{culprit}; stopping (train.max_nonfinite_skips = "
+                f"{self.max_nonfinite_skips})"
+            )
 
     # ------------------------------------------------------------------------------ the loop
     def fit(
@@ -221,37 +345,30 @@ class Trainer:
             # A loader without state: replay (load and drop) the batches already trained on.
             batches = itertools.islice(train_loader, state.batch_in_epoch, None)
         every_n_steps = self.checkpoint.every_n_steps if self.run_dir is not None else 0
-        signals = self._signals
         batch: Any = None
+        window: list[tuple[Inputs, Any]] = []
         try:
             for batch in batches:
-                inputs, target = split_batch(move_to_device(batch, self.device))
-                n = batch_size_of(target, inputs)
-                loss = self.train_step(inputs, target)
-                losses.append(loss)  # kept on the device: no host sync per step
-                sizes.append(n)
-                state.step += 1
-                state.samples_seen += n
-                state.batch_in_epoch += 1
-                self.console.advance(n)
-                if (state.batch_in_epoch - 1) % self.log_every == 0:
-                    self._log_step(loss, sum(sizes))
-                if every_n_steps and state.step % every_n_steps == 0:
-                    self.save_checkpoint()
-                if signals.received is not None:
-                    self._preempt(signals.received)
+                window.append(split_batch(move_to_device(batch, self.device)))
+                if len(window) == self.grad_accum_steps:
+                    self._step_window(window, losses, sizes, every_n_steps)
+                    window = []
+            if window:  # the epoch's last, partial accumulation window
+                self._step_window(window, losses, sizes, every_n_steps)
         except (RuntimeError, IndexError, ValueError) as err:
             explained = self._explain(err, batch)
             if explained is err:
                 raise
             raise explained from err
-        if not losses:
+        if state.batch_in_epoch == 0:
             raise DataError(
                 "data: the training loader yielded no batches (an empty dataset, or "
                 "batch_size larger than the dataset with drop_last=True)"
             )
-        weights = torch.tensor(sizes, dtype=torch.float64, device=self.device)
-        train_loss = float(torch.stack(losses).to(torch.float64) @ weights) / sum(sizes)
+        train_loss = float("nan")  # every step of the epoch was skipped
+        if losses:
+            weights = torch.tensor(sizes, dtype=torch.float64, device=self.device)
+            train_loss = float(torch.stack(losses).to(torch.float64) @ weights) / sum(sizes)
         row: dict[str, Any] = {
             "kind": "epoch",
             "epoch": epoch,
@@ -273,6 +390,32 @@ class Trainer:
         self._epoch_losses, self._epoch_sizes = [], []
         row["seconds"] = time.perf_counter() - start
         return row
+
+    def _step_window(
+        self,
+        window: list[tuple[Inputs, Any]],
+        losses: list[torch.Tensor],
+        sizes: list[int],
+        every_n_steps: int,
+    ) -> None:
+        """Run one optimizer step on ``window`` and do the bookkeeping around it."""
+        state = self.state
+        n = sum(batch_size_of(target, inputs) for inputs, target in window)
+        loss = self.train_step(window)
+        state.samples_seen += n
+        state.batch_in_epoch += len(window)
+        self.console.advance(n)
+        if loss is None:  # skipped: nothing learned, no step counted
+            return
+        losses.append(loss)  # kept on the device: no host sync per step
+        sizes.append(n)
+        state.step += 1
+        if (len(losses) - 1) % self.log_every == 0:  # the tutorial's "batch % 100 == 0"
+            self._log_step(loss, sum(sizes))
+        if every_n_steps and state.step % every_n_steps == 0:
+            self.save_checkpoint()
+        if self._signals.received is not None:
+            self._preempt(self._signals.received)
 
     def _end_epoch(self, row: dict[str, Any], epochs: int) -> None:
         """Record the epoch, let callbacks see it, checkpoint per policy, track the best."""
@@ -323,6 +466,8 @@ class Trainer:
             "loop": self.state.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "ema": self.ema.state_dict() if self.ema is not None else None,
             # The current epoch's per-step losses, so its train_loss is exact after a resume.
             "epoch_losses": torch.stack(self._epoch_losses) if self._epoch_losses else None,
             "epoch_sizes": list(self._epoch_sizes),
@@ -340,6 +485,10 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None and state.get("ema") is not None:
+            self.ema.load_state_dict(state["ema"])
         losses = state["epoch_losses"]
         self._epoch_losses = list(losses.to(self.device).unbind()) if losses is not None else []
         self._epoch_sizes = [int(n) for n in state["epoch_sizes"]]
@@ -424,13 +573,18 @@ class Trainer:
     def _log_step(self, loss: torch.Tensor, seen_in_epoch: int) -> None:
         value = loss.item()  # a host sync, only every log_every steps
         self.console.log_step(value, seen_in_epoch)
+        now, samples = time.perf_counter(), self.state.samples_seen
+        last_time, last_samples = self._last_log
+        self._last_log = (now, samples)
         row = {
             "kind": "step",
             "epoch": self.state.epoch + 1,
             "step": self.state.step,
-            "samples": self.state.samples_seen,
+            "samples": samples,
             "loss": value,
             "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": float(self.last_grad_norm) if self.last_grad_norm is not None else None,
+            "samples_per_s": (samples - last_samples) / (now - last_time) if last_samples else None,
         }
         for sink in self._sinks:
             sink.write(row)
@@ -454,13 +608,20 @@ class Trainer:
         return err
 
     # ------------------------------------------------------------------------ eval / predict
+    @property
+    def eval_model(self) -> nn.Module:
+        """What is evaluated and exported: the EMA of the weights when enabled, else the model."""
+        return self.ema.module if self.ema is not None else self.model
+
     def evaluate(self, loader: Iterable[Any]) -> dict[str, Any]:
         """Loss (mean over samples), accuracy, confusion matrix and per-class report."""
-        return evaluate(self.model, loader, self.loss_fn, device=self.device)
+        with autocast(self.precision, self.device):
+            return evaluate(self.eval_model, loader, self.loss_fn, device=self.device)
 
     def predict(self, data: torch.Tensor | Iterable[Any], *, batch_size: int = 256) -> torch.Tensor:
         """Softmax probabilities, on the CPU, under ``torch.inference_mode``."""
-        return predict(self.model, data, batch_size=batch_size, device=self.device)
+        with autocast(self.precision, self.device):
+            return predict(self.eval_model, data, batch_size=batch_size, device=self.device)
 
     # ------------------------------------------------------------------------------ run dir
     def _open_run_dir(self, has_val: bool) -> None:
@@ -488,7 +649,7 @@ class Trainer:
             metadata = {"format": "glassloop-weights"}
             if self.model_spec is not None:
                 metadata["glassloop.model"] = json.dumps(self.model_spec)
-            save_weights(self.model, self.run_dir / "model.safetensors", metadata)
+            save_weights(self.eval_model, self.run_dir / "model.safetensors", metadata)
         info = {"status": status, "step": self.state.step, "epoch": self.state.epoch}
         write_json(self.run_dir / "run.json", {**info, **self._environment})
 
@@ -502,6 +663,12 @@ class Trainer:
             "loss_fn": repr(self.loss_fn),
             "scheduler": type(self.scheduler).__name__ if self.scheduler is not None else None,
             "scheduler_interval": self.scheduler_interval,
+            "precision": self.precision,
+            "grad_accum_steps": self.grad_accum_steps,
+            "loss_weighting": self.loss_weighting,
+            "clip_grad_norm": self.clip_grad_norm,
+            "clip_grad_value": self.clip_grad_value,
+            "ema_decay": self.ema is not None,
             "device": str(self.device),
         }
 

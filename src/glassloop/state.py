@@ -22,6 +22,8 @@ class TrainState:
     batch_in_epoch: int = 0
     samples_seen: int = 0
     best_metric: float | None = None
+    skipped_steps: int = 0  # fp16 overflows and non-finite steps skipped
+    consecutive_nonfinite: int = 0
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -31,5 +33,7 @@ class TrainState:
         self.epoch = int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])
         self.samples_seen = int(state["samples_seen"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
         best = state.get("best_metric")
         self.best_metric = None if best is None else float(best)

@@ -46,9 +46,10 @@ def test_train_loss_is_the_sample_weighted_mean() -> None:
     class Recorder(Trainer):
         losses: ClassVar[list[tuple[float, int]]] = []
 
-        def train_step(self, inputs: Any, target: Any) -> torch.Tensor:
-            loss = super().train_step(inputs, target)
-            self.losses.append((loss.item(), int(target.shape[0])))
+        def train_step(self, window: Any) -> torch.Tensor | None:
+            loss = super().train_step(window)
+            assert loss is not None
+            self.losses.append((loss.item(), int(window[0][1].shape[0])))
             return loss
 
     trainer = make_trainer()

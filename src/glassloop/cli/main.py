@@ -3,6 +3,7 @@
 Exit codes: 0 success (also: resuming a run that already finished); 1 an unexpected error
 (a bug: traceback printed); 2 a usage, config, data, model or checkpoint error (one line on
 stderr); 3 a checkpoint could not be written (disk full, quota; earlier checkpoints intact);
+4 training diverged (a NaN/inf loss with train.nonfinite = "raise", or too many skips);
 128 + N stopped by signal N after saving a checkpoint (143 SIGTERM, 130 SIGINT/Ctrl-C).
 """
 
@@ -15,7 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_WRITE_FAILED, EXIT_DIVERGED = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = 130
 
 
 class Parser(argparse.ArgumentParser):
@@ -181,7 +183,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     from glassloop.checkpoint import CheckpointWriteError
-    from glassloop.errors import GlassloopError
+    from glassloop.errors import GlassloopError, NonFiniteError
     from glassloop.preemption import Preempted
 
     commands = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export}
@@ -190,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointWriteError as err:
         print(f"glassloop: error: {err}", file=sys.stderr)
         return EXIT_WRITE_FAILED
+    except NonFiniteError as err:
+        print(f"glassloop: error: {err}", file=sys.stderr)
+        return EXIT_DIVERGED
     except GlassloopError as err:
         print(f"glassloop: error: {err}", file=sys.stderr)
         return EXIT_USAGE
