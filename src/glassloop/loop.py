@@ -204,7 +204,7 @@ class Trainer:
             # Returns the norm before clipping: what is logged as grad_norm.
             self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
         if not torch.isfinite(window_loss):  # a host sync; the price of never training on NaN
-            self._nonfinite(window_loss)
+            self._nonfinite(window_loss, len(window))
             self.optimizer.zero_grad(set_to_none=True)
             return None
         self.state.consecutive_nonfinite = 0
@@ -238,10 +238,12 @@ class Trainer:
         total = sum(counts)
         return [count / total if total else 0.0 for count in counts]
 
-    def _nonfinite(self, loss: torch.Tensor) -> None:
+    def _nonfinite(self, loss: torch.Tensor, num_batches: int) -> None:
         """Apply ``nonfinite``: raise with where it happened, or count a skipped step."""
         state = self.state
-        where = f"step {state.step + 1} (epoch {state.epoch + 1}, batch {state.batch_in_epoch})"
+        first, last = state.batch_in_epoch + 1, state.batch_in_epoch + num_batches
+        batches = f"batch {last}" if first == last else f"batches {first}-{last}"
+        where = f"step {state.step + 1} (epoch {state.epoch + 1}, {batches})"
         bad = next(
             (
                 name

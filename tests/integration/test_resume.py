@@ -88,19 +88,20 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def history(run: Path) -> list[dict[str, object]]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    for row in rows:
-        row.pop("seconds", None)  # wall time is the one thing that may differ
+    for row in rows:  # wall-clock fields are the only ones that may differ
+        row.pop("seconds", None)
+        row.pop("samples_per_s", None)
     return rows
 
 
-def assert_same_run(a: Path, b: Path) -> None:
-    for name in ("model.safetensors", f"{FINAL}/model.safetensors", f"{FINAL}/state.safetensors"):
+def assert_same_run(a: Path, b: Path, final: str = FINAL) -> None:
+    for name in ("model.safetensors", f"{final}/model.safetensors", f"{final}/state.safetensors"):
         ta, tb = load_file(a / name), load_file(b / name)
         assert ta.keys() == tb.keys(), name
         for key in ta:  # weights, optimizer moments and steps, RNG states, epoch losses
             assert torch.equal(ta[key], tb[key]), f"{name}:{key}"
-    state_a = json.loads((a / FINAL / "state.json").read_text())
-    state_b = json.loads((b / FINAL / "state.json").read_text())
+    state_a = json.loads((a / final / "state.json").read_text())
+    state_b = json.loads((b / final / "state.json").read_text())
     for state in (state_a, state_b):
         for row in state["history"]:
             row.pop("seconds")
@@ -128,6 +129,22 @@ def test_sigkill_and_resume_is_bitwise_identical(
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout
     assert_same_run(workdir / "reference", workdir / case)
+
+
+def test_sigkill_inside_an_accumulation_window(workdir: Path) -> None:
+    accum = ("--set", "train.grad_accum_steps=3")  # 5 optimizer steps of 3 batches per epoch
+    reference = glassloop(workdir, "accum-reference", *accum)
+    assert reference.returncode == 0, reference.stderr
+    # Checkpoint at step 4 (after batch 12); killed in batch 14, the second of step 5's window.
+    killed = glassloop(workdir, "accum", *accum, kill_at=14)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = glassloop(workdir, "accum", "--resume", *accum)
+    assert resumed.returncode == 0, resumed.stderr
+    assert (
+        "resumed from 'accum/checkpoints/step-00000004' at step 4 (epoch 1, batch 12)"
+        in resumed.stdout
+    )
+    assert_same_run(workdir / "accum-reference", workdir / "accum", "checkpoints/step-00000015")
 
 
 def test_sigterm_to_the_process_group_with_workers_checkpoints_and_resumes(workdir: Path) -> None:
