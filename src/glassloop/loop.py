@@ -310,6 +310,11 @@ class Trainer:
                 f"{epochs}); nothing to do"
             )
             return self.history
+        if self.precision == "fp16" and self.device.type == "cpu":
+            self.console.message(
+                "warning: fp16 on a CPU is emulated and slow (11x slower than '32' on the "
+                "tutorial MLP in docs/benchmarks.md); 'bf16' is the CPU's mixed precision"
+            )
         self._open_run_dir(val_loader is not None)
         status = "failed"
         try:

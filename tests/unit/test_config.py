@@ -90,3 +90,52 @@ def test_missing_and_invalid_files(tmp_path: Path) -> None:
 
 def test_config_is_a_plain_dataclass() -> None:
     assert isinstance(load_config(None), Config)
+
+
+def test_training_toolkit_keys() -> None:
+    cfg = load_config(
+        None,
+        [
+            "train.precision=bf16",
+            "train.grad_accum_steps=4",
+            "train.loss_weighting=tokens",
+            "train.clip_grad_norm=1",
+            "scheduler.name=warmup_cosine",
+            "scheduler.warmup_steps=100",
+            "early_stopping.monitor=val_loss",
+        ],
+    )
+    assert cfg.train.precision == "bf16" and cfg.train.grad_accum_steps == 4
+    assert cfg.train.clip_grad_norm == 1.0
+    assert cfg.scheduler.interval == "step"  # warmup_cosine is defined in steps
+    assert cfg.scheduler.kwargs == {"warmup_steps": 100, "min_lr_ratio": 0.0}
+    with pytest.raises(ConfigError, match=r"train\.precision must be one of 32, bf16, fp16"):
+        load_config(None, ["train.precision=fp8"])
+    with pytest.raises(ConfigError, match=r"did you mean 'scheduler\.warmup_steps'"):
+        load_config(None, ["scheduler.name=warmup_cosine", "scheduler.warmup=3"])
+    with pytest.raises(ConfigError, match=r"set scheduler\.interval = 'step'"):
+        load_config(None, ["scheduler.name=warmup_cosine", "scheduler.interval=epoch"])
+
+
+def test_no_decay_groups_and_warmup_cosine_are_built() -> None:
+    from glassloop import build
+
+    cfg = load_config(
+        None,
+        [
+            "data.name=synthetic",
+            "optim.no_decay_bias_norm=true",
+            "scheduler.name=warmup_cosine",
+            "scheduler.warmup_steps=5",
+            "train.grad_accum_steps=2",
+            "train.progress=none",
+        ],
+    )
+    run = build(cfg)
+    groups = run.trainer.optimizer.param_groups
+    assert [g["weight_decay"] for g in groups] == [0.01, 0.0]
+    assert all(p.ndim >= 2 for p in groups[0]["params"]) and all(
+        p.ndim == 1 for p in groups[1]["params"]
+    )
+    # 1,638 training samples / 64 = 26 batches = 13 windows of 2 per epoch, 10 epochs.
+    assert run.trainer.scheduler.lr_lambdas[0].total_steps == 130
