@@ -147,6 +147,7 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
         nonfinite=t.nonfinite,
         max_nonfinite_skips=t.max_nonfinite_skips,
         ema_decay=t.ema_decay or None,
+        compile=t.compile,
         checkpoint=cfg.checkpoint,
         config=to_dict(cfg),
         model_spec=model_spec(cfg, splits),

@@ -9,7 +9,7 @@ Sections and keys (every key has a default; see the README's config reference)::
     [scheduler]  name, interval, and any keyword argument of that lr_scheduler class
     [train]      epochs, seed, device, log_every, progress, precision, grad_accum_steps,
                  loss_weighting, ignore_index, clip_grad_norm, clip_grad_value, nonfinite,
-                 max_nonfinite_skips, ema_decay
+                 max_nonfinite_skips, ema_decay, compile
     [checkpoint] every_n_steps, every_n_epochs, keep_last, monitor, mode
     [early_stopping] monitor, patience, min_delta, mode
 
@@ -138,6 +138,7 @@ class TrainConfig:
     nonfinite: str = "raise"  # or "skip": drop a step whose loss is NaN/inf
     max_nonfinite_skips: int = 10  # "skip": stop after this many in a row
     ema_decay: float = 0.0  # 0: off; e.g. 0.999: evaluate and export an EMA of the weights
+    compile: bool = False  # torch.compile the model (checkpoints load with or without it)
 
 
 @dataclass
@@ -507,13 +508,15 @@ RESUME_SAFE_KEYS = (
     "train.device",
     "data.num_workers",
     "data.eval_batch_size",
+    "train.compile",
+    "compile",  # the same, in the description of a run built in Python
 )
 RESUME_SAFE_PREFIXES = ("checkpoint.",)
 
 
 def config_differences(saved: Any, current: Any) -> list[str]:
     """``key: saved -> current`` for every key that differs, except keys that do not change
-    the trajectory (logging, device, workers, epochs to run, checkpoint policy).
+    the trajectory (logging, device, workers, epochs to run, compile, checkpoint policy).
 
     >>> config_differences({"optim": {"lr": 0.1}}, {"optim": {"lr": 0.2}})
     ['optim.lr: 0.1 -> 0.2']

@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from glassloop.checkpoint import (
     save_best,
     save_checkpoint,
     save_weights,
+    unwrap_model,
     write_json,
 )
 from glassloop.config import CheckpointConfig, config_differences
@@ -104,6 +105,7 @@ class Trainer:
         nonfinite: str = "raise",
         max_nonfinite_skips: int = 10,
         ema_decay: float | None = None,
+        compile: bool = False,
         checkpoint: CheckpointConfig | None = None,
         config: Mapping[str, Any] | None = None,
         model_spec: Mapping[str, Any] | None = None,
@@ -128,7 +130,10 @@ class Trainer:
             seed_everything(seed)
         self.device = resolve_device(device)
         check_precision(precision, self.device)
-        self.model = model.to(self.device)
+        model = model.to(self.device)
+        # torch.compile wraps the module (state_dict keys gain "_orig_mod."); checkpoints
+        # store the unwrapped keys, so they load with or without compile.
+        self.model: nn.Module = cast(nn.Module, torch.compile(model)) if compile else model
         self.precision = precision
         self.scaler = make_scaler(precision, self.device)
         self.grad_accum_steps = grad_accum_steps
@@ -143,9 +148,9 @@ class Trainer:
         self.ema: AveragedModel | None = None
         if ema_decay:
             average = get_ema_multi_avg_fn(ema_decay)  # type: ignore[no-untyped-call]
-            self.ema = AveragedModel(self.model, multi_avg_fn=average, use_buffers=True)
+            self.ema = AveragedModel(model, multi_avg_fn=average, use_buffers=True)
         self.last_grad_norm: torch.Tensor | None = None
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.scheduler = scheduler
@@ -666,7 +671,7 @@ class Trainer:
     def _describe(self) -> dict[str, Any]:
         """The configuration of a run built in Python, for runs without a config file."""
         return {
-            "model": type(self.model).__name__,
+            "model": type(unwrap_model(self.model)).__name__,
             "num_parameters": sum(p.numel() for p in self.model.parameters()),
             "optimizer": type(self.optimizer).__name__,
             "optimizer_defaults": {k: _jsonable(v) for k, v in self.optimizer.defaults.items()},
@@ -679,6 +684,7 @@ class Trainer:
             "clip_grad_norm": self.clip_grad_norm,
             "clip_grad_value": self.clip_grad_value,
             "ema_decay": self.ema is not None,
+            "compile": self.model is not unwrap_model(self.model),
             "device": str(self.device),
         }
 

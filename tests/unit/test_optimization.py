@@ -259,3 +259,24 @@ def test_clipping_bounds_the_update_and_logs_the_pre_clip_norm(tmp_path: Path) -
 
     step_row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert step_row["grad_norm"] > 1e-3
+
+
+def test_compiled_checkpoints_resume_without_compile_and_back(tmp_path: Path) -> None:
+    def loader() -> ResumableLoader:
+        return ResumableLoader(blobs(64), batch_size=32, seed=0)
+
+    compiled = make(tmp_path, compile=True)
+    assert hasattr(compiled.model, "_orig_mod")  # really compiled
+    compiled.fit(loader(), epochs=1)
+    from glassloop.checkpoint import read_safetensors_header
+
+    keys = set(read_safetensors_header(tmp_path / "model.safetensors")) - {"__metadata__"}
+    assert keys == {"0.weight", "0.bias", "3.weight", "3.bias"}  # no "_orig_mod." prefix
+    plain = make(tmp_path)  # resumes the compiled run's checkpoint without compile
+    plain.fit(loader(), epochs=2, resume="auto")
+    assert plain.state.epoch == 2
+    again = make(tmp_path, compile=True)  # and a compiled trainer resumes the plain one
+    again.fit(loader(), epochs=3, resume="auto")
+    assert again.state.epoch == 3
+    for key, value in plain.model.state_dict().items():
+        assert value.shape == again.model.state_dict()["_orig_mod." + key].shape
