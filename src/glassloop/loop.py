@@ -403,7 +403,10 @@ class Trainer:
         state.epoch = epoch
         state.batch_in_epoch = 0
         self._epoch_losses, self._epoch_sizes = [], []
+        if self.last_grad_norm is not None:
+            row["grad_norm"] = float(self.last_grad_norm)  # of the epoch's last step
         row["seconds"] = time.perf_counter() - start
+        row["samples_per_s"] = sum(sizes) / row["seconds"] if row["seconds"] > 0 else None
         return row
 
     def _step_window(

@@ -77,11 +77,15 @@ class ConsoleSink:
             self._bar = None
 
 
+# In the files, not on the summary line (which keeps the tutorial-like shape).
+SUMMARY_SKIPS = ("kind", "epoch", "step", "samples", "lr", "seconds", "samples_per_s", "grad_norm")
+
+
 def format_epoch_summary(row: dict[str, Any], num_epochs: int) -> str:
     """``epoch 1/10  train_loss 0.4123  val_loss 0.3011  val_accuracy 91.20%  lr 1.00e-03  3.1s``"""
     parts = [f"epoch {row['epoch']}/{num_epochs}"]
     for key, value in row.items():
-        if key in ("kind", "epoch", "step", "samples", "lr", "seconds") or value is None:
+        if key in SUMMARY_SKIPS or value is None:
             continue
         if key.endswith("accuracy"):
             parts.append(f"{key} {100 * value:.2f}%")
