@@ -16,12 +16,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from glassloop.callbacks import Callback, EarlyStopping
 from glassloop.config import Config, optimizer_class, scheduler_class, to_dict
 from glassloop.data import Splits, load_splits, make_loaders
-from glassloop.data.loaders import ResumableLoader
+from glassloop.data.loaders import InMemoryLoader, ResumableLoader
 from glassloop.device import resolve_device
 from glassloop.errors import ConfigError
 from glassloop.loop import Trainer
@@ -36,8 +35,8 @@ class Run:
 
     config: Config
     splits: Splits
-    train_loader: ResumableLoader
-    val_loader: DataLoader[Any]
+    train_loader: InMemoryLoader | ResumableLoader
+    val_loader: InMemoryLoader | ResumableLoader
     trainer: Trainer
 
 
@@ -111,7 +110,7 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
         shuffle=cfg.data.shuffle,
         num_workers=cfg.data.num_workers,
         seed=cfg.train.seed,
-        pin_memory=device.type == "cuda",
+        device=device,
     )
     optimizer = build_optimizer(cfg, model)
     # Optimizer steps per epoch: one per window of grad_accum_steps batches (the last may be

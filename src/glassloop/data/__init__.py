@@ -1,6 +1,22 @@
 """Datasets and loaders."""
 
+from glassloop.data.collate import pad_collate
 from glassloop.data.datasets import Splits, load_splits
-from glassloop.data.loaders import ResumableLoader, make_loaders
+from glassloop.data.loaders import (
+    BucketBatchSampler,
+    InMemoryLoader,
+    ResumableLoader,
+    make_loader,
+    make_loaders,
+)
 
-__all__ = ["ResumableLoader", "Splits", "load_splits", "make_loaders"]
+__all__ = [
+    "BucketBatchSampler",
+    "InMemoryLoader",
+    "ResumableLoader",
+    "Splits",
+    "load_splits",
+    "make_loader",
+    "make_loaders",
+    "pad_collate",
+]

@@ -11,7 +11,8 @@ data: no batch is loaded twice.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,13 +38,17 @@ class EpochSampler(Sampler[int]):
         self.epoch = 0
         self.start = 0
 
-    def __iter__(self) -> Iterator[int]:
+    def indices(self) -> torch.Tensor:
+        """This epoch's remaining indices, as a tensor."""
         if self.shuffle:
             generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
             order = torch.randperm(self.num_samples, generator=generator)
         else:
             order = torch.arange(self.num_samples)
-        return iter(order[self.start :].tolist())
+        return order[self.start :]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices().tolist())
 
     def __len__(self) -> int:
         return self.num_samples - self.start
@@ -75,22 +80,32 @@ class ResumableLoader:
         num_workers: int = 0,
         pin_memory: bool = False,
         collate_fn: Any = None,
+        lengths: Sequence[int] | None = None,
     ) -> None:
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed)  # type: ignore[arg-type]
+        # With lengths: batches of similar length (less padding), still resumable by count.
+        self.buckets = (
+            BucketBatchSampler(lengths, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+            if lengths is not None
+            else None
+        )
         self.seed = seed
         self.epoch = 0
         self.batches_consumed = 0
         # Worker seeds come from this generator; it is reseeded per epoch in __iter__, so a
         # resumed epoch gives its workers the same seeds as the uninterrupted one.
         self._generator = torch.Generator()
+        batching: dict[str, Any] = (
+            {"batch_sampler": self.buckets}
+            if self.buckets is not None
+            else {"batch_size": batch_size, "sampler": self.sampler, "drop_last": drop_last}
+        )
         self.loader: DataLoader[Any] = DataLoader(
             dataset,
-            batch_size=batch_size,
-            sampler=self.sampler,
-            drop_last=drop_last,
+            **batching,
             num_workers=num_workers,
             pin_memory=pin_memory,
             collate_fn=collate_fn,
@@ -101,6 +116,8 @@ class ResumableLoader:
     def __iter__(self) -> Iterator[Any]:
         self.sampler.epoch = self.epoch
         self.sampler.start = self.batches_consumed * self.batch_size
+        if self.buckets is not None:
+            self.buckets.epoch, self.buckets.start = self.epoch, self.batches_consumed
         self._generator.manual_seed(epoch_seed(self.seed, self.epoch) ^ 0x5EED)
         for batch in self.loader:
             self.batches_consumed += 1  # counted when handed to the loop, not when prefetched
@@ -110,6 +127,8 @@ class ResumableLoader:
 
     def __len__(self) -> int:
         """Batches in a full epoch."""
+        if self.buckets is not None:
+            return self.buckets.num_batches()
         n = self.sampler.num_samples
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
@@ -121,6 +140,182 @@ class ResumableLoader:
         self.batches_consumed = int(state["batches_consumed"])
 
 
+class BucketBatchSampler(Sampler[list[int]]):
+    """Batches of indices of similar length, to reduce padding.
+
+    Each epoch: a seeded shuffle, then chunks of ``batch_size * 50`` indices are sorted by
+    length and cut into batches, and the batches are shuffled (so the model does not see
+    lengths in order). Deterministic per ``(seed, epoch)``; ``start`` skips batches (resume).
+
+    >>> sampler = BucketBatchSampler([5, 1, 4, 2, 3, 6], batch_size=2, shuffle=False)
+    >>> list(sampler)
+    [[1, 3], [4, 2], [0, 5]]
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        chunk_batches: int = 50,
+    ) -> None:
+        self.lengths = torch.as_tensor(list(lengths))
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.chunk = batch_size * chunk_batches
+        self.epoch = 0
+        self.start = 0
+
+    def batches(self) -> list[list[int]]:
+        n = len(self.lengths)
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
+        order = torch.randperm(n, generator=generator) if self.shuffle else torch.arange(n)
+        batches: list[list[int]] = []
+        for chunk in torch.split(order, self.chunk):
+            # stable sort: equal lengths keep the shuffled order
+            chunk = chunk[torch.sort(self.lengths[chunk], stable=True).indices]
+            batches += [b.tolist() for b in torch.split(chunk, self.batch_size)]
+        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
+            batches.pop()
+        if self.shuffle:
+            perm = torch.randperm(len(batches), generator=generator).tolist()
+            batches = [batches[i] for i in perm]
+        return batches
+
+    def num_batches(self) -> int:
+        n = len(self.lengths)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches()[self.start :])
+
+    def __len__(self) -> int:
+        return self.num_batches() - self.start
+
+
+class InMemoryLoader:
+    """The fast path for data already in memory: each batch is ``t[idx]`` for every tensor,
+    with ``idx`` a slice of the epoch's seeded permutation — no per-sample ``__getitem__``,
+    no collate. Same order as :class:`ResumableLoader` for the same seed (so the same run),
+    resumable the same way. ``device="cuda"`` keeps the whole dataset on the GPU.
+
+    >>> x, y = torch.arange(10).float(), torch.arange(10)
+    >>> fast = InMemoryLoader((x, y), batch_size=4, shuffle=True, seed=0)
+    >>> slow = ResumableLoader(TensorDataset(x, y), batch_size=4, shuffle=True, seed=0)
+    >>> all(torch.equal(a[1], b[1]) for a, b in zip(fast, slow))
+    True
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
+        sizes = {len(t) for t in tensors}
+        if len(sizes) != 1:
+            raise ValueError(f"all tensors need the same first dimension, got {sorted(sizes)}")
+        self.tensors = tuple(t.to(device) if device is not None else t for t in tensors)
+        self.dataset = TensorDataset(*self.tensors)  # for len() and for code that inspects it
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.sampler = EpochSampler(len(self.dataset), shuffle=shuffle, seed=seed)
+        self.epoch = 0
+        self.batches_consumed = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        self.sampler.epoch = self.epoch
+        self.sampler.start = self.batches_consumed * self.batch_size
+        order = self.sampler.indices().to(self.tensors[0].device)
+        for idx in torch.split(order, self.batch_size):
+            if self.drop_last and len(idx) < self.batch_size:
+                break
+            self.batches_consumed += 1
+            yield tuple(t[idx] for t in self.tensors)
+        self.epoch += 1
+        self.batches_consumed = 0
+
+    def __len__(self) -> int:
+        n = self.sampler.num_samples
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches_consumed": self.batches_consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch = int(state["epoch"])
+        self.batches_consumed = int(state["batches_consumed"])
+
+
+def make_loader(
+    dataset: Dataset[Any] | Sequence[torch.Tensor],
+    *,
+    batch_size: int,
+    shuffle: bool = False,
+    drop_last: bool = False,
+    num_workers: int | str = "auto",
+    pin_memory: bool | str = "auto",
+    seed: int = 0,
+    collate_fn: Any = None,
+    lengths: Sequence[int] | None = None,
+    device: torch.device | str | None = None,
+) -> InMemoryLoader | ResumableLoader:
+    """A resumable loader with sensible defaults.
+
+    * Tensors in memory (a ``TensorDataset`` or a tuple of tensors) and ``num_workers`` 0 or
+      ``"auto"``: the fast path, :class:`InMemoryLoader` (``device`` may keep it on the GPU).
+    * Anything else: :class:`ResumableLoader` over a ``DataLoader``; ``num_workers="auto"``
+      is ``min(4, CPUs - 1)``; ``pin_memory="auto"`` pins when CUDA is available; workers get
+      per-epoch seeds from ``(seed, epoch)`` and ignore SIGTERM/SIGINT. With ``lengths``,
+      batches are bucketed by length (see :class:`BucketBatchSampler`).
+
+    >>> loader = make_loader((torch.zeros(10, 3), torch.zeros(10)), batch_size=4)
+    >>> type(loader).__name__, len(loader)
+    ('InMemoryLoader', 3)
+    """
+    tensors: Sequence[torch.Tensor] | None = None
+    if isinstance(dataset, TensorDataset):
+        tensors = dataset.tensors
+    elif isinstance(dataset, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in dataset):
+        tensors = dataset
+    if (
+        tensors is not None
+        and num_workers in (0, "auto")
+        and lengths is None
+        and collate_fn is None
+    ):
+        return InMemoryLoader(
+            tensors, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+            device=device,
+        )  # fmt: skip
+    if tensors is not None:
+        dataset = TensorDataset(*tensors)
+    if num_workers == "auto":
+        num_workers = min(4, max(0, (os.cpu_count() or 1) - 1))
+    if pin_memory == "auto":
+        pin_memory = torch.cuda.is_available()
+    return ResumableLoader(
+        dataset,  # type: ignore[arg-type]
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+        num_workers=int(num_workers),
+        pin_memory=bool(pin_memory),
+        collate_fn=collate_fn,
+        lengths=lengths,
+    )
+
+
 def make_loaders(
     splits: Splits,
     *,
@@ -129,9 +324,10 @@ def make_loaders(
     shuffle: bool = True,
     num_workers: int = 0,
     seed: int = 0,
-    pin_memory: bool = False,
-) -> tuple[ResumableLoader, DataLoader[tuple[torch.Tensor, ...]]]:
-    """Resumable training loader (shuffled per epoch from ``seed``) and validation loader.
+    device: torch.device | str | None = None,
+) -> tuple[InMemoryLoader | ResumableLoader, InMemoryLoader | ResumableLoader]:
+    """Training loader (shuffled per epoch from ``seed``) and validation loader for in-memory
+    splits: the fast path, or worker processes when ``num_workers > 0``.
 
     >>> from glassloop.config import DataConfig
     >>> from glassloop.data import load_splits
@@ -139,23 +335,12 @@ def make_loaders(
     >>> next(iter(train))[0].shape
     torch.Size([32, 32])
     """
-    train = ResumableLoader(
-        TensorDataset(splits.x_train, splits.y_train),
-        batch_size=batch_size,
-        shuffle=shuffle,
-        seed=seed,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
+    pin = device is not None and torch.device(device).type == "cuda"
+    common: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin, "seed": seed}
+    train = make_loader(
+        (splits.x_train, splits.y_train), batch_size=batch_size, shuffle=shuffle, **common
     )
-    val = DataLoader(
-        TensorDataset(splits.x_val, splits.y_val),
-        batch_size=eval_batch_size or batch_size,
-        shuffle=False,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        # Its own generator: a DataLoader without one draws a seed from the global torch RNG
-        # on every iter(), which would shift the dropout masks of all later training steps.
-        generator=torch.Generator(),
-        worker_init_fn=ignore_stop_signals if num_workers > 0 else None,
+    val = make_loader(
+        (splits.x_val, splits.y_val), batch_size=eval_batch_size or batch_size, **common
     )
     return train, val

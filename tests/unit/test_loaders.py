@@ -1,0 +1,144 @@
+"""Loaders: resumable mid-epoch, the fast in-memory path, bucketing, dynamic padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from glassloop.data import (
+    BucketBatchSampler,
+    InMemoryLoader,
+    ResumableLoader,
+    make_loader,
+    pad_collate,
+)
+from glassloop.data.collate import padding_fraction
+
+
+def tensors(n: int = 103) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 3, generator=g), torch.arange(n)
+
+
+def epochs(loader: object, n: int) -> list[list[int]]:
+    out = []
+    for _ in range(n):
+        out += [batch[1].tolist() for batch in loader]  # type: ignore[attr-defined]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["fast", "workers-0", "workers-2"])
+def test_resume_mid_epoch_gives_the_same_remaining_batches(kind: str) -> None:
+    def make() -> InMemoryLoader | ResumableLoader:
+        if kind == "fast":
+            return InMemoryLoader(tensors(), batch_size=10, seed=3)
+        workers = int(kind.split("-")[1])
+        return ResumableLoader(
+            TensorDataset(*tensors()), batch_size=10, seed=3, num_workers=workers
+        )
+
+    full = epochs(make(), 3)
+    first = make()
+    seen = []
+    for _ in range(1):
+        seen += [b[1].tolist() for b in first]
+    iterator = iter(first)
+    seen += [next(iterator)[1].tolist() for _ in range(4)]  # 4 batches into epoch 2
+    state = first.state_dict()
+    assert state == {"epoch": 1, "batches_consumed": 4}
+    resumed = make()
+    resumed.load_state_dict(state)
+    seen += epochs(resumed, 2)
+    assert seen == full
+
+
+def test_fast_path_yields_every_sample_once_per_epoch_in_a_seeded_order() -> None:
+    x, y = tensors()
+    loader = InMemoryLoader((x, y), batch_size=16, shuffle=True, seed=1)
+    e1 = [i for batch in loader for i in batch[1].tolist()]
+    e2 = [i for batch in loader for i in batch[1].tolist()]
+    assert sorted(e1) == sorted(e2) == list(range(103))
+    assert e1 != e2 and e1 != list(range(103))  # shuffled, differently each epoch
+    again = InMemoryLoader((x, y), batch_size=16, shuffle=True, seed=1)
+    assert [i for batch in again for i in batch[1].tolist()] == e1  # seeded
+    for xb, yb in InMemoryLoader((x, y), batch_size=16, seed=1):
+        assert torch.equal(xb, x[yb])  # rows stay with their labels
+
+
+def test_fast_path_batches_equal_the_dataloader_path() -> None:
+    x, y = tensors()
+    fast = make_loader((x, y), batch_size=8, shuffle=True, seed=5)
+    slow = make_loader((x, y), batch_size=8, shuffle=True, seed=5, num_workers=2)
+    assert isinstance(fast, InMemoryLoader) and isinstance(slow, ResumableLoader)
+    for _ in range(2):
+        for a, b in zip(fast, slow, strict=True):
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_global_rng_is_never_touched() -> None:
+    state = torch.get_rng_state()
+    for loader in (
+        make_loader(tensors(), batch_size=8, shuffle=True),
+        make_loader(tensors(), batch_size=8, shuffle=True, num_workers=1),
+    ):
+        list(loader)
+    assert torch.equal(state, torch.get_rng_state())
+
+
+class Sentences(Dataset[tuple[torch.Tensor, int]]):
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.arange(1, self.lengths[i] + 1), i % 2
+
+
+def test_pad_collate_masks_and_token_labels() -> None:
+    batch = pad_collate(
+        [
+            {"input_ids": [4, 5], "labels": [1, 2]},
+            {"input_ids": [6, 7, 8, 9], "labels": [3, 4, 5, 6]},
+        ]
+    )
+    assert batch["input_ids"].tolist() == [[4, 5, 0, 0], [6, 7, 8, 9]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert batch["labels"].tolist() == [[1, 2, -100, -100], [3, 4, 5, 6]]
+    assert batch["lengths"].tolist() == [2, 4]
+
+
+def test_bucketing_cuts_padding_and_keeps_every_sample() -> None:
+    g = torch.Generator().manual_seed(0)
+    lengths = (torch.rand(2000, generator=g) ** 3 * 120 + 2).long().tolist()
+    data = Sentences(lengths)
+    plain = make_loader(data, batch_size=32, shuffle=True, collate_fn=pad_collate, num_workers=0)
+    bucketed = make_loader(
+        data, batch_size=32, shuffle=True, collate_fn=pad_collate, num_workers=0, lengths=lengths
+    )
+    plain_batches, bucket_batches = list(plain), list(bucketed)
+    assert padding_fraction(bucket_batches) < 0.5 * padding_fraction(plain_batches)
+    assert sorted(int(n) for b in bucket_batches for n in b["lengths"]) == sorted(lengths)
+    ids = sorted(i for batch in BucketBatchSampler(lengths, 32, seed=0) for i in batch)
+    assert ids == list(range(2000))
+
+
+def test_bucketed_loader_resumes_mid_epoch() -> None:
+    lengths = [(i * 7) % 23 + 1 for i in range(200)]
+
+    def make() -> ResumableLoader:
+        return ResumableLoader(
+            Sentences(lengths), batch_size=16, seed=2, collate_fn=pad_collate, lengths=lengths
+        )
+
+    reference = make()
+    full = [b["lengths"].tolist() for _ in range(2) for b in reference]
+    first = make()
+    iterator = iter(first)
+    head = [next(iterator)["lengths"].tolist() for _ in range(5)]
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    rest = [b["lengths"].tolist() for _ in range(2) for b in resumed]  # rest of epoch 1, epoch 2
+    assert head + rest == full
