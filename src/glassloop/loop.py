@@ -174,6 +174,7 @@ class Trainer:
         self._epoch_losses: list[torch.Tensor] = []
         self._epoch_sizes: list[int] = []
         self._last_log = (time.perf_counter(), 0)
+        self._checked_first_batch = False
 
     # ----------------------------------------------------------------------------- the step
     def train_step(self, window: Sequence[tuple[Inputs, Any]]) -> torch.Tensor | None:
@@ -299,6 +300,7 @@ class Trainer:
         if not isinstance(epochs, int) or epochs < 1:
             raise GlassloopError(f"train.epochs must be a positive integer, got {epochs!r}")
         self.should_stop = False
+        self._checked_first_batch = False
         self._train_loader = train_loader
         # Versions and git SHA for run.json and checkpoint metadata (a git subprocess: only
         # worth it when something is written).
@@ -418,6 +420,9 @@ class Trainer:
     ) -> None:
         """Run one optimizer step on ``window`` and do the bookkeeping around it."""
         state = self.state
+        if not self._checked_first_batch:
+            self._checked_first_batch = True
+            self._check_batch(*window[0])
         n = sum(batch_size_of(target, inputs) for inputs, target in window)
         loss = self.train_step(window)
         state.samples_seen += n
@@ -606,6 +611,42 @@ class Trainer:
         }
         for sink in self._sinks:
             sink.write(row)
+
+    def _check_batch(self, inputs: Inputs, target: Any) -> None:
+        """Cheap checks on the first batch of a fit, each with one clear error: inputs free of
+        NaN/inf, integer class labels, labels within the model's outputs.
+
+        The labels are checked against an eval-mode, no-grad forward of the unwrapped model:
+        no dropout, no batch-norm update, no RNG draw, so training is not changed by it.
+        """
+        args, kwargs = inputs
+        for name, value in [*enumerate(args), *kwargs.items()]:
+            floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+            if floating and not bool(torch.isfinite(value).all()):
+                raise DataError(
+                    f"data: the first training batch has NaN or inf in input {name!r}; "
+                    "clean or impute the data before training"
+                )
+        if not isinstance(target, torch.Tensor) or target.is_floating_point():
+            return  # regression or soft targets: nothing to check here
+        model = unwrap_model(self.model)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), autocast(self.precision, self.device):
+                output = model(*args, **kwargs)
+        finally:
+            model.train(was_training)
+        if not isinstance(output, torch.Tensor) or output.ndim != target.ndim + 1:
+            return
+        classes = int(output.shape[1] if output.ndim == 2 else output.shape[-1])
+        labels = target[target != self.ignore_index]
+        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):
+            raise DataError(
+                f"data: labels in the first training batch range over [{int(labels.min())}, "
+                f"{int(labels.max())}] but the model has {classes} outputs; labels must be "
+                f"class indices in [0, {classes}) (or {self.ignore_index} to ignore)"
+            )
 
     def _explain(self, err: Exception, batch: Any) -> Exception:
         """Turn a torch error caused by the user's data or model into one clear line."""

@@ -114,7 +114,9 @@ def test_labels_out_of_range(tmp_path: Path) -> None:
     result = glassloop(
         "train", *FAST, "--set", f"model.target={model}:Net", "--run-dir", str(tmp_path / "r")
     )
-    assert_user_error(result, "a label is outside the model's output range")
+    assert_user_error(
+        result, "labels in the first training batch range over [0, 9] but the model has 5 outputs"
+    )
 
 
 def test_first_batch_rejected_names_the_data_shape(tmp_path: Path) -> None:

@@ -129,9 +129,26 @@ def test_per_step_scheduler_steps_once_per_optimizer_step() -> None:
 
 
 def test_labels_out_of_range_are_a_clear_error() -> None:
-    trainer = make_trainer()
+    with pytest.raises(DataError) as info:
+        make_trainer().fit(DataLoader(data(classes=5), batch_size=16), epochs=1)
+    assert (
+        "labels in the first training batch range over [0, 4] but the model has 3 outputs"
+        in str(info.value)
+    )
+    # Out of range only in a later batch: the loss's own error, explained.
+    x, y = data().tensors
+    y = y.clone()
+    y[90] = 7
     with pytest.raises(DataError, match=r"label is outside .*labels must be in \[0, num_outputs\)"):
-        trainer.fit(DataLoader(data(classes=5), batch_size=16), epochs=1)
+        make_trainer().fit(DataLoader(TensorDataset(x, y), batch_size=16), epochs=1)
+
+
+def test_nan_inputs_in_the_first_batch_are_a_clear_error() -> None:
+    x, y = data().tensors
+    x = x.clone()
+    x[3, 2] = float("inf")
+    with pytest.raises(DataError, match="first training batch has NaN or inf in input 0"):
+        make_trainer().fit(DataLoader(TensorDataset(x, y), batch_size=16), epochs=1)
 
 
 def test_rejected_first_batch_names_the_shape() -> None:
