@@ -93,6 +93,7 @@ def model_spec(cfg: Config, splits: Splits) -> dict[str, Any]:
         "input_shape": list(splits.input_shape),
         "num_classes": splits.num_classes,
         "class_names": splits.class_names,
+        "preprocessing": splits.preprocessing,
     }
 
 

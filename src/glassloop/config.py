@@ -73,10 +73,17 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """``name``: ``mnist-5k`` (bundled), ``digits`` (scikit-learn), ``synthetic``, ``npz``."""
+    """``name``: ``mnist-5k`` (bundled), ``digits`` (scikit-learn), ``synthetic``, ``npz``,
+    ``csv`` (tabular), ``image-folder``, ``mnist``, ``fashion-mnist``, ``cifar10`` (files in
+    ``root``); see docs/datasets.md."""
 
     name: str = "mnist-5k"
-    path: str = ""
+    path: str = ""  # npz, csv, image-folder
+    root: str = "data"  # mnist, fashion-mnist, cifar10: where their files are (or go)
+    download: bool = False  # mnist, fashion-mnist: fetch with torchvision (glassloop[vision])
+    label_column: str = "label"  # csv
+    image_size: int = 0  # image-folder: resize to this square size (0: keep; all must match)
+    channels: int = 0  # image-folder: 1 (grayscale) or 3 (RGB); 0: from the first image
     batch_size: int = 64
     eval_batch_size: int = 0  # 0: same as batch_size
     shuffle: bool = True
@@ -178,7 +185,18 @@ OPEN_SECTIONS = {"optim", "scheduler"}
 CHOICES = {
     ("scheduler", "interval"): ("epoch", "step"),
     ("train", "progress"): ("auto", "bar", "lines", "none"),
-    ("data", "name"): ("mnist-5k", "digits", "synthetic", "npz"),
+    ("data", "name"): (
+        "mnist-5k",
+        "digits",
+        "synthetic",
+        "npz",
+        "csv",
+        "image-folder",
+        "mnist",
+        "fashion-mnist",
+        "cifar10",
+    ),
+    ("data", "channels"): (0, 1, 3),
     ("checkpoint", "mode"): ("auto", "min", "max"),
     ("checkpoint", "monitor"): ("", "train_loss", "val_loss", "val_accuracy"),
     ("early_stopping", "monitor"): ("", "train_loss", "val_loss", "val_accuracy"),
@@ -318,7 +336,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
         for (sec, key), choices in CHOICES.items():
             if sec == section and key in typed and typed[key] not in choices:
                 raise ConfigError(
-                    f"config: {section}.{key} must be one of {', '.join(choices)}; "
+                    f"config: {section}.{key} must be one of {', '.join(map(str, choices))}; "
                     f"got {typed[key]!r}"
                 )
         for sec, key in POSITIVE:

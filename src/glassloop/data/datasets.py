@@ -11,8 +11,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,6 +36,9 @@ class Splits:
     y_val: torch.Tensor
     num_classes: int
     class_names: list[str]
+    # How raw inputs were transformed (e.g. standardisation statistics of the training
+    # split); saved with the weights so that prediction transforms new inputs the same way.
+    preprocessing: dict[str, Any] = field(default_factory=dict)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -102,7 +106,9 @@ def mnist_5k() -> Splits:
     x, y = load_mnist_5k_arrays()
     images = ((x.astype(np.float32) / 255.0 - MNIST_MEAN) / MNIST_STD).reshape(-1, 1, 28, 28)
     # Fixed seed: the validation set never changes with train.seed, so runs are comparable.
-    return _tensors(*stratified_split(images, y, val_size=1000, seed=0), num_classes=10)
+    splits = _tensors(*stratified_split(images, y, val_size=1000, seed=0), num_classes=10)
+    splits.preprocessing = {"scale": 1 / 255, "mean": [MNIST_MEAN], "std": [MNIST_STD]}
+    return splits
 
 
 def digits(cfg: DataConfig) -> Splits:
@@ -181,6 +187,18 @@ def load_splits(cfg: DataConfig) -> Splits:
         splits = synthetic(cfg)
     elif cfg.name == "npz":
         splits = npz(cfg)
+    elif cfg.name == "csv":
+        from glassloop.data.files import tabular_csv
+
+        splits = tabular_csv(cfg)
+    elif cfg.name == "image-folder":
+        from glassloop.data.files import image_folder
+
+        splits = image_folder(cfg)
+    elif cfg.name in ("mnist", "fashion-mnist", "cifar10"):
+        from glassloop.data.files import vision_dataset
+
+        splits = vision_dataset(cfg)
     else:  # config validation lists the names; this guards library callers
         raise DataError(f"data: unknown dataset {cfg.name!r}")
     if len(splits.y_train) == 0:

@@ -1,0 +1,295 @@
+"""Datasets read from files: tabular CSV, a folder of images, MNIST/Fashion-MNIST (IDX files)
+and CIFAR-10 (binary batches). Everything is decoded once into in-memory tensors (the fast
+path); the statistics used to normalise come from the training split only and travel with
+the weights (``Splits.preprocessing``).
+
+Readers are hand-written because the formats are a few lines each and the usual readers
+either unpickle (CIFAR-10's python batches) or need torchvision, which is optional here.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from glassloop.config import DataConfig
+from glassloop.data.datasets import Splits, stratified_split
+from glassloop.errors import DataError
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
+# Per-dataset pixel statistics (training sets, pixels in [0, 1]).
+STATS = {
+    "mnist": ([0.1307], [0.3081]),
+    "fashion-mnist": ([0.2860], [0.3530]),
+    "cifar10": ([0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]),
+}
+
+
+def _splits(
+    x_tr: np.ndarray, y_tr: np.ndarray, x_va: np.ndarray, y_va: np.ndarray,
+    class_names: list[str], preprocessing: dict[str, Any],
+) -> Splits:  # fmt: skip
+    return Splits(
+        torch.as_tensor(x_tr, dtype=torch.float32),
+        torch.as_tensor(y_tr, dtype=torch.int64),
+        torch.as_tensor(x_va, dtype=torch.float32),
+        torch.as_tensor(y_va, dtype=torch.int64),
+        len(class_names),
+        class_names,
+        preprocessing,
+    )
+
+
+def _class_indices(labels: list[str]) -> tuple[np.ndarray, list[str]]:
+    """Integer labels stay numbers (0..max); any other labels become sorted class names."""
+    try:
+        numbers = [int(v) for v in labels]
+    except ValueError:
+        names = sorted(set(labels))
+        index = {name: i for i, name in enumerate(names)}
+        return np.array([index[v] for v in labels], dtype=np.int64), names
+    if min(numbers) < 0:
+        raise DataError(f"data: labels must be class indices >= 0, found {min(numbers)}")
+    return np.array(numbers, dtype=np.int64), [str(c) for c in range(max(numbers) + 1)]
+
+
+def tabular_csv(cfg: DataConfig) -> Splits:
+    """A CSV with a header: ``label_column`` is the class, every other column a numeric
+    feature, standardised with the training split's mean and standard deviation."""
+    path = _existing(cfg.path, "data.path (a .csv file)")
+    with path.open(newline="", encoding="utf-8") as handle:
+        rows = list(csv.reader(handle))
+    if len(rows) < 2:
+        raise DataError(f"data: '{path}' has no data rows (a header and at least one row)")
+    header, body = rows[0], rows[1:]
+    if cfg.label_column not in header:
+        raise DataError(
+            f"data: '{path}' has no column {cfg.label_column!r} (data.label_column); columns: "
+            f"{', '.join(header)}"
+        )
+    label_at = header.index(cfg.label_column)
+    features = [name for i, name in enumerate(header) if i != label_at]
+    x = np.empty((len(body), len(features)), dtype=np.float32)
+    labels = []
+    for r, row in enumerate(body, start=2):
+        if len(row) != len(header):
+            raise DataError(
+                f"data: '{path}' line {r} has {len(row)} fields, the header {len(header)}"
+            )
+        values = [v for i, v in enumerate(row) if i != label_at]
+        try:
+            x[r - 2] = [float(v) for v in values]
+        except ValueError:
+            bad = next(i for i, v in enumerate(values) if not _is_float(v))
+            raise DataError(
+                f"data: '{path}' line {r}, column {features[bad]!r}: {values[bad]!r} is not a "
+                "number (features must be numeric; encode categories first)"
+            ) from None
+        labels.append(row[label_at])
+    if not np.isfinite(x).all():
+        raise DataError(f"data: '{path}' has NaN or infinite feature values")
+    y, names = _class_indices(labels)
+    x_tr, y_tr, x_va, y_va = stratified_split(x, y, val_size=cfg.val_fraction, seed=cfg.seed)
+    mean = x_tr.mean(axis=0)
+    std = x_tr.std(axis=0)
+    std[std == 0] = 1.0  # a constant column stays constant instead of dividing by zero
+    scale = {"feature_columns": features, "mean": mean.tolist(), "std": std.tolist()}
+    return _splits((x_tr - mean) / std, y_tr, (x_va - mean) / std, y_va, names, scale)
+
+
+def _is_float(value: str) -> bool:
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _existing(path: str, what: str) -> Path:
+    if not path:
+        raise DataError(f"data: set {what}")
+    resolved = Path(path)
+    if not resolved.exists():
+        raise DataError(f"data: '{resolved}' not found ({what})")
+    return resolved
+
+
+def image_folder(cfg: DataConfig) -> Splits:
+    """``data.path/<class>/<image>``: one folder per class, PNG/JPEG/...; decoded with Pillow
+    (no torchvision needed), resized to ``image_size``, normalised per channel with the
+    training split's statistics. ``train/`` and ``val/`` subfolders, if present, are the
+    split; otherwise ``val_fraction`` of each class is held out (stratified, seeded)."""
+    from PIL import Image
+
+    root = _existing(cfg.path, "data.path (a folder with one sub-folder per class)")
+    parts = [root / "train", root / "val"]
+    fixed_split = all(p.is_dir() for p in parts)
+    class_root = parts[0] if fixed_split else root
+    names = sorted(p.name for p in class_root.iterdir() if p.is_dir())
+    if not names:
+        raise DataError(f"data: '{class_root}' has no class sub-folders (<class>/<image>.png)")
+    channels = cfg.channels
+
+    def load(folder: Path) -> tuple[np.ndarray, np.ndarray]:
+        nonlocal channels
+        images, labels = [], []
+        for label, name in enumerate(names):
+            for file in sorted((folder / name).iterdir()) if (folder / name).is_dir() else []:
+                if file.suffix.lower() not in IMAGE_SUFFIXES:
+                    continue
+                try:
+                    with Image.open(file) as opened:
+                        if channels == 0:
+                            channels = 1 if opened.mode in ("L", "1", "I", "I;16") else 3
+                        image = opened.convert("L" if channels == 1 else "RGB")
+                        if cfg.image_size:
+                            image = image.resize((cfg.image_size, cfg.image_size))
+                        pixels = np.asarray(image, dtype=np.uint8)
+                except OSError as err:
+                    raise DataError(f"data: cannot read image '{file}': {err}") from err
+                images.append(pixels.reshape(pixels.shape[0], pixels.shape[1], channels))
+                labels.append(label)
+        if not images:
+            raise DataError(
+                f"data: no images ({', '.join(sorted(IMAGE_SUFFIXES))}) under '{folder}'"
+            )
+        shapes = {im.shape for im in images}
+        if len(shapes) > 1:
+            raise DataError(
+                f"data: images under '{folder}' have different sizes {sorted(shapes)[:3]}...; "
+                "set data.image_size to resize them"
+            )
+        return np.stack(images).transpose(0, 3, 1, 2), np.array(labels, dtype=np.int64)
+
+    if fixed_split:
+        x_tr, y_tr = load(parts[0])
+        x_va, y_va = load(parts[1])
+    else:
+        x, y = load(root)
+        x_tr, y_tr, x_va, y_va = stratified_split(x, y, val_size=cfg.val_fraction, seed=cfg.seed)
+    return _normalised(x_tr, y_tr, x_va, y_va, names)
+
+
+def _normalised(
+    x_tr: np.ndarray, y_tr: np.ndarray, x_va: np.ndarray, y_va: np.ndarray, names: list[str],
+    stats: tuple[list[float], list[float]] | None = None,
+) -> Splits:  # fmt: skip
+    """Pixels to [0, 1], then per-channel standardisation (given, or from the train split)."""
+    train = x_tr.astype(np.float32) / 255.0
+    val = x_va.astype(np.float32) / 255.0
+    if stats is None:
+        mean = train.mean(axis=(0, 2, 3))
+        std = train.std(axis=(0, 2, 3))
+        std[std == 0] = 1.0
+        stats = (mean.tolist(), std.tolist())
+    m = np.array(stats[0], dtype=np.float32)[None, :, None, None]
+    s = np.array(stats[1], dtype=np.float32)[None, :, None, None]
+    preprocessing = {"scale": 1 / 255, "mean": list(stats[0]), "std": list(stats[1]),
+                     "image_shape": list(x_tr.shape[1:])}  # fmt: skip
+    return _splits((train - m) / s, y_tr, (val - m) / s, y_va, names, preprocessing)
+
+
+IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "val": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+FOLDERS = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}
+CIFAR_FILES = [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
+CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
+                 "ship", "truck"]  # fmt: skip
+FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+                   "Sneaker", "Bag", "Ankle boot"]  # fmt: skip
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """An IDX file (the MNIST format): magic, dimensions, then unsigned bytes."""
+    opener: Any = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as handle:
+        data = handle.read()
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
+        raise DataError(f"data: '{path}' is not an unsigned-byte IDX file")
+    ndim = data[3]
+    dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+    if body.size != int(np.prod(dims)):
+        raise DataError(f"data: '{path}' is truncated ({body.size} of {int(np.prod(dims))} bytes)")
+    return body.reshape(dims)
+
+
+def _find(root: Path, candidates: list[Path], name: str) -> Path | None:
+    for folder in candidates:
+        for suffix in ("", ".gz"):
+            if (folder / (name + suffix)).is_file():
+                return folder / (name + suffix)
+    return None
+
+
+def vision_dataset(cfg: DataConfig) -> Splits:
+    root = Path(cfg.root)
+    if cfg.name == "cifar10":
+        return _cifar10(root)
+    folder = FOLDERS[cfg.name]
+    candidates = [root / folder / "raw", root / folder, root]
+    if cfg.download and _find(root, candidates, IDX_FILES["train"][0]) is None:
+        _download(cfg.name, root)
+    arrays = {}
+    for split, (images, labels) in IDX_FILES.items():
+        found = [_find(root, candidates, name) for name in (images, labels)]
+        if None in found:
+            every = ", ".join(n for pair in IDX_FILES.values() for n in pair)
+            raise DataError(
+                f"data: {cfg.name} files not found: place {every} "
+                f"(optionally .gz) in '{root / folder / 'raw'}', or install glassloop[vision] and "
+                "set data.download = true"
+            )
+        x = read_idx(found[0])  # type: ignore[arg-type]
+        arrays[split] = (x[:, None, :, :], read_idx(found[1]).astype(np.int64))  # type: ignore[arg-type]
+    names = FASHION_CLASSES if cfg.name == "fashion-mnist" else [str(c) for c in range(10)]
+    return _normalised(*arrays["train"], *arrays["val"], names, STATS[cfg.name])
+
+
+def _download(name: str, root: Path) -> None:
+    """Fetch MNIST/Fashion-MNIST with torchvision (which writes the raw IDX files we read)."""
+    try:
+        from torchvision import datasets
+    except ImportError:
+        raise DataError(
+            f"data: downloading {name} needs torchvision: pip install 'glassloop[vision]' (or "
+            f"place the files in '{root}' and set data.download = false)"
+        ) from None
+    cls = datasets.MNIST if name == "mnist" else datasets.FashionMNIST
+    try:
+        for train in (True, False):
+            cls(root=str(root), train=train, download=True)
+    except Exception as err:  # network errors come in many types
+        raise DataError(f"data: could not download {name} into '{root}': {err}") from err
+
+
+def _cifar10(root: Path) -> Splits:
+    """CIFAR-10's *binary* version: records of 1 label byte + 3,072 pixel bytes (R, G, B
+    planes of 32x32). The python version is pickled, which glassloop never loads."""
+    folder = next(
+        (f for f in (root / "cifar-10-batches-bin", root) if (f / CIFAR_FILES[0]).is_file()), None
+    )
+    if folder is None or not all((folder / f).is_file() for f in CIFAR_FILES):
+        raise DataError(
+            f"data: cifar10 files not found: extract the binary version (cifar-10-binary.tar.gz) "
+            f"so that '{root / 'cifar-10-batches-bin'}' holds {', '.join(CIFAR_FILES)} (the "
+            "python version is pickled and is not read)"
+        )
+
+    def read(files: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        raw = np.concatenate([np.fromfile(folder / f, dtype=np.uint8) for f in files])
+        if raw.size % 3073:
+            raise DataError(f"data: cifar10 files in '{folder}' are truncated")
+        records = raw.reshape(-1, 3073)
+        return records[:, 1:].reshape(-1, 3, 32, 32), records[:, 0].astype(np.int64)
+
+    return _normalised(
+        *read(CIFAR_FILES[:5]), *read(CIFAR_FILES[5:]), CIFAR_CLASSES, STATS["cifar10"]
+    )
