@@ -10,6 +10,7 @@ This is what ``glassloop train`` does before it calls ``fit``; Python users can 
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,9 @@ from torch import nn
 
 from glassloop.callbacks import Callback, EarlyStopping
 from glassloop.config import Config, optimizer_class, scheduler_class, to_dict
-from glassloop.data import Splits, load_splits, make_loaders
+from glassloop.data import Splits, load_splits, make_loader, make_loaders, pad_collate
 from glassloop.data.loaders import InMemoryLoader, ResumableLoader
+from glassloop.data.text import TextData, load_text
 from glassloop.device import resolve_device
 from glassloop.errors import ConfigError
 from glassloop.loop import Trainer
@@ -34,7 +36,7 @@ class Run:
     """Everything a configured run needs: the resolved config, data, and the trainer."""
 
     config: Config
-    splits: Splits
+    splits: Splits | TextData
     train_loader: InMemoryLoader | ResumableLoader
     val_loader: InMemoryLoader | ResumableLoader
     trainer: Trainer
@@ -86,15 +88,18 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epo
         raise ConfigError(f"config: scheduler: {name} rejected its arguments: {err}") from err
 
 
-def model_spec(cfg: Config, splits: Splits) -> dict[str, Any]:
+def model_spec(cfg: Config, data: Splits | TextData) -> dict[str, Any]:
     """What :func:`glassloop.load_model` needs to rebuild the model from a weights file."""
-    return {
+    spec = {
         "model": asdict(cfg.model),
-        "input_shape": list(splits.input_shape),
-        "num_classes": splits.num_classes,
-        "class_names": splits.class_names,
-        "preprocessing": splits.preprocessing,
+        "input_shape": list(data.input_shape),
+        "num_classes": data.num_classes,
+        "class_names": data.class_names,
+        "preprocessing": data.preprocessing,
     }
+    if isinstance(data, TextData):
+        spec.update(vocab_size=data.vocab_size, pad_id=data.pad_id)
+    return spec
 
 
 def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
@@ -102,17 +107,38 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
     cfg = copy.deepcopy(cfg)
     device = resolve_device(cfg.train.device)
     seed_everything(cfg.train.seed)  # before building the model: reproducible initial weights
-    splits = load_splits(cfg.data)
-    model = build_model(cfg.model, splits.input_shape, splits.num_classes)
-    train_loader, val_loader = make_loaders(
-        splits,
-        batch_size=cfg.data.batch_size,
-        eval_batch_size=cfg.data.eval_batch_size or None,
-        shuffle=cfg.data.shuffle,
-        num_workers=cfg.data.num_workers,
-        seed=cfg.train.seed,
-        device=device,
-    )
+    data: Splits | TextData
+    if cfg.data.name == "text-csv":
+        data = load_text(cfg.data)
+        model = build_model(
+            cfg.model, data.input_shape, data.num_classes,
+            vocab_size=data.vocab_size, pad_id=data.pad_id,
+        )  # fmt: skip
+        collate = functools.partial(pad_collate, pad_value=data.pad_id)
+        common: dict[str, Any] = {
+            "collate_fn": collate, "num_workers": cfg.data.num_workers, "seed": cfg.train.seed,
+        }  # fmt: skip
+        buckets = cfg.data.bucket_by_length
+        train_loader: InMemoryLoader | ResumableLoader = make_loader(
+            data.train, batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle,
+            lengths=data.train.lengths if buckets else None, **common,
+        )  # fmt: skip
+        val_loader: InMemoryLoader | ResumableLoader = make_loader(
+            data.val, batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
+            lengths=data.val.lengths if buckets else None, **common,
+        )  # fmt: skip
+    else:
+        data = load_splits(cfg.data)
+        model = build_model(cfg.model, data.input_shape, data.num_classes)
+        train_loader, val_loader = make_loaders(
+            data,
+            batch_size=cfg.data.batch_size,
+            eval_batch_size=cfg.data.eval_batch_size or None,
+            shuffle=cfg.data.shuffle,
+            num_workers=cfg.data.num_workers,
+            seed=cfg.train.seed,
+            device=device,
+        )
     optimizer = build_optimizer(cfg, model)
     # Optimizer steps per epoch: one per window of grad_accum_steps batches (the last may be
     # shorter).
@@ -150,6 +176,6 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
         compile=t.compile,
         checkpoint=cfg.checkpoint,
         config=to_dict(cfg),
-        model_spec=model_spec(cfg, splits),
+        model_spec=model_spec(cfg, data),
     )
-    return Run(cfg, splits, train_loader, val_loader, trainer)
+    return Run(cfg, data, train_loader, val_loader, trainer)

@@ -61,14 +61,20 @@ ALIASES = {
 
 @dataclass
 class ModelConfig:
-    """``name="mlp"`` (``hidden``, ``dropout``) or ``target="pkg.module:Class"`` /
-    ``"path/to/file.py:Class"`` with ``kwargs`` for your own model."""
+    """``name="mlp"`` (``hidden``, ``dropout``), ``name="text-classifier"`` (``embed_dim``,
+    ``encoder``, ``num_layers``, ``num_heads``, ``dropout``), or ``target="pkg.module:Class"``
+    / ``"path/to/file.py:Class"`` with ``kwargs`` for your own model."""
 
     name: str = "mlp"
     hidden: list[int] = field(default_factory=lambda: [512, 512])
     dropout: float = 0.0
     target: str = ""
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # text-classifier: embedding + encoder ("gru" or "transformer") + masked mean pooling
+    embed_dim: int = 64
+    encoder: str = "gru"
+    num_layers: int = 1
+    num_heads: int = 4
 
 
 @dataclass
@@ -84,6 +90,11 @@ class DataConfig:
     label_column: str = "label"  # csv
     image_size: int = 0  # image-folder: resize to this square size (0: keep; all must match)
     channels: int = 0  # image-folder: 1 (grayscale) or 3 (RGB); 0: from the first image
+    text_column: str = "text"  # text-csv
+    tokenizer: str = ""  # text-csv: a tokenizer.json to use instead of training one
+    vocab_size: int = 8000  # text-csv: size of the tokenizer trained on the training texts
+    max_length: int = 256  # text-csv: longer texts are cut
+    bucket_by_length: bool = True  # text-csv: batches of similar lengths (less padding)
     batch_size: int = 64
     eval_batch_size: int = 0  # 0: same as batch_size
     shuffle: bool = True
@@ -195,8 +206,10 @@ CHOICES = {
         "mnist",
         "fashion-mnist",
         "cifar10",
+        "text-csv",
     ),
     ("data", "channels"): (0, 1, 3),
+    ("model", "encoder"): ("gru", "transformer"),
     ("checkpoint", "mode"): ("auto", "min", "max"),
     ("checkpoint", "monitor"): ("", "train_loss", "val_loss", "val_accuracy"),
     ("early_stopping", "monitor"): ("", "train_loss", "val_loss", "val_accuracy"),

@@ -105,7 +105,11 @@ def load_model(path: str | Path) -> nn.Module:
     """
     spec = model_description(path)
     model = build_model(
-        ModelConfig(**spec["model"]), tuple(spec["input_shape"]), int(spec["num_classes"])
+        ModelConfig(**spec["model"]),
+        tuple(spec["input_shape"]),
+        int(spec["num_classes"]),
+        vocab_size=int(spec.get("vocab_size", 0)),
+        pad_id=int(spec.get("pad_id", 0)),
     )
     load_weights(model, Path(path))
     return model.eval()

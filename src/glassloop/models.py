@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from glassloop.config import ModelConfig
@@ -35,6 +36,62 @@ def mlp(
         width = size
     layers.append(nn.Linear(width, num_classes))
     return nn.Sequential(*layers)
+
+
+class TextClassifier(nn.Module):
+    """Embedding → encoder (a GRU, or a small Transformer encoder) → mean over the real
+    (unpadded) tokens → linear logits. Takes the batches of ``glassloop.data.pad_collate``.
+
+    >>> model = TextClassifier(vocab_size=50, num_classes=2)
+    >>> model(torch.tensor([[5, 6, 0]]), torch.tensor([[1, 1, 0]])).shape
+    torch.Size([1, 2])
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_classes: int,
+        *,
+        embed_dim: int = 64,
+        encoder: str = "gru",
+        num_layers: int = 1,
+        num_heads: int = 4,
+        dropout: float = 0.0,
+        pad_id: int = 0,
+    ) -> None:
+        super().__init__()
+        self.pad_id = pad_id
+        self.embed = nn.Embedding(vocab_size, embed_dim, padding_idx=pad_id)
+        self.kind = encoder
+        self.encoder: nn.Module
+        if encoder == "gru":
+            # Unidirectional: states at real tokens never see the padding that follows them.
+            self.encoder = nn.GRU(embed_dim, embed_dim, num_layers=num_layers, batch_first=True)
+        else:
+            layer = nn.TransformerEncoderLayer(
+                embed_dim, num_heads, dim_feedforward=4 * embed_dim, dropout=dropout,
+                batch_first=True,
+            )  # fmt: skip
+            self.encoder = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(embed_dim, num_classes)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        mask = attention_mask if attention_mask is not None else (input_ids != self.pad_id).long()
+        x = self.embed(input_ids)
+        if self.kind == "gru":
+            x, _ = self.encoder(x)
+        else:
+            x = self.encoder(x, src_key_padding_mask=mask == 0)
+        weights = mask.unsqueeze(-1).to(x.dtype)
+        pooled = (x * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+        logits: torch.Tensor = self.head(self.dropout(pooled))
+        return logits
 
 
 def import_target(target: str) -> Any:
@@ -69,8 +126,16 @@ def import_target(target: str) -> Any:
     return getattr(module, attr)
 
 
-def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """The model the config names, for data of ``input_shape`` with ``num_classes`` classes."""
+def build_model(
+    cfg: ModelConfig,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    *,
+    vocab_size: int = 0,
+    pad_id: int = 0,
+) -> nn.Module:
+    """The model the config names, for data of ``input_shape`` with ``num_classes`` classes
+    (and, for text, a vocabulary of ``vocab_size`` tokens)."""
     if cfg.target:
         factory = import_target(cfg.target)
         try:
@@ -88,7 +153,16 @@ def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int
         return model
     if cfg.name == "mlp":
         return mlp(input_shape, num_classes, cfg.hidden, cfg.dropout)
+    if cfg.name == "text-classifier":
+        if not vocab_size:
+            raise ModelError("model: 'text-classifier' needs text data (data.name = 'text-csv')")
+        return TextClassifier(
+            vocab_size, num_classes, embed_dim=cfg.embed_dim, encoder=cfg.encoder,
+            num_layers=cfg.num_layers, num_heads=cfg.num_heads, dropout=cfg.dropout,
+            pad_id=pad_id,
+        )  # fmt: skip
     raise ModelError(
-        f"model.name {cfg.name!r} is not a built-in model (built-in: 'mlp'); or set "
+        f"model.name {cfg.name!r} is not a built-in model (built-in: 'mlp', "
+        "'text-classifier'); or set "
         "model.target = 'package.module:Class'"
     )

@@ -1,0 +1,148 @@
+"""Text classification data: a CSV or JSONL of texts and labels → a tokenizer trained on the
+training texts (Hugging Face ``tokenizers``, no downloads) or a supplied ``tokenizer.json`` →
+variable-length token ids, batched with dynamic padding and length buckets."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from glassloop.config import DataConfig
+from glassloop.data.datasets import stratified_split
+from glassloop.errors import DataError
+
+PAD, UNK = "[PAD]", "[UNK]"
+
+
+class TextDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Token id sequences (1-D tensors of varying length) and their class labels."""
+
+    def __init__(self, ids: list[torch.Tensor], labels: torch.Tensor) -> None:
+        self.ids = ids
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ids[i], self.labels[i]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids in self.ids]
+
+
+@dataclass
+class TextData:
+    """Training and validation sets plus what the model and prediction need."""
+
+    train: TextDataset
+    val: TextDataset
+    vocab_size: int
+    pad_id: int
+    num_classes: int
+    class_names: list[str]
+    tokenizer_json: str
+    max_length: int
+
+    @property
+    def y_val(self) -> torch.Tensor:
+        return self.val.labels
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return (self.max_length,)
+
+    @property
+    def preprocessing(self) -> dict[str, Any]:
+        return {"tokenizer": self.tokenizer_json, "max_length": self.max_length}
+
+
+def read_texts(path: Path, text_column: str, label_column: str) -> tuple[list[str], list[str]]:
+    """Texts and labels from a CSV with a header or a JSONL file (one object per line)."""
+    records: list[dict[str, Any]] = []
+    if path.suffix in (".jsonl", ".json"):
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise DataError(f"data: '{path}' line {number} is not JSON: {err}") from err
+    else:
+        with path.open(newline="", encoding="utf-8") as handle:
+            records = list(csv.DictReader(handle))
+    if not records:
+        raise DataError(f"data: '{path}' holds no texts")
+    for column in (text_column, label_column):
+        if column not in records[0]:
+            raise DataError(
+                f"data: '{path}' has no column {column!r}; it has {', '.join(records[0])} "
+                "(set data.text_column / data.label_column)"
+            )
+    return [str(r[text_column]) for r in records], [str(r[label_column]) for r in records]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
+    """A lower-casing BPE tokenizer learnt from ``texts`` (the training split only)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token=UNK))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, UNK])
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def load_text(cfg: DataConfig) -> TextData:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise DataError(
+            "data: 'text-csv' needs the tokenizers package: pip install 'glassloop[text]'"
+        ) from None
+    if not cfg.path:
+        raise DataError("data: data.name = 'text-csv' needs data.path = 'texts.csv' (or .jsonl)")
+    path = Path(cfg.path)
+    if not path.is_file():
+        raise DataError(f"data: '{path}' not found (data.path)")
+    texts, raw_labels = read_texts(path, cfg.text_column, cfg.label_column)
+    names = sorted(set(raw_labels))
+    labels = np.array([names.index(v) for v in raw_labels], dtype=np.int64)
+    order = np.arange(len(texts))
+    train_idx, y_tr, val_idx, y_va = stratified_split(
+        order, labels, val_size=cfg.val_fraction, seed=cfg.seed
+    )
+    if cfg.tokenizer:
+        if not Path(cfg.tokenizer).is_file():
+            raise DataError(f"data: tokenizer '{cfg.tokenizer}' not found (data.tokenizer)")
+        tokenizer = Tokenizer.from_file(cfg.tokenizer)
+    else:
+        tokenizer = train_tokenizer([texts[i] for i in train_idx], cfg.vocab_size)
+    pad_id = tokenizer.token_to_id(PAD)
+    pad_id = 0 if pad_id is None else int(pad_id)
+
+    def encode(indices: np.ndarray) -> list[torch.Tensor]:
+        encoded = tokenizer.encode_batch([texts[i] for i in indices])
+        # An empty text still yields one (padding) token so every sequence has a length.
+        return [
+            torch.tensor((e.ids or [pad_id])[: cfg.max_length], dtype=torch.long) for e in encoded
+        ]
+
+    return TextData(
+        TextDataset(encode(train_idx), torch.as_tensor(y_tr)),
+        TextDataset(encode(val_idx), torch.as_tensor(y_va)),
+        tokenizer.get_vocab_size(),
+        pad_id,
+        len(names),
+        names,
+        tokenizer.to_str(),
+        cfg.max_length,
+    )
