@@ -138,6 +138,7 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
             num_workers=cfg.data.num_workers,
             seed=cfg.train.seed,
             device=device,
+            augment=cfg.data.augment,
         )
     optimizer = build_optimizer(cfg, model)
     # Optimizer steps per epoch: one per window of grad_accum_steps batches (the last may be

@@ -95,6 +95,7 @@ class DataConfig:
     vocab_size: int = 8000  # text-csv: size of the tokenizer trained on the training texts
     max_length: int = 256  # text-csv: longer texts are cut
     bucket_by_length: bool = True  # text-csv: batches of similar lengths (less padding)
+    augment: list[str] = field(default_factory=list)  # images, training: "hflip", "crop"
     batch_size: int = 64
     eval_batch_size: int = 0  # 0: same as batch_size
     shuffle: bool = True

@@ -142,3 +142,31 @@ def test_bucketed_loader_resumes_mid_epoch() -> None:
     resumed.load_state_dict(first.state_dict())
     rest = [b["lengths"].tolist() for _ in range(2) for b in resumed]  # rest of epoch 1, epoch 2
     assert head + rest == full
+
+
+def test_augmentation_is_seeded_per_batch_and_resumes_exactly() -> None:
+    from glassloop.data.augment import BatchAugment
+
+    x = torch.arange(2 * 16.0).view(2, 1, 4, 4).repeat(16, 1, 1, 1)
+    y = torch.arange(32)
+
+    def make() -> InMemoryLoader:
+        return InMemoryLoader(
+            (x, y),
+            batch_size=8,
+            seed=0,
+            augment=BatchAugment(["hflip", "crop"], seed=0, crop_padding=1),
+        )
+
+    reference = make()
+    batches = [b for _ in range(2) for b in reference]
+    full = [b[0] for b in batches]
+    assert any(not torch.equal(xb, x[yb]) for xb, yb in batches)  # it changes the images
+    assert all(xb.shape == x[yb].shape for xb, yb in batches)
+    first = make()
+    iterator = iter(first)
+    head = [next(iterator)[0] for _ in range(3)]
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    rest = [b[0] for _ in range(2) for b in resumed]
+    assert all(torch.equal(a, b) for a, b in zip(head + rest, full, strict=True))

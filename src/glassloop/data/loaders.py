@@ -18,7 +18,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
+from glassloop.data.augment import BatchAugment
 from glassloop.data.datasets import Splits
+from glassloop.errors import ConfigError
 from glassloop.preemption import ignore_stop_signals
 
 
@@ -220,6 +222,7 @@ class InMemoryLoader:
         seed: int = 0,
         drop_last: bool = False,
         device: torch.device | str | None = None,
+        augment: BatchAugment | None = None,
     ) -> None:
         sizes = {len(t) for t in tensors}
         if len(sizes) != 1:
@@ -229,6 +232,7 @@ class InMemoryLoader:
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.sampler = EpochSampler(len(self.dataset), shuffle=shuffle, seed=seed)
+        self.augment = augment  # applied to the first tensor (the inputs) of each batch
         self.epoch = 0
         self.batches_consumed = 0
 
@@ -239,8 +243,12 @@ class InMemoryLoader:
         for idx in torch.split(order, self.batch_size):
             if self.drop_last and len(idx) < self.batch_size:
                 break
+            batch = tuple(t[idx] for t in self.tensors)
+            if self.augment is not None:
+                x = self.augment(batch[0], epoch=self.epoch, batch=self.batches_consumed)
+                batch = (x, *batch[1:])
             self.batches_consumed += 1
-            yield tuple(t[idx] for t in self.tensors)
+            yield batch
         self.epoch += 1
         self.batches_consumed = 0
 
@@ -325,6 +333,7 @@ def make_loaders(
     num_workers: int = 0,
     seed: int = 0,
     device: torch.device | str | None = None,
+    augment: Sequence[str] = (),
 ) -> tuple[InMemoryLoader | ResumableLoader, InMemoryLoader | ResumableLoader]:
     """Training loader (shuffled per epoch from ``seed``) and validation loader for in-memory
     splits: the fast path, or worker processes when ``num_workers > 0``.
@@ -340,6 +349,12 @@ def make_loaders(
     train = make_loader(
         (splits.x_train, splits.y_train), batch_size=batch_size, shuffle=shuffle, **common
     )
+    if augment:
+        if not isinstance(train, InMemoryLoader):
+            raise ConfigError(
+                "config: data.augment works on the in-memory path: data.num_workers = 0"
+            )
+        train.augment = BatchAugment(augment, seed=seed)
     val = make_loader(
         (splits.x_val, splits.y_val), batch_size=eval_batch_size or batch_size, **common
     )
