@@ -99,6 +99,11 @@ def write_model(tmp_path: Path, body: str) -> Path:
             "could not be imported: ModuleNotFoundError",
         ),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (
+            ["--set", "data.name=mnist", "--set", "data.download=true"],
+            "needs torchvision: pip install 'glassloop[vision]'",
+        ),
+        (["--set", "data.name=cifar10"], "cifar10 files not found: extract the binary version"),
     ],
 )
 def test_config_errors_are_one_line_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
@@ -227,3 +232,35 @@ def test_eval_refuses_a_pickle_file(tmp_path: Path) -> None:
 
     torch.save({"w": torch.zeros(2)}, tmp_path / "model.pt")
     assert_user_error(glassloop("eval", str(tmp_path / "model.pt")), "not a valid safetensors file")
+
+
+def test_text_classification_through_the_cli(tmp_path: Path) -> None:
+    lines = ["text,label"]
+    for i in range(200):
+        cue = "wonderful" if i % 2 else "dreadful"
+        lines.append(f"the film was {'really ' * (i % 5)}{cue},{'pos' if i % 2 else 'neg'}")
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
+    run_dir = tmp_path / "run"
+    result = glassloop(
+        "train",
+        "--set",
+        "data.name=text-csv",
+        "--set",
+        f"data.path={tmp_path / 't.csv'}",
+        "--set",
+        "model.name=text-classifier",
+        "--set",
+        "train.epochs=4",
+        "--set",
+        "data.batch_size=16",
+        "--set",
+        "optim.lr=0.01",
+        "--set",
+        "train.progress=none",
+        "--run-dir",
+        str(run_dir),
+    )
+    assert result.returncode == 0, result.stderr
+    evaluated = glassloop("eval", str(run_dir))
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert "accuracy: 100.00%" in evaluated.stdout and "pos" in evaluated.stdout
