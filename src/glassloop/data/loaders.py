@@ -56,7 +56,23 @@ class EpochSampler(Sampler[int]):
         return self.num_samples - self.start
 
 
-class ResumableLoader:
+class LoaderPosition:
+    """Where a loader stands: its epoch and the batches of it already handed to the loop.
+    That is the whole resumable state of glassloop's loaders (the order is a function of the
+    seed and the epoch)."""
+
+    epoch: int = 0
+    batches_consumed: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches_consumed": self.batches_consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch = int(state["epoch"])
+        self.batches_consumed = int(state["batches_consumed"])
+
+
+class ResumableLoader(LoaderPosition):
     """A ``DataLoader`` whose position (epoch, batches consumed) is a ``state_dict``.
 
     Iterate it once per epoch like a ``DataLoader``; after ``load_state_dict`` the next
@@ -134,13 +150,6 @@ class ResumableLoader:
         n = self.sampler.num_samples
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batches_consumed": self.batches_consumed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch = int(state["epoch"])
-        self.batches_consumed = int(state["batches_consumed"])
-
 
 class BucketBatchSampler(Sampler[list[int]]):
     """Batches of indices of similar length, to reduce padding.
@@ -200,7 +209,7 @@ class BucketBatchSampler(Sampler[list[int]]):
         return self.num_batches() - self.start
 
 
-class InMemoryLoader:
+class InMemoryLoader(LoaderPosition):
     """The fast path for data already in memory: each batch is ``t[idx]`` for every tensor,
     with ``idx`` a slice of the epoch's seeded permutation — no per-sample ``__getitem__``,
     no collate. Same order as :class:`ResumableLoader` for the same seed (so the same run),
@@ -255,13 +264,6 @@ class InMemoryLoader:
     def __len__(self) -> int:
         n = self.sampler.num_samples
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batches_consumed": self.batches_consumed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch = int(state["epoch"])
-        self.batches_consumed = int(state["batches_consumed"])
 
 
 def make_loader(
