@@ -24,6 +24,7 @@ from glassloop.data import Splits, load_splits, make_loader, make_loaders, pad_c
 from glassloop.data.loaders import InMemoryLoader, ResumableLoader
 from glassloop.data.text import TextData, load_text
 from glassloop.device import resolve_device
+from glassloop.distributed import init_from_env, local_device
 from glassloop.errors import ConfigError
 from glassloop.loop import Trainer
 from glassloop.models import build_model
@@ -106,6 +107,8 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
     """Seed, load the data, build model/optimizer/scheduler, and return a :class:`Run`."""
     cfg = copy.deepcopy(cfg)
     device = resolve_device(cfg.train.device)
+    world = init_from_env(device, strategy=cfg.train.strategy, timeout_s=cfg.train.dist_timeout_s)
+    device = local_device(device, world)
     seed_everything(cfg.train.seed)  # before building the model: reproducible initial weights
     data: Splits | TextData
     if cfg.data.name == "text-csv":
@@ -117,6 +120,7 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
         collate = functools.partial(pad_collate, pad_value=data.pad_id)
         common: dict[str, Any] = {
             "collate_fn": collate, "num_workers": cfg.data.num_workers, "seed": cfg.train.seed,
+            "world": world,
         }  # fmt: skip
         buckets = cfg.data.bucket_by_length
         train_loader: InMemoryLoader | ResumableLoader = make_loader(
@@ -125,7 +129,7 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
         )  # fmt: skip
         val_loader: InMemoryLoader | ResumableLoader = make_loader(
             data.val, batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
-            lengths=data.val.lengths if buckets else None, **common,
+            lengths=data.val.lengths if buckets else None, shard="strided", **common,
         )  # fmt: skip
     else:
         data = load_splits(cfg.data)
@@ -139,6 +143,7 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
             seed=cfg.train.seed,
             device=device,
             augment=cfg.data.augment,
+            world=world,
         )
     optimizer = build_optimizer(cfg, model)
     # Optimizer steps per epoch: one per window of grad_accum_steps batches (the last may be
@@ -175,8 +180,15 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
         max_nonfinite_skips=t.max_nonfinite_skips,
         ema_decay=t.ema_decay or None,
         compile=t.compile,
+        world=world,
         checkpoint=cfg.checkpoint,
         config=to_dict(cfg),
         model_spec=model_spec(cfg, data),
     )
+    if world.distributed or t.grad_accum_steps > 1:
+        trainer.console.message(
+            f"global batch {cfg.data.batch_size * world.size * t.grad_accum_steps} = "
+            f"{cfg.data.batch_size} per process x {world.size} process(es) x "
+            f"{t.grad_accum_steps} accumulation step(s)"
+        )
     return Run(cfg, data, train_loader, val_loader, trainer)

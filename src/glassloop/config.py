@@ -9,7 +9,7 @@ Sections and keys (every key has a default; see the README's config reference)::
     [scheduler]  name, interval, and any keyword argument of that lr_scheduler class
     [train]      epochs, seed, device, log_every, progress, precision, grad_accum_steps,
                  loss_weighting, ignore_index, clip_grad_norm, clip_grad_value, nonfinite,
-                 max_nonfinite_skips, ema_decay, compile
+                 max_nonfinite_skips, ema_decay, compile, strategy, dist_timeout_s
     [checkpoint] every_n_steps, every_n_epochs, keep_last, monitor, mode
     [early_stopping] monitor, patience, min_delta, mode
 
@@ -158,6 +158,8 @@ class TrainConfig:
     max_nonfinite_skips: int = 10  # "skip": stop after this many in a row
     ema_decay: float = 0.0  # 0: off; e.g. 0.999: evaluate and export an EMA of the weights
     compile: bool = False  # torch.compile the model (checkpoints load with or without it)
+    strategy: str = "auto"  # several processes (torchrun): "auto"/"ddp" = DDP; "dp" is refused
+    dist_timeout_s: float = 300.0  # a collective waiting longer (a dead process) fails the job
 
 
 @dataclass
@@ -211,6 +213,7 @@ CHOICES = {
     ),
     ("data", "channels"): (0, 1, 3),
     ("model", "encoder"): ("gru", "transformer"),
+    ("train", "strategy"): ("auto", "ddp", "dp"),
     ("checkpoint", "mode"): ("auto", "min", "max"),
     ("checkpoint", "monitor"): ("", "train_loss", "val_loss", "val_accuracy"),
     ("early_stopping", "monitor"): ("", "train_loss", "val_loss", "val_accuracy"),

@@ -10,6 +10,7 @@ from torch import nn
 
 from glassloop.batch import split_batch, split_inputs
 from glassloop.device import move_to_device
+from glassloop.distributed import distributed_job
 from glassloop.metrics import ClassificationSums, is_class_labels
 
 LossFn = Callable[..., torch.Tensor]
@@ -26,7 +27,8 @@ def evaluate(
     (rows true, columns predicted) and ``report`` (per-class precision/recall/F1/support).
 
     The tutorial averages batch means (``test_loss / num_batches``), which over-weights a
-    short last batch; here every sample counts once.
+    short last batch; here every sample counts once. Inside a multi-process job each process
+    evaluates its own shard and the sums are added across processes.
 
     >>> model = nn.Linear(4, 3)
     >>> data = [(torch.zeros(5, 4), torch.tensor([0, 1, 2, 0, 1]))]
@@ -51,6 +53,8 @@ def evaluate(
         model.train(was_training)
     if sums is None:
         return ClassificationSums(None, device).compute()  # raises: empty
+    if distributed_job():
+        sums.all_reduce()  # each process saw its shard; report the whole validation set
     return sums.compute()
 
 

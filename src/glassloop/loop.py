@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -12,6 +13,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from glassloop.batch import Inputs, batch_size_of, describe, split_batch
@@ -19,6 +21,7 @@ from glassloop.callbacks import Callback
 from glassloop.checkpoint import (
     FORMAT_VERSION,
     CheckpointError,
+    checkpoints_dir,
     clean_temporaries,
     find_resumable,
     list_checkpoints,
@@ -28,11 +31,21 @@ from glassloop.checkpoint import (
     save_best,
     save_checkpoint,
     save_weights,
+    step_dir_name,
     unwrap_model,
     write_json,
 )
 from glassloop.config import CheckpointConfig, config_differences
 from glassloop.device import move_to_device, resolve_device
+from glassloop.distributed import (
+    World,
+    all_reduce,
+    barrier,
+    gather_objects,
+    local_device,
+    world_from_env,
+    wrap,
+)
 from glassloop.errors import ConfigError, DataError, GlassloopError, ModelError, NonFiniteError
 from glassloop.evaluate import LossFn, evaluate, predict
 from glassloop.precision import autocast, check_precision, make_scaler
@@ -106,6 +119,7 @@ class Trainer:
         max_nonfinite_skips: int = 10,
         ema_decay: float | None = None,
         compile: bool = False,
+        world: World | None = None,
         checkpoint: CheckpointConfig | None = None,
         config: Mapping[str, Any] | None = None,
         model_spec: Mapping[str, Any] | None = None,
@@ -128,12 +142,17 @@ class Trainer:
             raise GlassloopError(f"train.ema_decay must be in (0, 1), got {ema_decay}")
         if seed is not None:
             seed_everything(seed)
-        self.device = resolve_device(device)
+        # Several processes (torchrun): this one's rank, and its own device.
+        self.world = world if world is not None else world_from_env()
+        self.device = local_device(resolve_device(device), self.world)
         check_precision(precision, self.device)
         model = model.to(self.device)
         # torch.compile wraps the module (state_dict keys gain "_orig_mod."); checkpoints
         # store the unwrapped keys, so they load with or without compile.
         self.model: nn.Module = cast(nn.Module, torch.compile(model)) if compile else model
+        # DistributedDataParallel with several processes: gradients are averaged across them
+        # during backward (once per optimizer step, see no_sync in train_step).
+        self.model = wrap(self.model, self.world, self.device)
         self.precision = precision
         self.scaler = make_scaler(precision, self.device)
         self.grad_accum_steps = grad_accum_steps
@@ -162,7 +181,8 @@ class Trainer:
         self.config = dict(config) if config is not None else None
         # How to rebuild the model from its weights file alone (glassloop.load_model).
         self.model_spec = dict(model_spec) if model_spec is not None else None
-        self.console = ConsoleSink(progress)
+        # Only rank 0 talks: the other processes print nothing at all.
+        self.console = ConsoleSink(progress, silent=not self.world.is_main)
         self.state = TrainState()
         self.history: list[dict[str, Any]] = []
         self.last_eval: dict[str, Any] | None = None
@@ -175,6 +195,7 @@ class Trainer:
         self._epoch_sizes: list[int] = []
         self._last_log = (time.perf_counter(), 0)
         self._checked_first_batch = False
+        self._window_samples = 0
 
     # ----------------------------------------------------------------------------- the step
     def train_step(self, window: Sequence[tuple[Inputs, Any]]) -> torch.Tensor | None:
@@ -187,8 +208,17 @@ class Trainer:
         """
         weights = self._loss_weights(window)
         window_loss: torch.Tensor | None = None
-        for ((args, kwargs), target), weight in zip(window, weights, strict=True):
-            with autocast(self.precision, self.device):
+        last = len(window) - 1
+        for i, (((args, kwargs), target), weight) in enumerate(zip(window, weights, strict=True)):
+            # DDP: synchronise gradients only on the window's last backward.
+            sync = (
+                contextlib.nullcontext()
+                if i == last or not self.world.distributed
+                else (
+                    self.model.no_sync()  # type: ignore[operator]
+                )
+            )
+            with sync, autocast(self.precision, self.device):
                 output = self.model(*args, **kwargs)  # forward
                 loss = self.loss_fn(output, target)
             if weight is not None:
@@ -200,7 +230,8 @@ class Trainer:
             window_loss = detached if window_loss is None else window_loss + detached
             if self.scaler is not None:
                 loss = self.scaler.scale(loss)  # fp16: keep small gradients representable
-            loss.backward()  # type: ignore[no-untyped-call]  # gradients add up in .grad
+            with sync:
+                loss.backward()  # type: ignore[no-untyped-call]  # gradients add up in .grad
         assert window_loss is not None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # true gradients for clipping and the norm
@@ -212,7 +243,10 @@ class Trainer:
             self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
         # A host sync (item() is ~25x cheaper than torch.isfinite on a CPU scalar): the price
         # of never stepping on a NaN.
-        if not math.isfinite(window_loss.item()):
+        finite = math.isfinite(window_loss.item())
+        if self.world.distributed:  # every process must take the same decision
+            finite = bool(all_reduce(torch.tensor([float(finite)]), "min").item())
+        if not finite:
             self._nonfinite(window_loss, len(window))
             self.optimizer.zero_grad(set_to_none=True)
             return None
@@ -236,16 +270,23 @@ class Trainer:
         return window_loss
 
     def _loss_weights(self, window: Sequence[tuple[Inputs, Any]]) -> list[float | None]:
-        """Each micro-batch's weight in its window: ``None`` for a window of one (the loss is
-        used as is), else its samples (or non-ignored tokens) over the window's."""
-        if len(window) == 1:
+        """Each micro-batch's weight in its window: ``None`` for a window of one in one
+        process (the loss is used as is), else its samples (or non-ignored tokens) over the
+        window's across all processes, times the number of processes (DDP averages
+        gradients over processes; this turns that average into the sample-weighted one)."""
+        if len(window) == 1 and not self.world.distributed:
             return [None]
         if self.loss_weighting == "tokens":
             counts = [int((target != self.ignore_index).sum()) for _, target in window]
         else:
             counts = [batch_size_of(target, inputs) for inputs, target in window]
         total = sum(counts)
-        return [count / total if total else 0.0 for count in counts]
+        if self.world.distributed:
+            samples = sum(batch_size_of(target, inputs) for inputs, target in window)
+            totals = all_reduce(torch.tensor([total, samples], dtype=torch.float64))
+            total, self._window_samples = int(totals[0]), int(totals[1])
+        scale = self.world.size
+        return [scale * count / total if total else 0.0 for count in counts]
 
     def _nonfinite(self, loss: torch.Tensor, num_batches: int) -> None:
         """Apply ``nonfinite``: raise with where it happened, or count a skipped step."""
@@ -305,8 +346,9 @@ class Trainer:
         # Versions and git SHA for run.json and checkpoint metadata (a git subprocess: only
         # worth it when something is written).
         self._environment = environment() if self.run_dir is not None else {}
-        if self.run_dir is not None:
+        if self.run_dir is not None and self.world.is_main:
             clean_temporaries(self.run_dir)
+        barrier()  # nobody reads the run dir while rank 0 tidies it
         if resume is not None:
             self._resume(resume, allow_config_change)
         elif self.run_dir is not None and list_checkpoints(self.run_dir):
@@ -385,7 +427,11 @@ class Trainer:
         train_loss = float("nan")  # every step of the epoch was skipped
         if losses:
             weights = torch.tensor(sizes, dtype=torch.float64, device=self.device)
-            train_loss = float(torch.stack(losses).to(torch.float64) @ weights) / sum(sizes)
+            loss_sum = torch.stack(losses).to(torch.float64) @ weights
+            if self.world.distributed:  # the mean over every process's samples
+                sums = all_reduce(torch.stack([loss_sum, weights.sum()]).cpu())
+                loss_sum, weights = sums[0], sums[1:]
+            train_loss = float(loss_sum) / float(weights.sum())
         row: dict[str, Any] = {
             "kind": "epoch",
             "epoch": epoch,
@@ -425,7 +471,8 @@ class Trainer:
             self._check_batch(*window[0])
         n = sum(batch_size_of(target, inputs) for inputs, target in window)
         loss = self.train_step(window)
-        state.samples_seen += n
+        # Samples of every process (counted in train_step's all-reduce under DDP).
+        state.samples_seen += self._window_samples if self.world.distributed else n
         state.batch_in_epoch += len(window)
         self.console.advance(n)
         if loss is None:  # skipped: nothing learned, no step counted
@@ -437,8 +484,7 @@ class Trainer:
             self._log_step(loss, sum(sizes))
         if every_n_steps and state.step % every_n_steps == 0:
             self.save_checkpoint()
-        if self._signals.received is not None:
-            self._preempt(self._signals.received)
+        self._stop_if_signalled()
 
     def _end_epoch(self, row: dict[str, Any], epochs: int) -> None:
         """Record the epoch, let callbacks see it, checkpoint per policy, track the best."""
@@ -453,9 +499,10 @@ class Trainer:
         if every and self.state.epoch % every == 0:
             self.save_checkpoint()
         if improved and self.run_dir is not None:
-            save_best(self.run_dir, self.model, self.state_dict(), self._meta(finished=False))
-        if self._signals.received is not None:
-            self._preempt(self._signals.received)
+            state = self.state_dict()  # collective: every process takes part
+            if self.world.is_main:
+                save_best(self.run_dir, self.model, state, self._meta(finished=False))
+        self._stop_if_signalled()
 
     def _update_best(self, row: dict[str, Any]) -> bool:
         monitor = self.checkpoint.monitor
@@ -477,6 +524,15 @@ class Trainer:
         self.state.best_metric = value
         return True
 
+    def _stop_if_signalled(self) -> None:
+        """Stop after this step if a SIGTERM/SIGINT arrived (in any process: all processes
+        agree on the step, so the checkpoint is consistent)."""
+        signum = self._signals.received or 0
+        if self.world.distributed:
+            signum = int(all_reduce(torch.tensor([signum]), "max").item())
+        if signum:
+            self._preempt(signum)
+
     def _preempt(self, signum: int) -> None:
         path = self.save_checkpoint() if self.run_dir is not None else None
         raise Preempted(signum, self.state.step, str(path) if path is not None else None)
@@ -496,6 +552,8 @@ class Trainer:
             "epoch_sizes": list(self._epoch_sizes),
             "history": self.history,
             "rng": capture_rng_state(),
+            # Every process's RNG (dropout masks differ per process); a collective call.
+            "rng_per_rank": gather_objects(capture_rng_state()) if self.world.distributed else None,
             "data": loader.state_dict() if hasattr(loader, "state_dict") else None,
             "callbacks": [
                 cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.callbacks
@@ -522,21 +580,36 @@ class Trainer:
         for callback, saved in zip(self.callbacks, state["callbacks"], strict=False):
             if saved is not None and hasattr(callback, "load_state_dict"):
                 callback.load_state_dict(saved)
-        restore_rng_state(state["rng"])
+        per_rank = state.get("rng_per_rank")
+        restore_rng_state(per_rank[self.world.rank] if per_rank else state["rng"])
 
     def save_checkpoint(self, *, finished: bool = False) -> Path | None:
         """Commit a checkpoint of the current step under ``run_dir`` (None without one)."""
         if self.run_dir is None:
             return None
-        path = save_checkpoint(
-            self.run_dir, self.model, self.state_dict(), self._meta(finished=finished)
-        )
-        prune(self.run_dir, self.checkpoint.keep_last)
+        state = self.state_dict()  # collective (RNG of every process): all processes call it
+        path = checkpoints_dir(self.run_dir) / step_dir_name(self.state.step)
+        failure: Exception | None = None
+        if self.world.is_main:  # one writer; the others wait for its verdict below
+            try:
+                path = save_checkpoint(
+                    self.run_dir, self.model, state, self._meta(finished=finished)
+                )
+                prune(self.run_dir, self.checkpoint.keep_last)
+            except GlassloopError as err:
+                failure = err
+        if self.world.distributed:
+            failed = all_reduce(torch.tensor([float(failure is not None)]), "max").item()
+            if failed and failure is None:
+                raise CheckpointError(f"checkpoint: rank 0 could not write '{path}'; see its error")
+        if failure is not None:
+            raise failure
         return path
 
     def _meta(self, *, finished: bool) -> dict[str, Any]:
         return {
             "format": FORMAT_VERSION,
+            "world_size": self.world.size,
             "step": self.state.step,
             "epoch": self.state.epoch,
             "batch_in_epoch": self.state.batch_in_epoch,
@@ -563,6 +636,13 @@ class Trainer:
             checkpoint = found
         else:
             checkpoint = read_checkpoint(Path(resume))  # named explicitly: no fallback
+        saved_world = int(checkpoint.meta.get("world_size", 1))
+        if saved_world != self.world.size:
+            raise ConfigError(
+                f"config: '{checkpoint.path}' was written by {saved_world} process(es), this "
+                f"job has {self.world.size}; resume with the same number (--nproc "
+                f"{saved_world}): each process's data shard and RNG are part of the state"
+            )
         saved = checkpoint.meta.get("config")
         current = self.config or self._describe()
         changes = config_differences(saved, current)
@@ -586,7 +666,7 @@ class Trainer:
                 f"first {self.state.batch_in_epoch} batches of the epoch and is exact only if "
                 "it yields them in the same order (use glassloop.data.ResumableLoader)"
             )
-        if self.run_dir is not None:
+        if self.run_dir is not None and self.world.is_main:
             truncate_rows(self.run_dir, self.state.step)
         self.console.message(
             f"resumed from '{checkpoint.path}' at step {self.state.step} (epoch "
@@ -670,7 +750,10 @@ class Trainer:
     @property
     def eval_model(self) -> nn.Module:
         """What is evaluated and exported: the EMA of the weights when enabled, else the model."""
-        return self.ema.module if self.ema is not None else self.model
+        if self.ema is not None:
+            return self.ema.module
+        # Evaluation needs no gradient sync: the module under DDP, each process on its shard.
+        return self.model.module if isinstance(self.model, DDP) else self.model
 
     def evaluate(self, loader: Iterable[Any]) -> dict[str, Any]:
         """Loss (mean over samples), accuracy, confusion matrix and per-class report."""
@@ -684,7 +767,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ run dir
     def _open_run_dir(self, has_val: bool) -> None:
-        if self.run_dir is None:
+        if self.run_dir is None or not self.world.is_main:  # rank 0 writes the run's files
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_json(self.run_dir / "config.json", self.config or self._describe())
@@ -702,7 +785,7 @@ class Trainer:
         for sink in self._sinks:
             sink.close()
         self._sinks = []
-        if self.run_dir is None:
+        if self.run_dir is None or not self.world.is_main:
             return
         if status == "finished":
             metadata = {"format": "glassloop-weights"}

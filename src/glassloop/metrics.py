@@ -53,6 +53,22 @@ class ClassificationSums:
         index = target[valid] * c + pred[valid]
         self.confusion += torch.bincount(index, minlength=c * c).view(c, c)
 
+    def all_reduce(self) -> None:
+        """Sum the counts of every process (each evaluated its own shard): the result equals
+        one process evaluating all the data. A no-op in a single process."""
+        from glassloop.distributed import all_reduce
+
+        sums = torch.stack([
+            self.loss_sum.cpu(), torch.tensor(float(self.num_samples), dtype=torch.float64),
+            self.num_invalid.cpu().to(torch.float64),
+        ])  # fmt: skip
+        all_reduce(sums)
+        self.loss_sum = sums[0].to(self.device)
+        self.num_samples = int(sums[1])
+        self.num_invalid = sums[2].to(torch.int64).to(self.device)
+        if self.confusion is not None:
+            self.confusion = all_reduce(self.confusion.cpu()).to(self.device)
+
     def compute(self) -> dict[str, Any]:
         """Return ``loss`` (mean over samples), ``accuracy``, ``confusion`` and ``report``."""
         if self.num_samples == 0:

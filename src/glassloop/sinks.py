@@ -31,9 +31,12 @@ class ConsoleSink:
     """Per-epoch progress (bar with loss, samples/s and ETA; or the tutorial's plain lines)
     and a one-line epoch summary."""
 
-    def __init__(self, mode: str = "auto", stream: IO[str] | None = None) -> None:
+    def __init__(
+        self, mode: str = "auto", stream: IO[str] | None = None, *, silent: bool = False
+    ) -> None:
         self.stream = stream if stream is not None else sys.stdout
-        self.mode = resolve_progress(mode)
+        self.silent = silent
+        self.mode = "none" if silent else resolve_progress(mode)
         self._bar: Any = None
         self._total: int | None = None
 
@@ -69,7 +72,8 @@ class ConsoleSink:
 
     def message(self, text: str) -> None:
         """Resume notices and warnings: printed whatever the progress mode."""
-        print(text, file=self.stream, flush=True)
+        if not self.silent:
+            print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

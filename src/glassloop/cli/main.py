@@ -10,6 +10,7 @@ stderr); 3 a checkpoint could not be written (disk full, quota; earlier checkpoi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -69,6 +70,13 @@ def make_parser() -> Parser:
         "CHECKPOINT directory given), at the exact next batch",
     )
     train.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="train with N processes on this machine (DDP): runs torchrun --standalone "
+        "--nproc-per-node N -m glassloop train with the other arguments",
+    )
+    train.add_argument(
         "--allow-config-change",
         action="store_true",
         help="resume even though the config differs from the checkpoint's in keys that "
@@ -123,25 +131,56 @@ def default_run_dir() -> Path:
 def cmd_train(args: argparse.Namespace) -> int:
     from glassloop.build import build
     from glassloop.config import load_config
+    from glassloop.distributed import shutdown
     from glassloop.errors import GlassloopError
 
+    if args.nproc and "WORLD_SIZE" not in os.environ:
+        return exec_torchrun(args.nproc)
     cfg = load_config(args.config, args.overrides)
     if args.resume == "auto" and not args.run_dir:
         raise GlassloopError("--resume needs --run-dir DIR: the run to continue")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
+    if not args.run_dir and "WORLD_SIZE" in os.environ:
+        raise GlassloopError("with several processes, pass --run-dir: every process must agree")
     run = build(cfg, run_dir=run_dir)
-    history = run.trainer.fit(
-        run.train_loader,
-        run.val_loader,
-        epochs=cfg.train.epochs,
-        resume=args.resume,
-        allow_config_change=args.allow_config_change,
-    )
+    try:
+        history = run.trainer.fit(
+            run.train_loader,
+            run.val_loader,
+            epochs=cfg.train.epochs,
+            resume=args.resume,
+            allow_config_change=args.allow_config_change,
+        )
+    finally:
+        shutdown()
+    if not run.trainer.world.is_main:
+        return EXIT_OK
     last = history[-1] if history else {}
     if "val_accuracy" in last:
         print(f"final validation accuracy: {100 * last['val_accuracy']:.2f}%")
     print(f"run directory: {run_dir}")
     return EXIT_OK
+
+
+def exec_torchrun(nproc: int) -> int:
+    """Replace this process with torchrun running the same command without ``--nproc``."""
+    argv = sys.argv[1:]
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            kept.append(arg)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", "-m", "glassloop", *kept,
+    ]  # fmt: skip
+    sys.stdout.flush()
+    os.execv(sys.executable, command)
+    return EXIT_ERROR  # not reached
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from glassloop.data.augment import BatchAugment
 from glassloop.data.datasets import Splits
+from glassloop.distributed import SINGLE, World
 from glassloop.errors import ConfigError
 from glassloop.preemption import ignore_stop_signals
 
@@ -33,27 +34,62 @@ class EpochSampler(Sampler[int]):
     """Indices of one epoch: ``randperm`` from a generator seeded by ``(seed, epoch)`` (or
     ``0..n-1`` without shuffling), starting at ``start``. Never touches the global RNG."""
 
-    def __init__(self, num_samples: int, *, shuffle: bool, seed: int) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        world: World = SINGLE,
+        batch_size: int = 1,
+        shard: str = "batches",
+    ) -> None:
         self.num_samples = num_samples
         self.shuffle = shuffle
         self.seed = seed
+        self.world = world
+        self.batch_size = batch_size
+        self.shard = shard
         self.epoch = 0
         self.start = 0
 
     def indices(self) -> torch.Tensor:
-        """This epoch's remaining indices, as a tensor."""
+        """This epoch's remaining indices for this process, as a tensor."""
         if self.shuffle:
             generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
             order = torch.randperm(self.num_samples, generator=generator)
         else:
             order = torch.arange(self.num_samples)
+        if self.world.distributed:
+            order = self._shard(order)
         return order[self.start :]
+
+    def _shard(self, order: torch.Tensor) -> torch.Tensor:
+        """This process's part of the epoch.
+
+        ``"batches"`` (training): global batch ``k`` is ``order[k*B*W : (k+1)*B*W]`` and
+        process ``r`` takes its ``r``-th slice of ``B``, so W processes with batch B see
+        exactly the samples of one process with batch B*W. The last, short global batch is
+        split evenly (sizes differ by at most one); one smaller than W samples is dropped, as
+        every process must take the same number of steps. ``"strided"`` (evaluation):
+        ``order[rank::W]``, no sample twice, none dropped.
+        """
+        rank, size = self.world.rank, self.world.size
+        if self.shard == "strided":
+            return order[rank::size]
+        per_step = self.batch_size * size
+        full = len(order) // per_step * per_step
+        head = order[:full].view(-1, size, self.batch_size)[:, rank].reshape(-1)
+        tail = order[full:]
+        if len(tail) < size:
+            return head
+        return torch.cat([head, torch.tensor_split(tail, size)[rank]])
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices().tolist())
 
     def __len__(self) -> int:
-        return self.num_samples - self.start
+        return len(self.indices())
 
 
 class LoaderPosition:
@@ -99,14 +135,21 @@ class ResumableLoader(LoaderPosition):
         pin_memory: bool = False,
         collate_fn: Any = None,
         lengths: Sequence[int] | None = None,
+        world: World = SINGLE,
+        shard: str = "batches",
     ) -> None:
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
-        self.sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed)  # type: ignore[arg-type]
+        self.sampler = EpochSampler(
+            len(dataset),  # type: ignore[arg-type]
+            shuffle=shuffle, seed=seed, world=world, batch_size=batch_size, shard=shard,
+        )  # fmt: skip
         # With lengths: batches of similar length (less padding), still resumable by count.
         self.buckets = (
-            BucketBatchSampler(lengths, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+            BucketBatchSampler(
+                lengths, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, world=world
+            )
             if lengths is not None
             else None
         )
@@ -144,10 +187,12 @@ class ResumableLoader(LoaderPosition):
         self.batches_consumed = 0
 
     def __len__(self) -> int:
-        """Batches in a full epoch."""
+        """Batches in a full epoch (of this process)."""
         if self.buckets is not None:
             return self.buckets.num_batches()
-        n = self.sampler.num_samples
+        start, self.sampler.start = self.sampler.start, 0
+        n = len(self.sampler)
+        self.sampler.start = start
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
 
@@ -172,7 +217,9 @@ class BucketBatchSampler(Sampler[list[int]]):
         seed: int = 0,
         drop_last: bool = False,
         chunk_batches: int = 50,
+        world: World = SINGLE,
     ) -> None:
+        self.world = world
         self.lengths = torch.as_tensor(list(lengths))
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -196,11 +243,15 @@ class BucketBatchSampler(Sampler[list[int]]):
         if self.shuffle:
             perm = torch.randperm(len(batches), generator=generator).tolist()
             batches = [batches[i] for i in perm]
+        if self.world.distributed:  # every process takes the same number of batches
+            size = self.world.size
+            batches = batches[: len(batches) // size * size][self.world.rank :: size]
         return batches
 
     def num_batches(self) -> int:
         n = len(self.lengths)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        total = n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return total // self.world.size
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.batches()[self.start :])
@@ -232,6 +283,8 @@ class InMemoryLoader(LoaderPosition):
         drop_last: bool = False,
         device: torch.device | str | None = None,
         augment: BatchAugment | None = None,
+        world: World = SINGLE,
+        shard: str = "batches",
     ) -> None:
         sizes = {len(t) for t in tensors}
         if len(sizes) != 1:
@@ -240,7 +293,10 @@ class InMemoryLoader(LoaderPosition):
         self.dataset = TensorDataset(*self.tensors)  # for len() and for code that inspects it
         self.batch_size = batch_size
         self.drop_last = drop_last
-        self.sampler = EpochSampler(len(self.dataset), shuffle=shuffle, seed=seed)
+        self.sampler = EpochSampler(
+            len(self.dataset), shuffle=shuffle, seed=seed, world=world, batch_size=batch_size,
+            shard=shard,
+        )  # fmt: skip
         self.augment = augment  # applied to the first tensor (the inputs) of each batch
         self.epoch = 0
         self.batches_consumed = 0
@@ -262,7 +318,10 @@ class InMemoryLoader(LoaderPosition):
         self.batches_consumed = 0
 
     def __len__(self) -> int:
-        n = self.sampler.num_samples
+        """Batches in a full epoch (of this process)."""
+        start, self.sampler.start = self.sampler.start, 0
+        n = len(self.sampler)
+        self.sampler.start = start
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
 
@@ -278,6 +337,8 @@ def make_loader(
     collate_fn: Any = None,
     lengths: Sequence[int] | None = None,
     device: torch.device | str | None = None,
+    world: World = SINGLE,
+    shard: str = "batches",
 ) -> InMemoryLoader | ResumableLoader:
     """A resumable loader with sensible defaults.
 
@@ -305,7 +366,7 @@ def make_loader(
     ):
         return InMemoryLoader(
             tensors, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
-            device=device,
+            device=device, world=world, shard=shard,
         )  # fmt: skip
     if tensors is not None:
         dataset = TensorDataset(*tensors)
@@ -323,6 +384,8 @@ def make_loader(
         pin_memory=bool(pin_memory),
         collate_fn=collate_fn,
         lengths=lengths,
+        world=world,
+        shard=shard,
     )
 
 
@@ -336,6 +399,7 @@ def make_loaders(
     seed: int = 0,
     device: torch.device | str | None = None,
     augment: Sequence[str] = (),
+    world: World = SINGLE,
 ) -> tuple[InMemoryLoader | ResumableLoader, InMemoryLoader | ResumableLoader]:
     """Training loader (shuffled per epoch from ``seed``) and validation loader for in-memory
     splits: the fast path, or worker processes when ``num_workers > 0``.
@@ -347,7 +411,9 @@ def make_loaders(
     torch.Size([32, 32])
     """
     pin = device is not None and torch.device(device).type == "cuda"
-    common: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin, "seed": seed}
+    common: dict[str, Any] = {
+        "num_workers": num_workers, "pin_memory": pin, "seed": seed, "world": world,
+    }  # fmt: skip
     train = make_loader(
         (splits.x_train, splits.y_train), batch_size=batch_size, shuffle=shuffle, **common
     )
@@ -358,6 +424,7 @@ def make_loaders(
             )
         train.augment = BatchAugment(augment, seed=seed)
     val = make_loader(
-        (splits.x_val, splits.y_val), batch_size=eval_batch_size or batch_size, **common
-    )
+        (splits.x_val, splits.y_val), batch_size=eval_batch_size or batch_size,
+        shard="strided", **common,
+    )  # fmt: skip
     return train, val

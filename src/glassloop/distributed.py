@@ -1,0 +1,135 @@
+"""Multi-process training on PyTorch's own engine: torchrun's environment, the process group,
+DDP wrapping, and the few collectives the loop needs.
+
+glassloop never launches processes itself: ``torchrun`` (or SLURM through torchrun) starts
+one process per device and sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``; :func:`init_from_env` joins that group. Everything here is a no-op in a
+single process, so the loop calls it unconditionally.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from glassloop.errors import ConfigError
+
+WHY_NOT_DATAPARALLEL = (
+    "config: train.strategy = 'dp' (torch.nn.DataParallel) is not supported: it runs one "
+    "Python process that scatters every batch from GPU 0 and gathers outputs back to it, so "
+    "GPU 0 becomes the bottleneck and the GIL serialises the work. glassloop uses "
+    "DistributedDataParallel instead: one process per device via torchrun "
+    "(glassloop train CONFIG --nproc N), each with its own data shard; see docs/distributed.md"
+)
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job: ``rank`` of ``size`` processes, ``local_rank`` on
+    its node."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes logs, metrics and checkpoints."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+SINGLE = World()
+
+
+def world_from_env() -> World:
+    """The world torchrun describes in the environment (one process when it does not)."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return SINGLE
+    return World(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def init_from_env(
+    device: torch.device, *, strategy: str = "auto", timeout_s: float = 300.0
+) -> World:
+    """Join the process group torchrun set up (gloo on CPU, nccl on CUDA); pin this process
+    to its GPU. Returns the single-process world outside torchrun."""
+    if strategy == "dp":
+        raise ConfigError(WHY_NOT_DATAPARALLEL)
+    if strategy not in ("auto", "ddp"):
+        raise ConfigError(f"config: train.strategy must be 'auto' or 'ddp', got {strategy!r}")
+    world = world_from_env()
+    if not world.distributed:
+        return world
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(world.local_rank)
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    return world
+
+
+def local_device(device: torch.device, world: World) -> torch.device:
+    """Each process uses its own GPU (``cuda:LOCAL_RANK``); CPU stays CPU."""
+    if device.type == "cuda" and world.distributed:
+        return torch.device("cuda", world.local_rank)
+    return device
+
+
+def wrap(model: nn.Module, world: World, device: torch.device) -> nn.Module:
+    """DDP around ``model`` when there are several processes; the model itself otherwise."""
+    if not world.distributed:
+        return model
+    device_ids = [device.index] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def distributed_job() -> bool:
+    """True inside an initialised process group of more than one process."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In-place sum (or max/min) across processes; returns ``tensor``. No-op in one process."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        dist.all_reduce(tensor, op=ops[op])
+    return tensor
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every process's ``value``, in rank order (``[value]`` in one process).
+
+    Uses ``all_gather_object`` (pickle between our own processes, never from disk)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def shutdown() -> None:
+    """Leave the process group together: a barrier first, so no process tears down its
+    connections while another still uses them (gloo aborts the process otherwise)."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()

@@ -1,0 +1,155 @@
+"""Two processes on CPU (gloo) through torchrun: DDP equals one process, faults do not hang,
+and a two-process run resumes bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+KILLABLE = '''
+import os, signal
+from torch import nn
+from glassloop.models import mlp
+
+class KillableMLP(nn.Module):
+    """An MLP with dropout; the process whose RANK is KILL_RANK SIGKILLs itself at training
+    forward KILL_AT_FORWARD."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp((32,), 10, [32], 0.2)
+        self.calls = 0
+        mine = os.environ.get("RANK", "0") == os.environ.get("KILL_RANK", "-1")
+        self.kill_at = int(os.environ.get("KILL_AT_FORWARD", "0")) if mine else 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if self.calls == self.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.net(x)
+'''
+
+# 640 training samples = 20 global batches of 32 per epoch (16 per process with 2 processes).
+CONFIG = """
+[data]
+name = "synthetic"
+num_samples = 800
+batch_size = 16
+[model]
+hidden = [32]
+[scheduler]
+interval = "step"
+[train]
+epochs = 2
+progress = "none"
+dist_timeout_s = 30
+"""
+
+
+def train(
+    cwd: Path, *args: str, nproc: int = 0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    launch = ["--nproc", str(nproc)] if nproc else []
+    return subprocess.run(
+        [sys.executable, "-m", "glassloop", "train", "cfg.toml", *launch, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def last_epoch(run: Path) -> dict[str, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if row["kind"] == "epoch"][-1]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ddp")
+    (path / "cfg.toml").write_text(CONFIG)
+    (path / "killable.py").write_text(KILLABLE)
+    return path
+
+
+def test_two_processes_equal_one_process_with_the_same_global_batch(workdir: Path) -> None:
+    two = train(workdir, "--run-dir", "two", nproc=2)
+    assert two.returncode == 0, two.stderr
+    assert "global batch 32 = 16 per process x 2 process(es)" in two.stdout
+    one = train(workdir, "--run-dir", "one", "--set", "data.batch_size=32")
+    assert one.returncode == 0, one.stderr
+    a, b = (
+        load_file(workdir / "one" / "model.safetensors"),
+        load_file(workdir / "two" / "model.safetensors"),
+    )
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=1e-5, atol=1e-7), key
+    ra, rb = last_epoch(workdir / "one"), last_epoch(workdir / "two")
+    assert ra["val_accuracy"] == rb["val_accuracy"]  # every validation sample counted once
+    assert ra["val_loss"] == pytest.approx(rb["val_loss"], abs=1e-6)
+    assert ra["samples"] == rb["samples"] == 1280
+    assert not (workdir / "two" / "checkpoints" / ".tmp").exists()
+
+
+def test_a_dead_process_fails_the_job_without_hanging(workdir: Path) -> None:
+    start = time.monotonic()
+    result = train(
+        workdir,
+        "--run-dir",
+        "dead",
+        "--set",
+        "model.target=killable.py:KillableMLP",
+        nproc=2,
+        env={"KILL_RANK": "1", "KILL_AT_FORWARD": "5"},
+    )
+    assert result.returncode != 0
+    assert time.monotonic() - start < 90
+
+
+def test_two_process_run_resumes_bitwise_from_a_mid_epoch_checkpoint(workdir: Path) -> None:
+    common = (
+        "--set",
+        "model.target=killable.py:KillableMLP",
+        "--set",
+        "checkpoint.every_n_steps=4",
+    )
+    reference = train(workdir, "--run-dir", "ref", *common, nproc=2)
+    assert reference.returncode == 0, reference.stderr
+    killed = train(
+        workdir,
+        "--run-dir",
+        "cut",
+        *common,
+        nproc=2,
+        env={"KILL_RANK": "0", "KILL_AT_FORWARD": "27"},
+    )
+    assert killed.returncode != 0
+    resumed = train(workdir, "--run-dir", "cut", "--resume", *common, nproc=2)
+    assert resumed.returncode == 0, resumed.stderr
+    assert (
+        "resumed from 'cut/checkpoints/step-00000024' at step 24 (epoch 2, batch 4)"
+        in resumed.stdout
+    )
+    for name in ("model.safetensors", "checkpoints/step-00000040/state.safetensors"):
+        a, b = load_file(workdir / "ref" / name), load_file(workdir / "cut" / name)
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    changed = train(workdir, "--run-dir", "cut", "--resume", *common)
+    assert changed.returncode == 2
+    assert "written by 2 process(es), this job has 1" in changed.stderr
+
+
+def test_dataparallel_is_refused_with_the_reason(workdir: Path) -> None:
+    result = train(workdir, "--run-dir", "dp", "--set", "train.strategy=dp")
+    assert result.returncode == 2
+    assert "GPU 0 becomes the bottleneck" in result.stderr and "torchrun" in result.stderr
