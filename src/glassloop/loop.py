@@ -453,6 +453,8 @@ class Trainer:
         self._epoch_losses, self._epoch_sizes = [], []
         if self.last_grad_norm is not None:
             row["grad_norm"] = float(self.last_grad_norm)  # of the epoch's last step
+        if self.device.type == "cuda":  # peak memory of this process's GPU
+            row["max_memory_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         row["seconds"] = time.perf_counter() - start
         row["samples_per_s"] = sum(sizes) / row["seconds"] if row["seconds"] > 0 else None
         return row

@@ -82,7 +82,10 @@ class ConsoleSink:
 
 
 # In the files, not on the summary line (which keeps the tutorial-like shape).
-SUMMARY_SKIPS = ("kind", "epoch", "step", "samples", "lr", "seconds", "samples_per_s", "grad_norm")
+SUMMARY_SKIPS = (
+    "kind", "epoch", "step", "samples", "lr", "seconds", "samples_per_s", "grad_norm",
+    "max_memory_mb",
+)  # fmt: skip
 
 
 def format_epoch_summary(row: dict[str, Any], num_epochs: int) -> str:

@@ -153,3 +153,30 @@ def test_dataparallel_is_refused_with_the_reason(workdir: Path) -> None:
     result = train(workdir, "--run-dir", "dp", "--set", "train.strategy=dp")
     assert result.returncode == 2
     assert "GPU 0 becomes the bottleneck" in result.stderr and "torchrun" in result.stderr
+
+
+def test_sigterm_to_the_launcher_checkpoints_one_consistent_step(workdir: Path) -> None:
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "glassloop", "train", "cfg.toml", "--nproc", "2", "--run-dir", "term",
+         "--set", "train.log_every=1", "--set", "train.progress=lines"],
+        cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines = 0
+    for line in proc.stdout:
+        lines += line.startswith("loss:")
+        if lines == 10:
+            proc.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to both ranks
+            break
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    root = workdir / "term" / "checkpoints"
+    latest = (root / "latest").read_text().strip()
+    meta = json.loads((root / latest / "meta.json").read_text())
+    assert meta["world_size"] == 2 and 10 <= meta["step"] < 40
+    resumed = train(workdir, "--run-dir", "term", "--resume", nproc=2)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"at step {meta['step']}" in resumed.stdout
+    assert last_epoch(workdir / "term")["step"] == 40
