@@ -425,13 +425,15 @@ class Trainer:
                 "batch_size larger than the dataset with drop_last=True)"
             )
         train_loss = float("nan")  # every step of the epoch was skipped
+        epoch_samples = sum(sizes)
         if losses:
             weights = torch.tensor(sizes, dtype=torch.float64, device=self.device)
             loss_sum = torch.stack(losses).to(torch.float64) @ weights
             if self.world.distributed:  # the mean over every process's samples
                 sums = all_reduce(torch.stack([loss_sum, weights.sum()]).cpu())
                 loss_sum, weights = sums[0], sums[1:]
-            train_loss = float(loss_sum) / float(weights.sum())
+            epoch_samples = int(weights.sum())
+            train_loss = float(loss_sum) / epoch_samples
         row: dict[str, Any] = {
             "kind": "epoch",
             "epoch": epoch,
@@ -456,7 +458,7 @@ class Trainer:
         if self.device.type == "cuda":  # peak memory of this process's GPU
             row["max_memory_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         row["seconds"] = time.perf_counter() - start
-        row["samples_per_s"] = sum(sizes) / row["seconds"] if row["seconds"] > 0 else None
+        row["samples_per_s"] = epoch_samples / row["seconds"] if row["seconds"] > 0 else None
         return row
 
     def _step_window(
