@@ -14,6 +14,7 @@ from glassloop.evaluate import evaluate, predict
 from glassloop.export import export_model, load_model
 from glassloop.loop import Trainer
 from glassloop.metrics import format_report
+from glassloop.predict import Predictor
 from glassloop.preemption import Preempted
 from glassloop.rng import seed_everything
 from glassloop.state import TrainState
@@ -28,6 +29,7 @@ __all__ = [
     "DataError",
     "GlassloopError",
     "ModelError",
+    "Predictor",
     "Preempted",
     "Run",
     "TrainState",

@@ -264,3 +264,65 @@ def test_text_classification_through_the_cli(tmp_path: Path) -> None:
     evaluated = glassloop("eval", str(run_dir))
     assert evaluated.returncode == 0, evaluated.stderr
     assert "accuracy: 100.00%" in evaluated.stdout and "pos" in evaluated.stdout
+
+
+def test_predict_on_pngs_and_arrays_matches_the_trained_model(
+    trained_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
+    import torch
+    from PIL import Image
+
+    import glassloop as gl
+    from glassloop.data.datasets import MNIST_MEAN, MNIST_STD, load_mnist_5k_arrays
+
+    run_dir, _ = trained_run
+    x, _ = load_mnist_5k_arrays()
+    raw = x[:3].reshape(3, 28, 28)
+    for i in range(3):
+        Image.fromarray(raw[i]).save(tmp_path / f"digit{i}.png")
+    np.save(tmp_path / "digits.npy", raw.astype(np.float32))
+    result = glassloop(
+        "predict",
+        str(run_dir),
+        *(str(tmp_path / f"digit{i}.png") for i in range(3)),
+        str(tmp_path / "digits.npy"),
+        "--top-k",
+        "2",
+        "--output",
+        str(tmp_path / "preds.csv"),
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 3 + 3 + 1  # three PNGs, three array rows, "wrote ..."
+    assert lines[0].startswith(f"{tmp_path / 'digit0.png'}: ")
+    rows = (tmp_path / "preds.csv").read_text().splitlines()
+    assert rows[0] == "input,rank,class,probability" and len(rows) == 1 + 6 * 2
+
+    predictor = gl.Predictor.from_path(run_dir)
+    probs = predictor.predict(raw[0])  # one example: the batch dimension is added
+    model = gl.load_model(run_dir / "model.safetensors")
+    normalised = (torch.tensor(raw[:1], dtype=torch.float32) / 255 - MNIST_MEAN) / MNIST_STD
+    expected = torch.softmax(model(normalised.view(1, 1, 28, 28)), dim=1).detach()
+    assert torch.allclose(probs, expected, atol=1e-6)
+    png_class = lines[0].split(": ")[1].split(" ")[0]
+    assert int(png_class) == int(expected.argmax())
+
+
+def test_predict_bad_inputs_are_clear_errors(
+    trained_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
+    run_dir, _ = trained_run
+    np.save(tmp_path / "wrong.npy", np.zeros((2, 5), np.float32))
+    assert_user_error(
+        glassloop("predict", str(run_dir), str(tmp_path / "wrong.npy")),
+        "does not fit the model's input (1, 28, 28)",
+    )
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    assert_user_error(
+        glassloop("predict", str(run_dir), str(tmp_path / "broken.png")), "cannot read image"
+    )
+    (tmp_path / "rows.csv").write_text("a,b\n1,2\n")
+    assert_user_error(
+        glassloop("predict", str(run_dir), str(tmp_path / "rows.csv")),
+        "has 2 columns, the model takes 784 features",
+    )

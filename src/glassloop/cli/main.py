@@ -104,6 +104,19 @@ def make_parser() -> Parser:
         help="override a key of the run's config, e.g. --set data.eval_batch_size=500",
     )
 
+    predict = commands.add_parser(
+        "predict",
+        help="class probabilities for images, .npy/.npz arrays, CSV rows or text lines",
+        description="Predict with a trained model: inputs are read and normalised exactly as in "
+        "training (from what the run saved); prints the top-k classes per input.",
+    )
+    predict.add_argument(
+        "source", metavar="MODEL", help="a run directory, a checkpoint or an exported file"
+    )
+    predict.add_argument("inputs", nargs="+", metavar="INPUT", help="files to predict on")
+    predict.add_argument("--top-k", type=int, default=1, metavar="K", help="classes per input")
+    predict.add_argument("--output", metavar="FILE", help="also write the predictions as CSV")
+
     export = commands.add_parser(
         "export",
         help="write a run's weights as one safetensors file that rebuilds the model",
@@ -211,6 +224,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_predict(args: argparse.Namespace) -> int:
+    from glassloop.errors import GlassloopError
+    from glassloop.predict import Predictor, describe, write_predictions
+
+    if args.top_k < 1:
+        raise GlassloopError("predict: --top-k must be >= 1")
+    predictor = Predictor.from_path(args.source)
+    sources, probs = predictor.predict_files(args.inputs)
+    predictions = predictor.top_k(sources, probs, args.top_k)
+    print(describe(predictions))
+    if args.output:
+        write_predictions(predictions, Path(args.output))
+        print(f"wrote {args.output}")
+    return EXIT_OK
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from glassloop.export import export_model
 
@@ -225,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from glassloop.errors import GlassloopError, NonFiniteError
     from glassloop.preemption import Preempted
 
-    commands = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export}
+    commands = {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "export": cmd_export}
     try:
         return commands[args.command](args)
     except CheckpointWriteError as err:

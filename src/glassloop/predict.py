@@ -1,0 +1,217 @@
+"""Prediction from a trained run: rebuild the model from its weights file, turn raw inputs
+(image files, .npy/.npz arrays, CSV rows, text lines) into model inputs exactly as training
+did (using the preprocessing saved with the weights), and return softmax probabilities."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from glassloop.data.collate import pad_collate
+from glassloop.errors import DataError
+from glassloop.evaluate import predict as predict_probs
+from glassloop.export import load_model, locate_weights, model_description
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
+
+
+@dataclass
+class Prediction:
+    """Top-k classes of one input: names (or indices) with their probabilities."""
+
+    source: str
+    classes: list[str]
+    probabilities: list[float]
+
+
+class Predictor:
+    """A trained model plus what it needs to read raw inputs.
+
+    >>> # predictor = Predictor.from_path("runs/demo")          # run dir, checkpoint or file
+    >>> # predictor.predict(torch.rand(28, 28) * 255)           # one raw image: batch added
+    """
+
+    def __init__(self, model: nn.Module, spec: dict[str, Any]) -> None:
+        self.model = model.eval()
+        self.spec = spec
+        self.input_shape = tuple(int(d) for d in spec["input_shape"])
+        self.class_names: list[str] = list(spec.get("class_names") or [])
+        self.preprocessing: dict[str, Any] = dict(spec.get("preprocessing") or {})
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> Predictor:
+        """A run directory, a checkpoint directory or an exported ``.safetensors`` file."""
+        weights, _ = locate_weights(path)
+        return cls(load_model(weights), model_description(weights))
+
+    # ------------------------------------------------------------------ raw → model inputs
+    def prepare(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Raw values (pixels 0-255, CSV units) → normalised model inputs, batch dimension
+        added to a single example."""
+        t = torch.as_tensor(np.asarray(x), dtype=torch.float32)
+        single_channel = len(self.input_shape) == 3 and self.input_shape[0] == 1
+        if tuple(t.shape) == self.input_shape:
+            t = t.unsqueeze(0)
+        elif single_channel and t.ndim in (2, 3) and tuple(t.shape[-2:]) == self.input_shape[1:]:
+            t = t.reshape(-1, *self.input_shape)  # grayscale (H, W) or (N, H, W): add channel
+        elif tuple(t.shape[1:]) != self.input_shape:
+            flat = int(np.prod(self.input_shape))
+            if t.ndim >= 1 and t.shape[-1] == flat and t.numel() % flat == 0:
+                t = t.reshape(-1, *self.input_shape)  # flattened rows of the right size
+            else:
+                shape = ", ".join(map(str, self.input_shape))
+                raise DataError(
+                    f"predict: input of shape {tuple(t.shape)} does not fit the model's input "
+                    f"({shape}) (one example) or (N, {shape})"
+                )
+        p = self.preprocessing
+        if "scale" in p:
+            t = t * float(p["scale"])
+        if "mean" in p and "std" in p:
+            mean = torch.tensor(p["mean"], dtype=torch.float32)
+            std = torch.tensor(p["std"], dtype=torch.float32)
+            if t.ndim == 4:  # per channel
+                mean, std = mean[None, :, None, None], std[None, :, None, None]
+            t = (t - mean) / std
+        return t
+
+    def read_image(self, path: Path) -> np.ndarray:
+        from PIL import Image, UnidentifiedImageError
+
+        if len(self.input_shape) != 3:
+            raise DataError(f"predict: '{path}' is an image but the model takes {self.input_shape}")
+        channels, height, width = self.input_shape
+        try:
+            with Image.open(path) as opened:
+                image = opened.convert("L" if channels == 1 else "RGB").resize((width, height))
+        except (OSError, UnidentifiedImageError) as err:
+            raise DataError(f"predict: cannot read image '{path}': {err}") from err
+        pixels = np.asarray(image, dtype=np.float32)
+        return pixels.reshape(height, width, channels).transpose(2, 0, 1)
+
+    def read_csv(self, path: Path) -> tuple[np.ndarray, list[str]]:
+        columns = self.preprocessing.get("feature_columns")
+        with path.open(newline="", encoding="utf-8") as handle:
+            rows = list(csv.reader(handle))
+        if not rows:
+            raise DataError(f"predict: '{path}' is empty")
+        header, body = rows[0], rows[1:]
+        if columns and set(columns) <= set(header):
+            index = [header.index(c) for c in columns]
+        else:
+            index = list(range(len(header)))
+            expected = int(np.prod(self.input_shape))
+            if len(header) != expected:
+                raise DataError(
+                    f"predict: '{path}' has {len(header)} columns, the model takes {expected} "
+                    f"features{' (' + ', '.join(columns) + ')' if columns else ''}"
+                )
+        try:
+            values = np.array([[float(row[i]) for i in index] for row in body], dtype=np.float32)
+        except (ValueError, IndexError) as err:
+            raise DataError(f"predict: '{path}' has a non-numeric or missing value: {err}") from err
+        return values, [f"{path.name}:{n}" for n in range(2, len(body) + 2)]
+
+    # ------------------------------------------------------------------------- prediction
+    def predict(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Softmax probabilities for raw inputs (see :meth:`prepare`)."""
+        return predict_probs(self.model, self.prepare(x))
+
+    def predict_texts(self, texts: list[str]) -> torch.Tensor:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_str(self.preprocessing["tokenizer"])
+        pad_id = int(self.spec.get("pad_id", 0))
+        limit = int(self.preprocessing.get("max_length", 256))
+        ids = [torch.tensor((e.ids or [pad_id])[:limit]) for e in tokenizer.encode_batch(texts)]
+        batch = pad_collate([(seq, 0) for seq in ids], pad_value=pad_id)
+        batch.pop("labels")
+        return predict_probs(self.model, [batch])
+
+    def predict_files(self, paths: list[str | Path]) -> tuple[list[str], torch.Tensor]:
+        """Read every file (images, .npy/.npz, .csv, text lines) and predict; returns one
+        source label per prediction and the probabilities."""
+        sources: list[str] = []
+        outputs: list[torch.Tensor] = []
+        images: list[np.ndarray] = []
+        image_names: list[str] = []
+        for raw in paths:
+            path = Path(raw)
+            if not path.is_file():
+                raise DataError(f"predict: input '{path}' not found")
+            suffix = path.suffix.lower()
+            if suffix in IMAGE_SUFFIXES:
+                images.append(self.read_image(path))
+                image_names.append(str(path))
+            elif suffix in (".npy", ".npz"):
+                try:
+                    loaded = np.load(path, allow_pickle=False)  # never unpickles
+                    if isinstance(loaded, np.lib.npyio.NpzFile):
+                        with loaded:
+                            array = np.array(loaded[loaded.files[0]])
+                    else:
+                        array = np.asarray(loaded)
+                except ValueError as err:
+                    raise DataError(f"predict: cannot read '{path}': {err}") from err
+                probs = self.predict(array)
+                outputs.append(probs)
+                sources += [f"{path.name}[{i}]" for i in range(len(probs))]
+            elif suffix == ".csv":
+                values, names = self.read_csv(path)
+                outputs.append(self.predict(values))
+                sources += names
+            elif "tokenizer" in self.preprocessing:
+                lines = [
+                    line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
+                ]
+                outputs.append(self.predict_texts(lines))
+                sources += [f"{path.name}:{i}" for i in range(1, len(lines) + 1)]
+            else:
+                raise DataError(
+                    f"predict: cannot tell how to read '{path}' (images, .npy, .npz, .csv, or "
+                    "text lines for a text model)"
+                )
+        if images:
+            outputs.insert(0, self.predict(np.stack(images)))
+            sources = image_names + sources
+        return sources, torch.cat(outputs) if outputs else torch.empty(0)
+
+    def top_k(self, sources: list[str], probs: torch.Tensor, k: int) -> list[Prediction]:
+        k = min(k, probs.shape[1])
+        values, indices = probs.topk(k, dim=1)
+        names = self.class_names
+        return [
+            Prediction(
+                source,
+                [names[i] if i < len(names) else str(i) for i in idx.tolist()],
+                [round(float(v), 6) for v in vals],
+            )
+            for source, vals, idx in zip(sources, values, indices, strict=True)
+        ]
+
+
+def write_predictions(predictions: list[Prediction], path: Path) -> None:
+    """CSV: input, rank, class, probability (one row per input and rank)."""
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["input", "rank", "class", "probability"])
+        for p in predictions:
+            for rank, (name, prob) in enumerate(zip(p.classes, p.probabilities, strict=True), 1):
+                writer.writerow([p.source, rank, name, prob])
+
+
+def describe(predictions: list[Prediction]) -> str:
+    return "\n".join(
+        f"{p.source}: "
+        + ", ".join(f"{c} {100 * q:.2f}%" for c, q in zip(p.classes, p.probabilities, strict=True))
+        for p in predictions
+    )
+
+
+__all__ = ["Prediction", "Predictor", "describe", "write_predictions"]
