@@ -326,3 +326,22 @@ def test_predict_bad_inputs_are_clear_errors(
         glassloop("predict", str(run_dir), str(tmp_path / "rows.csv")),
         "has 2 columns, the model takes 784 features",
     )
+
+
+def test_runs_lists_status_step_and_best(
+    trained_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
+    run_dir, train = trained_run
+    killed = run_dir.parent / "killed"
+    killed.mkdir(exist_ok=True)
+    (killed / "run.json").write_text(json.dumps({"status": "running", "step": 7, "epoch": 0}))
+    result = glassloop("runs", str(run_dir.parent))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["run", "status", "step", "epoch", "best"]
+    finished = next(line for line in lines if line.startswith(str(run_dir)))
+    accuracy = train.stdout.split("final validation accuracy: ")[1].split("%")[0]
+    assert "finished" in finished and " 126 " in finished and "val_accuracy" in finished
+    assert float(finished.split("val_accuracy ")[1].split("%")[0]) >= float(accuracy)
+    assert "running or killed" in next(line for line in lines if line.startswith(str(killed)))
+    assert_user_error(glassloop("runs", str(tmp_path / "nope")), "is not a directory")

@@ -117,6 +117,14 @@ def make_parser() -> Parser:
     predict.add_argument("--top-k", type=int, default=1, metavar="K", help="classes per input")
     predict.add_argument("--output", metavar="FILE", help="also write the predictions as CSV")
 
+    runs = commands.add_parser(
+        "runs",
+        help="list run directories with status, last step and best metric",
+        description="List the run directories under DIR (default runs/): finished, "
+        "interrupted, failed or running/killed, the last step and the best metric.",
+    )
+    runs.add_argument("root", nargs="?", default="runs", metavar="DIR", help="default: runs/")
+
     export = commands.add_parser(
         "export",
         help="write a run's weights as one safetensors file that rebuilds the model",
@@ -240,6 +248,18 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_runs(args: argparse.Namespace) -> int:
+    from glassloop.errors import GlassloopError
+    from glassloop.runs import format_runs, list_runs
+
+    root = Path(args.root)
+    if not root.is_dir():
+        raise GlassloopError(f"runs: '{root}' is not a directory")
+    summaries = list_runs(root)
+    print(format_runs(summaries) if summaries else f"no runs under '{root}'")
+    return EXIT_OK
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from glassloop.export import export_model
 
@@ -254,7 +274,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from glassloop.errors import GlassloopError, NonFiniteError
     from glassloop.preemption import Preempted
 
-    commands = {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "export": cmd_export}
+    commands = {
+        "train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "export": cmd_export,
+        "runs": cmd_runs,
+    }  # fmt: skip
     try:
         return commands[args.command](args)
     except CheckpointWriteError as err:

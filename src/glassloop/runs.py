@@ -1,0 +1,82 @@
+"""``glassloop runs``: what the run directories under a folder hold, at a glance."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class RunSummary:
+    path: Path
+    status: str  # finished / interrupted / failed / running (or killed: no clean exit seen)
+    step: int
+    epoch: int
+    best: str  # e.g. "val_accuracy 94.80% (epoch 7)"
+
+
+def summarise(run_dir: Path) -> RunSummary | None:
+    """The summary of one run directory, or ``None`` if it is not one."""
+    try:
+        info = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    rows = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a kill
+            if row.get("kind") == "epoch":
+                rows.append(row)
+    status = str(info.get("status", "unknown"))
+    if status == "running":
+        status = "running or killed"  # a clean exit always rewrites run.json
+    last: dict[str, Any] = rows[-1] if rows else {}
+    return RunSummary(
+        run_dir,
+        status,
+        int(info.get("step", last.get("step", 0)) or 0),
+        int(info.get("epoch", last.get("epoch", 0)) or 0),
+        best_metric(rows),
+    )
+
+
+def best_metric(rows: list[dict[str, Any]]) -> str:
+    for key, pick in (("val_accuracy", max), ("val_loss", min), ("train_loss", min)):
+        scored = [r for r in rows if isinstance(r.get(key), (int, float))]
+        if scored:
+            best = pick(scored, key=lambda r: r[key])
+            value = f"{100 * best[key]:.2f}%" if key.endswith("accuracy") else f"{best[key]:.4f}"
+            return f"{key} {value} (epoch {best['epoch']})"
+    return "-"
+
+
+def list_runs(root: Path) -> list[RunSummary]:
+    """Every run directory directly under ``root`` (or ``root`` itself), newest first."""
+    candidates = [root] if (root / "run.json").is_file() else sorted(root.iterdir(), reverse=True)
+    found = [summarise(p) for p in candidates if p.is_dir()]
+    return [s for s in found if s is not None]
+
+
+def format_runs(summaries: list[RunSummary]) -> str:
+    """A plain table.
+
+    >>> print(format_runs([RunSummary(Path("runs/a"), "finished", 630, 10, "val_loss 0.2")]))
+    run     status    step  epoch  best
+    runs/a  finished   630     10  val_loss 0.2
+    """
+    headers = ("run", "status", "step", "epoch", "best")
+    rows = [(str(s.path), s.status, str(s.step), str(s.epoch), s.best) for s in summaries]
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(4)]
+    lines = []
+    for r in [headers, *rows]:
+        lines.append(
+            f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  "
+            f"{r[3]:>{widths[3]}}  {r[4]}"
+        )
+    return "\n".join(lines)
