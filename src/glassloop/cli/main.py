@@ -117,6 +117,23 @@ def make_parser() -> Parser:
     predict.add_argument("--top-k", type=int, default=1, metavar="K", help="classes per input")
     predict.add_argument("--output", metavar="FILE", help="also write the predictions as CSV")
 
+    doctor = commands.add_parser(
+        "doctor",
+        help="check a config's model and data for the classic mistakes (in seconds)",
+        description="Run the debugging checklist on the configured model and data: labels, "
+        "class balance, input scale, softmax before CrossEntropyLoss, initial loss vs ln(C), "
+        "gradient flow, overfitting one batch, train/eval mode, a learning-rate range test. "
+        "Exit code 1 if a check fails.",
+    )
+    doctor.add_argument("config", nargs="?", metavar="CONFIG", help="TOML config (default: demo)")
+    doctor.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config key (repeatable)",
+    )  # fmt: skip
+    doctor.add_argument(
+        "--output", default="doctor", metavar="DIR", help="where the LR range plot goes"
+    )
+
     runs = commands.add_parser(
         "runs",
         help="list run directories with status, last step and best metric",
@@ -248,6 +265,20 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from glassloop.config import load_config
+    from glassloop.doctor import timed_doctor
+
+    cfg = load_config(args.config, args.overrides)
+    checks, seconds = timed_doctor(cfg, output=Path(args.output))
+    for check in checks:
+        print(check.line())
+    failed = sum(c.status == "FAIL" for c in checks)
+    warned = sum(c.status == "WARN" for c in checks)
+    print(f"{len(checks)} checks, {failed} failed, {warned} warnings, {seconds:.1f}s")
+    return EXIT_ERROR if failed else EXIT_OK
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
     from glassloop.errors import GlassloopError
     from glassloop.runs import format_runs, list_runs
@@ -276,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     commands = {
         "train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "export": cmd_export,
-        "runs": cmd_runs,
+        "runs": cmd_runs, "doctor": cmd_doctor,
     }  # fmt: skip
     try:
         return commands[args.command](args)
