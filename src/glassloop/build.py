@@ -181,6 +181,7 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
         ema_decay=t.ema_decay or None,
         compile=t.compile,
         world=world,
+        tensorboard=t.tensorboard,
         checkpoint=cfg.checkpoint,
         config=to_dict(cfg),
         model_spec=model_spec(cfg, data),

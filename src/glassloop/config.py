@@ -9,7 +9,8 @@ Sections and keys (every key has a default; see the README's config reference)::
     [scheduler]  name, interval, and any keyword argument of that lr_scheduler class
     [train]      epochs, seed, device, log_every, progress, precision, grad_accum_steps,
                  loss_weighting, ignore_index, clip_grad_norm, clip_grad_value, nonfinite,
-                 max_nonfinite_skips, ema_decay, compile, strategy, dist_timeout_s
+                 max_nonfinite_skips, ema_decay, compile, strategy, dist_timeout_s,
+                 tensorboard
     [checkpoint] every_n_steps, every_n_epochs, keep_last, monitor, mode
     [early_stopping] monitor, patience, min_delta, mode
 
@@ -160,6 +161,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (checkpoints load with or without it)
     strategy: str = "auto"  # several processes (torchrun): "auto"/"ddp" = DDP; "dp" is refused
     dist_timeout_s: float = 300.0  # a collective waiting longer (a dead process) fails the job
+    tensorboard: bool = False  # also write RUN_DIR/tensorboard/ (glassloop[tensorboard])
 
 
 @dataclass

@@ -52,7 +52,7 @@ from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import Preempted, StopSignals
 from glassloop.provenance import environment
 from glassloop.rng import capture_rng_state, restore_rng_state, seed_everything
-from glassloop.sinks import ConsoleSink, CSVSink, JSONLSink, truncate_rows
+from glassloop.sinks import ConsoleSink, CSVSink, JSONLSink, TensorBoardSink, truncate_rows
 from glassloop.state import TrainState
 
 SCHEDULER_INTERVALS = ("epoch", "step")
@@ -120,6 +120,7 @@ class Trainer:
         ema_decay: float | None = None,
         compile: bool = False,
         world: World | None = None,
+        tensorboard: bool = False,
         checkpoint: CheckpointConfig | None = None,
         config: Mapping[str, Any] | None = None,
         model_spec: Mapping[str, Any] | None = None,
@@ -187,7 +188,8 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.last_eval: dict[str, Any] | None = None
         self.should_stop = False
-        self._sinks: list[CSVSink | JSONLSink] = []
+        self._sinks: list[CSVSink | JSONLSink | TensorBoardSink] = []
+        self.tensorboard = tensorboard  # also log to RUN_DIR/tensorboard/
         self._signals = StopSignals()
         self._train_loader: Iterable[Any] = ()
         self._environment: dict[str, Any] = {}
@@ -784,6 +786,8 @@ class Trainer:
             CSVSink(self.run_dir / "metrics.csv", fields, fresh=fresh),
             JSONLSink(self.run_dir / "metrics.jsonl", fresh=fresh),
         ]
+        if self.tensorboard:
+            self._sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
 
     def _close_run_dir(self, status: str) -> None:
         for sink in self._sinks:

@@ -141,6 +141,36 @@ class CSVSink:
         self._file.close()
 
 
+class TensorBoardSink:
+    """Scalars for TensorBoard (the optional ``tensorboard`` package): step rows under
+    ``step/<name>`` against the optimizer step, epoch rows under ``epoch/<name>`` against the
+    epoch."""
+
+    def __init__(self, log_dir: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            from glassloop.errors import ConfigError
+
+            raise ConfigError(
+                "config: train.tensorboard needs the tensorboard package: pip install "
+                "'glassloop[tensorboard]'"
+            ) from err
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, row: dict[str, Any]) -> None:
+        kind = row.get("kind")
+        x = row["step"] if kind == "step" else row["epoch"]
+        for key, value in row.items():
+            if key in ("kind", "epoch", "step") or not isinstance(value, (int, float)):
+                continue
+            self._writer.add_scalar(f"{kind}/{key}", value, x)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 def truncate_rows(run_dir: Path, max_step: int) -> None:
     """Drop metric rows written after ``max_step`` (by a run that died after its last
     checkpoint), so that a resumed run's files hold each step once."""

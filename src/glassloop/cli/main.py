@@ -134,6 +134,15 @@ def make_parser() -> Parser:
         "--output", default="doctor", metavar="DIR", help="where the LR range plot goes"
     )
 
+    report = commands.add_parser(
+        "report",
+        help="write RUN_DIR/report/: learning curves, confusion matrix, index.html",
+        description="(Re)write the report of a run: plots of loss, accuracy and learning rate "
+        "per epoch, the confusion matrix and classification report of its final weights on its "
+        "validation data, and an index.html showing it all.",
+    )
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by train")
+
     runs = commands.add_parser(
         "runs",
         help="list run directories with status, last step and best metric",
@@ -193,6 +202,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         shutdown()
     if not run.trainer.world.is_main:
         return EXIT_OK
+    if history and run.trainer.last_eval is not None:
+        from glassloop.report import write_report
+
+        index = write_report(
+            run_dir, evaluation=run.trainer.last_eval, class_names=run.splits.class_names
+        )
+        print(f"report: {index}")
     last = history[-1] if history else {}
     if "val_accuracy" in last:
         print(f"final validation accuracy: {100 * last['val_accuracy']:.2f}%")
@@ -279,6 +295,30 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_ERROR if failed else EXIT_OK
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    index = report_for(Path(args.run_dir))
+    print(f"report: {index}")
+    return EXIT_OK
+
+
+def report_for(run_dir: Path) -> Path:
+    """Evaluate the run's final weights on its validation data and write its report."""
+    from glassloop.build import build
+    from glassloop.checkpoint import load_weights
+    from glassloop.config import from_dict
+    from glassloop.errors import GlassloopError
+    from glassloop.export import locate_weights
+    from glassloop.report import write_report
+
+    if not (run_dir / "config.json").is_file():
+        raise GlassloopError(f"report: '{run_dir}' is not a run directory (no config.json)")
+    weights, config = locate_weights(run_dir)
+    run = build(from_dict(config or {}))
+    load_weights(run.trainer.model, weights)
+    evaluation = run.trainer.evaluate(run.val_loader)
+    return write_report(run_dir, evaluation=evaluation, class_names=run.splits.class_names)
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
     from glassloop.errors import GlassloopError
     from glassloop.runs import format_runs, list_runs
@@ -307,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     commands = {
         "train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "export": cmd_export,
-        "runs": cmd_runs, "doctor": cmd_doctor,
+        "runs": cmd_runs, "doctor": cmd_doctor, "report": cmd_report,
     }  # fmt: skip
     try:
         return commands[args.command](args)

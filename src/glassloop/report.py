@@ -1,0 +1,139 @@
+"""``RUN_DIR/report/``: learning curves and a confusion matrix as PNG (matplotlib, headless),
+the classification report as text, and an ``index.html`` showing the run at a glance."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from glassloop.errors import GlassloopError
+from glassloop.metrics import format_report
+
+
+def read_epochs(run_dir: Path) -> list[dict[str, Any]]:
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row.get("kind") == "epoch":
+            rows.append(row)
+    return rows
+
+
+def write_report(
+    run_dir: Path,
+    *,
+    evaluation: dict[str, Any] | None = None,
+    class_names: list[str] | None = None,
+) -> Path:
+    """Write ``run_dir/report/`` from the run's files (and, if given, a final evaluation with
+    its confusion matrix and per-class report); return the index.html path."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    from matplotlib import pyplot as plt
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise GlassloopError(f"report: '{run_dir}' is not a run directory (no metrics.jsonl)")
+    out = run_dir / "report"
+    out.mkdir(exist_ok=True)
+    rows = read_epochs(run_dir)
+    epochs = [r["epoch"] for r in rows]
+    images: list[tuple[str, str]] = []
+    panels = [
+        ("loss.png", "loss", ["train_loss", "val_loss"]),
+        ("accuracy.png", "accuracy", ["val_accuracy"]),
+        ("lr.png", "learning rate", ["lr"]),
+    ]
+    for name, title, keys in panels:
+        nan = float("nan")
+        series = [(k, [float(r[k]) if r.get(k) is not None else nan for r in rows]) for k in keys]
+        series = [(k, v) for k, v in series if any(x == x for x in v)]  # not all NaN
+        if not series or not epochs:
+            continue
+        figure, axis = plt.subplots(figsize=(6, 4))
+        for key, values in series:
+            axis.plot(epochs, values, marker="o", label=key)
+        axis.set(xlabel="epoch", ylabel=title, title=title)
+        axis.legend()
+        axis.grid(alpha=0.3)
+        figure.tight_layout()
+        figure.savefig(out / name, dpi=100)
+        plt.close(figure)
+        images.append((name, title))
+    report_text = ""
+    if evaluation is not None and "confusion" in evaluation:
+        confusion = evaluation["confusion"]
+        names = class_names or [str(i) for i in range(len(confusion))]
+        size = max(4.0, 0.5 * len(names) + 2)
+        figure, axis = plt.subplots(figsize=(size, size))
+        axis.imshow(confusion, cmap="Blues")
+        axis.set(xticks=range(len(names)), yticks=range(len(names)), xlabel="predicted",
+                 ylabel="true", title="confusion matrix (validation)")  # fmt: skip
+        axis.set_xticklabels(names, rotation=45, ha="right")
+        axis.set_yticklabels(names)
+        top = max(max(row) for row in confusion) or 1
+        for i, row in enumerate(confusion):
+            for j, count in enumerate(row):
+                colour = "white" if count > top / 2 else "black"
+                axis.text(j, i, str(count), ha="center", va="center", color=colour, fontsize=8)
+        figure.tight_layout()
+        figure.savefig(out / "confusion.png", dpi=100)
+        plt.close(figure)
+        images.append(("confusion.png", "confusion matrix"))
+        report_text = format_report(evaluation["report"], evaluation["accuracy"], names)
+        (out / "classification_report.txt").write_text(report_text + "\n", encoding="utf-8")
+    index = out / "index.html"
+    index.write_text(_html(run_dir, rows, images, report_text), encoding="utf-8")
+    return index
+
+
+def _html(
+    run_dir: Path, rows: list[dict[str, Any]], images: list[tuple[str, str]], report: str
+) -> str:
+    def load(name: str) -> Any:
+        try:
+            return json.loads((run_dir / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+
+    info, config = load("run.json"), load("config.json")
+    last = rows[-1] if rows else {}
+    metrics = "".join(
+        f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(_fmt(v))}</td></tr>"
+        for k, v in last.items() if k != "kind"
+    )  # fmt: skip
+    versions = "".join(
+        f"<tr><td>{k}</td><td>{html.escape(str(info.get(k)))}</td></tr>"
+        for k in ("status", "step", "epoch", "glassloop", "torch", "python", "platform", "git_sha")
+    )
+    figures = "".join(
+        f'<figure><img src="{name}" alt="{html.escape(title)}"><figcaption>{html.escape(title)}'
+        "</figcaption></figure>"
+        for name, title in images
+    )
+    report_block = (
+        f"<h2>Classification report</h2><pre>{html.escape(report)}</pre>" if report else ""
+    )
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>glassloop run {html.escape(run_dir.name)}</title>
+<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}figure{{display:inline-block;
+margin:0 1em 1em 0}}img{{max-width:520px}}td{{padding:0 1em 0 0}}
+pre{{background:#f6f6f6;padding:1em}}</style></head><body>
+<h1>Run {html.escape(run_dir.name)}</h1>
+<h2>Final metrics</h2><table>{metrics}</table>
+<h2>Plots</h2>{figures}
+{report_block}
+<h2>Versions</h2><table>{versions}</table>
+<h2>Config</h2><pre>{html.escape(json.dumps(config, indent=2))}</pre>
+</body></html>
+"""
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,44 @@
+"""Reports (PNG plots + index.html) and the TensorBoard sink."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from PIL import Image
+
+from glassloop import build, load_config
+from glassloop.report import write_report
+
+
+def test_report_files_exist_and_decode_and_tensorboard_reads_back(tmp_path: Path) -> None:
+    cfg = load_config(None, [
+        "data.name=synthetic", "model.hidden=[16]", "train.epochs=3", "train.progress=none",
+        "train.tensorboard=true", "train.log_every=5",
+    ])  # fmt: skip
+    run = build(cfg, run_dir=tmp_path)
+    run.trainer.fit(run.train_loader, run.val_loader, epochs=3)
+    index = write_report(
+        tmp_path, evaluation=run.trainer.last_eval, class_names=run.splits.class_names
+    )
+    page = index.read_text()
+    referenced = re.findall(r'<img src="([^"]+)"', page)
+    assert set(referenced) == {"loss.png", "accuracy.png", "lr.png", "confusion.png"}
+    for name in referenced:
+        with Image.open(index.parent / name) as image:  # a real, decodable PNG
+            assert image.format == "PNG" and image.size[0] > 100
+    assert "weighted avg" in (index.parent / "classification_report.txt").read_text()
+    assert "Final metrics" in page and "val_accuracy" in page and "torch" in page
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"epoch/train_loss", "epoch/val_accuracy", "step/loss", "step/lr"} <= tags
+    epochs = [e.step for e in events.Scalars("epoch/val_loss")]
+    assert epochs == [1, 2, 3]
+    history = [row["val_loss"] for row in run.trainer.history]
+    assert [round(e.value, 5) for e in events.Scalars("epoch/val_loss")] == [
+        round(v, 5) for v in history
+    ]
