@@ -39,6 +39,5 @@ def test_report_files_exist_and_decode_and_tensorboard_reads_back(tmp_path: Path
     epochs = [e.step for e in events.Scalars("epoch/val_loss")]
     assert epochs == [1, 2, 3]
     history = [row["val_loss"] for row in run.trainer.history]
-    assert [round(e.value, 5) for e in events.Scalars("epoch/val_loss")] == [
-        round(v, 5) for v in history
-    ]
+    logged = [e.value for e in events.Scalars("epoch/val_loss")]  # stored as float32
+    assert all(abs(a - b) < 1e-5 for a, b in zip(logged, history, strict=True))
