@@ -345,3 +345,15 @@ def test_runs_lists_status_step_and_best(
     assert float(finished.split("val_accuracy ")[1].split("%")[0]) >= float(accuracy)
     assert "running or killed" in next(line for line in lines if line.startswith(str(killed)))
     assert_user_error(glassloop("runs", str(tmp_path / "nope")), "is not a directory")
+
+
+def test_train_writes_a_report_and_report_rewrites_it(
+    trained_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    run_dir, train = trained_run
+    assert f"report: {run_dir / 'report' / 'index.html'}" in train.stdout
+    (run_dir / "report" / "confusion.png").unlink()
+    result = glassloop("report", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert (run_dir / "report" / "confusion.png").read_bytes()[:4] == b"\x89PNG"
+    assert_user_error(glassloop("report", str(run_dir / "nope")), "is not a run directory")
