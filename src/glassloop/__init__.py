@@ -14,7 +14,7 @@ from glassloop.evaluate import evaluate, predict
 from glassloop.export import export_model, load_model
 from glassloop.loop import Trainer
 from glassloop.metrics import format_report
-from glassloop.predict import Predictor
+from glassloop.prediction import Predictor
 from glassloop.preemption import Preempted
 from glassloop.rng import seed_everything
 from glassloop.state import TrainState

@@ -267,7 +267,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     from glassloop.errors import GlassloopError
-    from glassloop.predict import Predictor, describe, write_predictions
+    from glassloop.prediction import Predictor, describe, write_predictions
 
     if args.top_k < 1:
         raise GlassloopError("predict: --top-k must be >= 1")
