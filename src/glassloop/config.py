@@ -97,6 +97,7 @@ class DataConfig:
     max_length: int = 256  # text-csv: longer texts are cut
     bucket_by_length: bool = True  # text-csv: batches of similar lengths (less padding)
     augment: list[str] = field(default_factory=list)  # images, training: "hflip", "crop"
+    normalize: bool = True  # images: standardise per channel; false: pixels in [0, 1] only
     batch_size: int = 64
     eval_batch_size: int = 0  # 0: same as batch_size
     shuffle: bool = True
@@ -215,6 +216,7 @@ CHOICES = {
     ),
     ("data", "channels"): (0, 1, 3),
     ("model", "encoder"): ("gru", "transformer"),
+    ("model", "name"): ("mlp", "cnn", "text-classifier"),
     ("train", "strategy"): ("auto", "ddp", "dp"),
     ("checkpoint", "mode"): ("auto", "min", "max"),
     ("checkpoint", "monitor"): ("", "train_loss", "val_loss", "val_accuracy"),

@@ -38,6 +38,22 @@ def mlp(
     return nn.Sequential(*layers)
 
 
+def cnn(input_shape: tuple[int, ...], num_classes: int, dropout: float = 0.25) -> nn.Sequential:
+    """The classic MNIST CNN (PyTorch's examples/mnist): two 3x3 convolutions, max-pooling,
+    dropout, a 128-unit hidden layer (about 1.2M parameters at 28x28).
+
+    >>> cnn((1, 28, 28), 10)(torch.zeros(2, 1, 28, 28)).shape
+    torch.Size([2, 10])
+    """
+    channels, height, width = input_shape
+    flat = 64 * ((height - 4) // 2) * ((width - 4) // 2)
+    return nn.Sequential(
+        nn.Conv2d(channels, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Dropout(dropout), nn.Flatten(), nn.Linear(flat, 128), nn.ReLU(),
+        nn.Dropout(2 * dropout), nn.Linear(128, num_classes),
+    )  # fmt: skip
+
+
 class TextClassifier(nn.Module):
     """Embedding → encoder (a GRU, or a small Transformer encoder) → mean over the real
     (unpadded) tokens → linear logits. Takes the batches of ``glassloop.data.pad_collate``.
@@ -153,6 +169,10 @@ def build_model(
         return model
     if cfg.name == "mlp":
         return mlp(input_shape, num_classes, cfg.hidden, cfg.dropout)
+    if cfg.name == "cnn":
+        if len(input_shape) != 3:
+            raise ModelError(f"model: 'cnn' needs images (C, H, W), the data is {input_shape}")
+        return cnn(input_shape, num_classes, cfg.dropout or 0.25)
     if cfg.name == "text-classifier":
         if not vocab_size:
             raise ModelError("model: 'text-classifier' needs text data (data.name = 'text-csv')")
@@ -162,7 +182,7 @@ def build_model(
             pad_id=pad_id,
         )  # fmt: skip
     raise ModelError(
-        f"model.name {cfg.name!r} is not a built-in model (built-in: 'mlp', "
+        f"model.name {cfg.name!r} is not a built-in model (built-in: 'mlp', 'cnn', "
         "'text-classifier'); or set "
         "model.target = 'package.module:Class'"
     )

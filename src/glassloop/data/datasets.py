@@ -102,12 +102,13 @@ def _tensors(
     )
 
 
-def mnist_5k() -> Splits:
+def mnist_5k(normalize: bool = True) -> Splits:
     x, y = load_mnist_5k_arrays()
-    images = ((x.astype(np.float32) / 255.0 - MNIST_MEAN) / MNIST_STD).reshape(-1, 1, 28, 28)
+    mean, std = (MNIST_MEAN, MNIST_STD) if normalize else (0.0, 1.0)
+    images = ((x.astype(np.float32) / 255.0 - mean) / std).reshape(-1, 1, 28, 28)
     # Fixed seed: the validation set never changes with train.seed, so runs are comparable.
     splits = _tensors(*stratified_split(images, y, val_size=1000, seed=0), num_classes=10)
-    splits.preprocessing = {"scale": 1 / 255, "mean": [MNIST_MEAN], "std": [MNIST_STD]}
+    splits.preprocessing = {"scale": 1 / 255, "mean": [mean], "std": [std]}
     return splits
 
 
@@ -180,7 +181,7 @@ def load_splits(cfg: DataConfig) -> Splits:
     (torch.Size([80, 4]), torch.Size([20, 4]))
     """
     if cfg.name == "mnist-5k":
-        splits = mnist_5k()
+        splits = mnist_5k(cfg.normalize)
     elif cfg.name == "digits":
         splits = digits(cfg)
     elif cfg.name == "synthetic":

@@ -172,7 +172,12 @@ def image_folder(cfg: DataConfig) -> Splits:
     else:
         x, y = load(root)
         x_tr, y_tr, x_va, y_va = stratified_split(x, y, val_size=cfg.val_fraction, seed=cfg.seed)
-    return _normalised(x_tr, y_tr, x_va, y_va, names)
+    return _normalised(x_tr, y_tr, x_va, y_va, names, None if cfg.normalize else _unit(x_tr))
+
+
+def _unit(x: np.ndarray) -> tuple[list[float], list[float]]:
+    """Statistics that leave pixels in [0, 1] (like torchvision's ToTensor alone)."""
+    return [0.0] * x.shape[1], [1.0] * x.shape[1]
 
 
 def _normalised(
@@ -232,7 +237,7 @@ def _find(root: Path, candidates: list[Path], name: str) -> Path | None:
 def vision_dataset(cfg: DataConfig) -> Splits:
     root = Path(cfg.root)
     if cfg.name == "cifar10":
-        return _cifar10(root)
+        return _cifar10(root, cfg.normalize)
     folder = FOLDERS[cfg.name]
     candidates = [root / folder / "raw", root / folder, root]
     if cfg.download and _find(root, candidates, IDX_FILES["train"][0]) is None:
@@ -250,7 +255,8 @@ def vision_dataset(cfg: DataConfig) -> Splits:
         x = read_idx(found[0])  # type: ignore[arg-type]
         arrays[split] = (x[:, None, :, :], read_idx(found[1]).astype(np.int64))  # type: ignore[arg-type]
     names = FASHION_CLASSES if cfg.name == "fashion-mnist" else [str(c) for c in range(10)]
-    return _normalised(*arrays["train"], *arrays["val"], names, STATS[cfg.name])
+    stats = STATS[cfg.name] if cfg.normalize else _unit(arrays["train"][0])
+    return _normalised(*arrays["train"], *arrays["val"], names, stats)
 
 
 def _download(name: str, root: Path) -> None:
@@ -270,7 +276,7 @@ def _download(name: str, root: Path) -> None:
         raise DataError(f"data: could not download {name} into '{root}': {err}") from err
 
 
-def _cifar10(root: Path) -> Splits:
+def _cifar10(root: Path, normalize: bool = True) -> Splits:
     """CIFAR-10's *binary* version: records of 1 label byte + 3,072 pixel bytes (R, G, B
     planes of 32x32). The python version is pickled, which glassloop never loads."""
     folder = next(
@@ -290,6 +296,6 @@ def _cifar10(root: Path) -> Splits:
         records = raw.reshape(-1, 3073)
         return records[:, 1:].reshape(-1, 3, 32, 32), records[:, 0].astype(np.int64)
 
-    return _normalised(
-        *read(CIFAR_FILES[:5]), *read(CIFAR_FILES[5:]), CIFAR_CLASSES, STATS["cifar10"]
-    )
+    train, val = read(CIFAR_FILES[:5]), read(CIFAR_FILES[5:])
+    stats = STATS["cifar10"] if normalize else _unit(train[0])
+    return _normalised(*train, *val, CIFAR_CLASSES, stats)
