@@ -4,7 +4,7 @@ Lightning Fabric, Hugging Face Accelerate and Keras 3 (torch backend), in one pr
     python3 -m venv .venv-bench
     .venv-bench/bin/pip install torch==2.13.0 -r benchmarks/requirements.txt
     .venv-bench/bin/pip install -e .
-    .venv-bench/bin/python benchmarks/peers.py [--reps 3]
+    .venv-bench/bin/python benchmarks/peers.py [--reps 7]
 
 Workload: the tutorial MLP (784-512-512-10) and Linear(784, 10), SGD lr 1e-3, batch 64, on
 in-memory batches served by one ``DataLoader(batch_size=None)`` over pre-made batches (the
@@ -168,24 +168,34 @@ FRAMEWORKS: dict[str, Callable[[str, list[Any]], None]] = {
 }
 
 
-def marginal_step(fn: Callable[[str, list[Any]], None], kind: str, reps: int) -> float:
+def marginal_steps(kind: str, reps: int) -> dict[str, float]:
+    """Median marginal step cost of every installed framework; the frameworks take turns
+    rep by rep, so that drift of the machine hits all of them alike."""
     short, long = data(SHORT), data(LONG)
-    fn(kind, short)  # warm-up (imports, kernels)
-    costs = []
+    available = {}
+    for name, fn in FRAMEWORKS.items():
+        try:
+            fn(kind, short)  # warm-up (imports, kernels)
+        except ImportError as err:
+            print(f"  {name:<16} not installed ({err.name})")
+            continue
+        available[name] = fn
+    costs: dict[str, list[float]] = {name: [] for name in available}
     for _ in range(reps):
-        start = time.perf_counter()
-        fn(kind, short)
-        t_short = time.perf_counter() - start
-        start = time.perf_counter()
-        fn(kind, long)
-        t_long = time.perf_counter() - start
-        costs.append((t_long - t_short) / (LONG - SHORT))
-    return statistics.median(costs)
+        for name, fn in available.items():
+            start = time.perf_counter()
+            fn(kind, short)
+            t_short = time.perf_counter() - start
+            start = time.perf_counter()
+            fn(kind, long)
+            t_long = time.perf_counter() - start
+            costs[name].append((t_long - t_short) / (LONG - SHORT))
+    return {name: statistics.median(values) for name, values in costs.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3, help="short/long pairs per framework")
+    parser.add_argument("--reps", type=int, default=7, help="short/long pairs per framework")
     args = parser.parse_args()
     import logging
     import warnings
@@ -194,15 +204,10 @@ def main() -> None:
     logging.disable(logging.WARNING)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch 64, SGD")
     for kind in ("mlp", "linear"):
-        base = None
         print(f"\n{'tutorial MLP' if kind == 'mlp' else 'Linear(784, 10)'}")
-        for name, fn in FRAMEWORKS.items():
-            try:
-                cost = marginal_step(fn, kind, args.reps)
-            except ImportError as err:
-                print(f"  {name:<16} not installed ({err.name})")
-                continue
-            base = base or cost
+        costs = marginal_steps(kind, args.reps)
+        base = costs["hand-written"]
+        for name, cost in costs.items():
             print(f"  {name:<16} {1e6 * cost:8.1f} us/step   ratio {cost / base:5.2f}")
 
 
