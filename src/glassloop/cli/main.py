@@ -28,6 +28,13 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def add_set_option(parser: argparse.ArgumentParser, text: str) -> None:
+    """The repeatable ``--set KEY=VALUE`` config override."""
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=text
+    )
+
+
 def make_parser() -> Parser:
     from glassloop import __version__
 
@@ -48,14 +55,7 @@ def make_parser() -> Parser:
     train.add_argument(
         "config", nargs="?", metavar="CONFIG", help="TOML config file (default: built-in demo)"
     )
-    train.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)",
-    )
+    add_set_option(train, "override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
     train.add_argument(
         "--run-dir",
         metavar="DIR",
@@ -95,13 +95,8 @@ def make_parser() -> Parser:
         help="a run directory (its final weights, else newest checkpoint), a checkpoint "
         "directory, or a .safetensors file written by glassloop export",
     )
-    evaluate.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a key of the run's config, e.g. --set data.eval_batch_size=500",
+    add_set_option(
+        evaluate, "override a key of the run's config, e.g. --set data.eval_batch_size=500"
     )
 
     predict = commands.add_parser(
@@ -126,10 +121,7 @@ def make_parser() -> Parser:
         "Exit code 1 if a check fails.",
     )
     doctor.add_argument("config", nargs="?", metavar="CONFIG", help="TOML config (default: demo)")
-    doctor.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a config key (repeatable)",
-    )  # fmt: skip
+    add_set_option(doctor, "override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
     doctor.add_argument(
         "--output", default="doctor", metavar="DIR", help="where the LR range plot goes"
     )
