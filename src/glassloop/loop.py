@@ -212,27 +212,26 @@ class Trainer:
         window_loss: torch.Tensor | None = None
         last = len(window) - 1
         for i, (((args, kwargs), target), weight) in enumerate(zip(window, weights, strict=True)):
-            # DDP: synchronise gradients only on the window's last backward.
+            # DDP: all-reduce gradients only on the window's last micro-batch (no_sync is
+            # entered once and spans its forward and backward).
             sync = (
-                contextlib.nullcontext()
-                if i == last or not self.world.distributed
-                else (
-                    self.model.no_sync()  # type: ignore[operator]
-                )
+                self.model.no_sync()  # type: ignore[operator]
+                if self.world.distributed and i != last
+                else contextlib.nullcontext()
             )
-            with sync, autocast(self.precision, self.device):
-                output = self.model(*args, **kwargs)  # forward
-                loss = self.loss_fn(output, target)
-            if weight is not None:
-                # This micro-batch's share of the window (its samples or tokens over the
-                # window's), so the summed gradients equal those of one big batch, also for the
-                # last, shorter window of an epoch.
-                loss = loss * weight
-            detached = loss.detach()
-            window_loss = detached if window_loss is None else window_loss + detached
-            if self.scaler is not None:
-                loss = self.scaler.scale(loss)  # fp16: keep small gradients representable
             with sync:
+                with autocast(self.precision, self.device):
+                    output = self.model(*args, **kwargs)  # forward
+                    loss = self.loss_fn(output, target)
+                if weight is not None:
+                    # This micro-batch's share of the window (its samples or tokens over the
+                    # window's), so the summed gradients equal those of one big batch, also
+                    # for the last, shorter window of an epoch.
+                    loss = loss * weight
+                detached = loss.detach()
+                window_loss = detached if window_loss is None else window_loss + detached
+                if self.scaler is not None:
+                    loss = self.scaler.scale(loss)  # fp16: keep small gradients representable
                 loss.backward()  # type: ignore[no-untyped-call]  # gradients add up in .grad
         assert window_loss is not None
         if self.scaler is not None:

@@ -102,6 +102,20 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(workdir: Pat
     assert not (workdir / "two" / "checkpoints" / ".tmp").exists()
 
 
+def test_two_processes_with_accumulation_equal_one_process(workdir: Path) -> None:
+    # 2 processes x batch 8 x 2 micro-batches = one process with batch 32.
+    two = train(workdir, "--run-dir", "two-accum", "--set", "data.batch_size=8",
+                "--set", "train.grad_accum_steps=2", nproc=2)  # fmt: skip
+    assert two.returncode == 0, two.stderr
+    assert "global batch 32 = 8 per process x 2 process(es) x 2 accumulation step(s)" in two.stdout
+    one = train(workdir, "--run-dir", "one-32", "--set", "data.batch_size=32")
+    assert one.returncode == 0, one.stderr
+    a = load_file(workdir / "one-32" / "model.safetensors")
+    b = load_file(workdir / "two-accum" / "model.safetensors")
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=1e-5, atol=1e-6), key
+
+
 def test_a_dead_process_fails_the_job_without_hanging(workdir: Path) -> None:
     start = time.monotonic()
     result = train(
