@@ -170,3 +170,17 @@ def test_augmentation_is_seeded_per_batch_and_resumes_exactly() -> None:
     resumed.load_state_dict(first.state_dict())
     rest = [b[0] for _ in range(2) for b in resumed]
     assert all(torch.equal(a, b) for a, b in zip(head + rest, full, strict=True))
+
+
+def test_epoch_size_by_arithmetic_equals_the_shard_drawn() -> None:
+    from glassloop.data.loaders import EpochSampler
+    from glassloop.distributed import World
+
+    for n in range(0, 70, 3):
+        for size in (1, 2, 3):
+            for rank in range(size):
+                for shard in ("batches", "strided"):
+                    sampler = EpochSampler(
+                        n, shuffle=True, seed=0, world=World(rank, size), batch_size=4, shard=shard
+                    )
+                    assert sampler.epoch_size() == len(sampler.indices()), (n, size, rank, shard)

@@ -88,8 +88,27 @@ class EpochSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices().tolist())
 
+    def epoch_size(self) -> int:
+        """Samples this process gets in a full epoch, by arithmetic (no permutation drawn)."""
+        n, rank, size = self.num_samples, self.world.rank, self.world.size
+        if not self.world.distributed:
+            return n
+        if self.shard == "strided":
+            return len(range(rank, n, size))
+        per_step = self.batch_size * size
+        full = n // per_step * per_step
+        tail = n - full
+        # tensor_split gives the first tail % size processes one sample more
+        tail_share = 0 if tail < size else tail // size + (rank < tail % size)
+        return full // size + tail_share
+
+    def num_batches(self, drop_last: bool) -> int:
+        """Batches of ``batch_size`` this process gets in a full epoch."""
+        n = self.epoch_size()
+        return n // self.batch_size if drop_last else -(-n // self.batch_size)
+
     def __len__(self) -> int:
-        return len(self.indices())
+        return self.epoch_size() - self.start
 
 
 class LoaderPosition:
@@ -190,10 +209,7 @@ class ResumableLoader(LoaderPosition):
         """Batches in a full epoch (of this process)."""
         if self.buckets is not None:
             return self.buckets.num_batches()
-        start, self.sampler.start = self.sampler.start, 0
-        n = len(self.sampler)
-        self.sampler.start = start
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return self.sampler.num_batches(self.drop_last)
 
 
 class BucketBatchSampler(Sampler[list[int]]):
@@ -319,10 +335,7 @@ class InMemoryLoader(LoaderPosition):
 
     def __len__(self) -> int:
         """Batches in a full epoch (of this process)."""
-        start, self.sampler.start = self.sampler.start, 0
-        n = len(self.sampler)
-        self.sampler.start = start
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return self.sampler.num_batches(self.drop_last)
 
 
 def make_loader(
