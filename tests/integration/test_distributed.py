@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -14,29 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-KILLABLE = '''
-import os, signal
-from torch import nn
-from glassloop.models import mlp
-
-class KillableMLP(nn.Module):
-    """An MLP with dropout; the process whose RANK is KILL_RANK SIGKILLs itself at training
-    forward KILL_AT_FORWARD."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = mlp((32,), 10, [32], 0.2)
-        self.calls = 0
-        mine = os.environ.get("RANK", "0") == os.environ.get("KILL_RANK", "-1")
-        self.kill_at = int(os.environ.get("KILL_AT_FORWARD", "0")) if mine else 0
-
-    def forward(self, x):
-        if self.training:
-            self.calls += 1
-            if self.calls == self.kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-        return self.net(x)
-'''
+KILLABLE = Path(__file__).with_name("killable_model.py")  # copied next to the config
 
 # 640 training samples = 20 global batches of 32 per epoch (16 per process with 2 processes).
 CONFIG = """
@@ -79,7 +58,7 @@ def last_epoch(run: Path) -> dict[str, float]:
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("ddp")
     (path / "cfg.toml").write_text(CONFIG)
-    (path / "killable.py").write_text(KILLABLE)
+    shutil.copy(KILLABLE, path / "killable.py")
     return path
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,27 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-KILLABLE = '''
-import os, signal
-from torch import nn
-from glassloop.models import mlp
-
-class KillableMLP(nn.Module):
-    """An MLP with dropout that SIGKILLs its process at training forward KILL_AT_FORWARD."""
-
-    def __init__(self, features: int = 32, classes: int = 10):
-        super().__init__()
-        self.net = mlp((features,), classes, [64], 0.2)
-        self.calls = 0
-        self.kill_at = int(os.environ.get("KILL_AT_FORWARD", "0"))
-
-    def forward(self, x):
-        if self.training:
-            self.calls += 1
-            if self.calls == self.kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-        return self.net(x)
-'''
+KILLABLE = Path(__file__).with_name("killable_model.py")  # copied next to the config
 
 # 480 training samples / batch 32 = 15 steps per epoch; 3 epochs = 45 steps. Shuffling,
 # dropout, AdamW and a per-step cosine schedule; a checkpoint every 4 steps and per epoch.
@@ -79,7 +60,7 @@ def glassloop(
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("resume")
-    (path / "killable.py").write_text(KILLABLE)
+    shutil.copy(KILLABLE, path / "killable.py")
     (path / "cfg.toml").write_text(CONFIG)
     result = glassloop(path, "reference")
     assert result.returncode == 0, result.stderr

@@ -1,0 +1,30 @@
+"""A user model for the kill tests: an MLP with dropout that SIGKILLs its own process at the
+training forward number KILL_AT_FORWARD (in the process whose RANK is KILL_RANK, when that is
+set), so a kill -9 lands at an exact step, in the middle of it. Tests copy this file next to
+their config and point model.target at it."""
+
+import os
+import signal
+
+import torch
+from torch import nn
+
+from glassloop.models import mlp
+
+
+class KillableMLP(nn.Module):
+    def __init__(self, features: int = 32, classes: int = 10) -> None:
+        super().__init__()
+        self.net = mlp((features,), classes, [64], 0.2)
+        self.calls = 0
+        rank = os.environ.get("KILL_RANK")
+        mine = rank is None or os.environ.get("RANK", "0") == rank
+        self.kill_at = int(os.environ.get("KILL_AT_FORWARD", "0")) if mine else 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls == self.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        out: torch.Tensor = self.net(x)
+        return out
