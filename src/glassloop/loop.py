@@ -198,6 +198,9 @@ class Trainer:
         self._last_log = (time.perf_counter(), 0)
         self._checked_first_batch = False
         self._window_samples = 0
+        # Under DDP: the signal the processes agreed on in this step's collective (None: no
+        # collective ran, e.g. an overridden train_step; the stop check then runs its own).
+        self._agreed_signal: int | None = None
 
     # ----------------------------------------------------------------------------- the step
     def train_step(self, window: Sequence[tuple[Inputs, Any]]) -> torch.Tensor | None:
@@ -245,8 +248,12 @@ class Trainer:
         # A host sync (item() is ~25x cheaper than torch.isfinite on a CPU scalar): the price
         # of never stepping on a NaN.
         finite = math.isfinite(window_loss.item())
-        if self.world.distributed:  # every process must take the same decision
-            finite = bool(all_reduce(torch.tensor([float(finite)]), "min").item())
+        if self.world.distributed:
+            # Every process must take the same decisions: one collective carries "was any
+            # loss non-finite" and "did any process get SIGTERM/SIGINT" (acted on after the step).
+            signum = self._signals.received or 0
+            flags = all_reduce(torch.tensor([float(not finite), float(signum)]), "max")
+            finite, self._agreed_signal = not flags[0].item(), int(flags[1].item())
         if not finite:
             self._nonfinite(window_loss, len(window))
             self.optimizer.zero_grad(set_to_none=True)
@@ -475,6 +482,7 @@ class Trainer:
             self._checked_first_batch = True
             self._check_batch(*window[0])
         n = sum(batch_size_of(target, inputs) for inputs, target in window)
+        self._agreed_signal = None
         loss = self.train_step(window)
         # Samples of every process (counted in train_step's all-reduce under DDP).
         state.samples_seen += self._window_samples if self.world.distributed else n
@@ -489,7 +497,7 @@ class Trainer:
             self._log_step(loss, sum(sizes))
         if every_n_steps and state.step % every_n_steps == 0:
             self.save_checkpoint()
-        self._stop_if_signalled()
+        self._stop_if_signalled(agreed=self._agreed_signal)
 
     def _end_epoch(self, row: dict[str, Any], epochs: int) -> None:
         """Record the epoch, let callbacks see it, checkpoint per policy, track the best."""
@@ -529,12 +537,15 @@ class Trainer:
         self.state.best_metric = value
         return True
 
-    def _stop_if_signalled(self) -> None:
+    def _stop_if_signalled(self, agreed: int | None = None) -> None:
         """Stop after this step if a SIGTERM/SIGINT arrived (in any process: all processes
-        agree on the step, so the checkpoint is consistent)."""
+        agree on the step, so the checkpoint is consistent). ``agreed`` is the signal the
+        processes already agreed on in this step's collective."""
         signum = self._signals.received or 0
         if self.world.distributed:
-            signum = int(all_reduce(torch.tensor([signum]), "max").item())
+            if agreed is None:
+                agreed = int(all_reduce(torch.tensor([signum]), "max").item())
+            signum = agreed
         if signum:
             self._preempt(signum)
 
