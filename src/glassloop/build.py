@@ -45,12 +45,13 @@ class Run:
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Two groups: weights of dimension >= 2 with ``weight_decay``; biases and normalisation
-    weights (1-D) without, since decaying them only hurts."""
+    weights (1-D) without, since decaying them only hurts. Frozen parameters are included
+    (the optimizer skips them while they have no gradient), so unfreezing them later trains
+    them, as with ``optimizer(model.parameters())``."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+        (decay if param.ndim >= 2 else no_decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -75,8 +76,10 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epo
         return None
     kwargs = dict(cfg.scheduler.kwargs)
     if name == "warmup_cosine":
-        total = cfg.train.epochs * steps_per_epoch
-        return warmup_cosine(optimizer, total_steps=total, **kwargs)
+        if "total_steps" not in kwargs:  # span the whole run (recorded in the config)
+            kwargs["total_steps"] = cfg.train.epochs * steps_per_epoch
+            cfg.scheduler.kwargs = kwargs
+        return warmup_cosine(optimizer, **kwargs)
     if name == "CosineAnnealingLR" and "T_max" not in kwargs:
         # Span the whole run: epochs, or optimizer steps when stepped per step.
         per = steps_per_epoch if cfg.scheduler.interval == "step" else 1
@@ -85,7 +88,7 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epo
     cls = scheduler_class(name)
     try:
         return cls(optimizer, **kwargs)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, ArithmeticError) as err:
         raise ConfigError(f"config: scheduler: {name} rejected its arguments: {err}") from err
 
 
@@ -180,6 +183,8 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
         max_nonfinite_skips=t.max_nonfinite_skips,
         ema_decay=t.ema_decay or None,
         compile=t.compile,
+        compile_mode=t.compile_mode,
+        compile_dynamic=t.compile_dynamic,
         world=world,
         tensorboard=t.tensorboard,
         checkpoint=cfg.checkpoint,

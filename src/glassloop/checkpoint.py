@@ -36,11 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from glassloop.errors import GlassloopError
+from glassloop.rng import check_rng_state
 from glassloop.serialization import UnserializableError, flatten, unflatten
 
 FORMAT_VERSION = 1
@@ -50,7 +51,16 @@ LATEST = "latest"
 BEST = "best"
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
+TRASH_PREFIX = ".trash-"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+# What glassloop itself leaves behind when it is cut short; nothing else is ever touched.
+# A directory also needs MARKER inside (or to be empty) before it is removed.
+MARKER = ".glassloop"
+LEFTOVER_DIR = re.compile(r"^\.(tmp|old|trash)-(step-\d{8}|best)-\d+$")
+LEFTOVER_FILE = re.compile(
+    r"^\.(latest|run\.json|config\.json|model\.safetensors|metrics\.csv|metrics\.jsonl)"
+    r"\.tmp(-\d+)?$"
+)
 FILES = ("model.safetensors", "state.safetensors", "state.json", "meta.json")
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
 MAX_JSON_BYTES = 256 * 1024 * 1024
@@ -66,6 +76,22 @@ class CheckpointError(GlassloopError):
 
 class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint failed (disk full, quota, permissions); earlier ones are intact."""
+
+
+def write_failure(path: Path, err: BaseException, last_good: str = "") -> CheckpointWriteError:
+    """One line for a failed write (exit code 3 in the CLI): what, where, the OS's reason.
+
+    >>> print(write_failure(Path("runs/a"), OSError(28, "No space left on device")))
+    checkpoint: could not write 'runs/a': No space left on device (ENOSPC); nothing was lost
+    """
+    if isinstance(err, CheckpointWriteError):
+        return err
+    code = errno.errorcode.get(getattr(err, "errno", None) or 0, type(err).__name__)
+    reason = getattr(err, "strerror", None) or err
+    tail = f", last good checkpoint: {last_good}" if last_good else ""
+    return CheckpointWriteError(
+        f"checkpoint: could not write '{path}': {reason} ({code}); nothing was lost{tail}"
+    )
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -164,7 +190,9 @@ def write_safetensors(
     tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None
 ) -> None:
     """``safetensors.torch.save_file``, with its I/O failures (disk full, quota) raised as the
-    ``OSError`` they are, so callers handle every write failure in one place."""
+    ``OSError`` they are, so callers handle every write failure in one place, and with the
+    metadata in sorted key order (see :func:`_canonical_header`): the same tensors and
+    metadata always give the same bytes."""
     try:
         save_file(tensors, str(path), metadata=metadata)
     except SafetensorError as err:
@@ -173,14 +201,57 @@ def write_safetensors(
             raise
         code = int(found.group(1))
         raise OSError(code, os.strerror(code), str(path)) from err
+    if metadata and len(metadata) > 1:
+        _canonical_header(path)
+
+
+def _canonical_header(path: Path) -> None:
+    """Rewrite the header of a file safetensors just wrote with ``__metadata__`` sorted.
+
+    safetensors keeps the metadata in a Rust ``HashMap``, whose order changes from process to
+    process, so two identical saves differed in about half of all cases and ``sha256sum``
+    could not tell users whether two models were the same. The header is JSON in serde's
+    compact form; Python writes the same form (``ensure_ascii=False``), so the sorted header
+    has the same length and is written back in place, padded with spaces as safetensors pads.
+    """
+    with path.open("rb+") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        ordered = {"__metadata__": header.pop("__metadata__"), **header}
+        raw = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if len(raw) > length:  # pragma: no cover - serde and json agree on the compact form
+            raise AssertionError(f"canonical safetensors header of '{path}' grew")
+        handle.seek(8)
+        handle.write(raw + b" " * (length - len(raw)))
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file whose header :func:`read_safetensors_header`
+    accepts; anything safetensors itself still refuses becomes a :class:`CheckpointError`."""
+    read_safetensors_header(path)
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"checkpoint: cannot read '{path}': {err}") from err
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file (checked to be strings only)."""
+    header = read_safetensors_header(path)
+    metadata: dict[str, str] = header.get("__metadata__") or {}
+    return dict(metadata)
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
     """Parse and check a safetensors header without allocating anything large.
 
     Refuses a header longer than the file or than 100 MiB, a header that is not a JSON
-    object, unknown dtypes, and tensors whose byte ranges leave the file or do not match
-    their shape. A pickle (``torch.save``) file fails here: its first bytes are no header.
+    object, metadata that is not a table of strings, unknown dtypes, shapes that are not
+    lists of non-negative integers, and tensor byte ranges that do not match their shape,
+    overlap, leave gaps or leave bytes over at the end (what safetensors itself refuses, so
+    nothing gets as far as its own error). A pickle (``torch.save``) file fails here: its
+    first bytes are no header.
     """
     try:
         size = path.stat().st_size
@@ -201,39 +272,77 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     except OSError as err:
         raise CheckpointError(f"checkpoint: cannot read '{path}': {err.strerror}") from err
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        header = json.loads(raw, parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise CheckpointError(
             f"checkpoint: '{path}' is not a valid safetensors file (header is not JSON)"
         ) from err
     if not isinstance(header, dict):
         raise CheckpointError(f"checkpoint: '{path}' has a malformed safetensors header")
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise CheckpointError(
+            f"checkpoint: '{path}' has malformed metadata (must be a table of strings)"
+        )
     data_size = size - 8 - length
+    ranges: list[tuple[int, int, str]] = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
             itemsize = SAFETENSORS_DTYPES[info["dtype"]]
-            start, end = (int(x) for x in info["data_offsets"])
-            numel = math.prod(int(d) for d in info["shape"])
+            start, end = info["data_offsets"]
+            shape = info["shape"]
+            if not all(_count(x) for x in (start, end, *shape)):
+                raise ValueError("offsets and dimensions must be integers >= 0")
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(
                 f"checkpoint: '{path}' has a malformed entry for tensor '{name}'"
             ) from err
-        if not 0 <= start <= end <= data_size or end - start != numel * itemsize:
+        if not start <= end <= data_size or end - start != math.prod(shape) * itemsize:
             raise CheckpointError(
                 f"checkpoint: '{path}' tensor '{name}' points outside the file or does not "
                 "match its shape (truncated or corrupt)"
             )
+        ranges.append((start, end, name))
+    position = 0
+    for start, end, name in sorted(ranges):
+        if start != position:
+            raise CheckpointError(
+                f"checkpoint: '{path}' tensor '{name}' overlaps another or leaves a gap "
+                "(corrupt or crafted)"
+            )
+        position = end
+    if position != data_size:
+        raise CheckpointError(
+            f"checkpoint: '{path}' holds {data_size} bytes of tensor data, its header "
+            f"describes {position} (truncated, trailing bytes or corrupt)"
+        )
     return header
 
 
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def check_weights_fit(model: nn.Module, path: Path) -> None:
-    """List every missing, unexpected, shape- or dtype-mismatched key (torch would cast
-    dtypes silently; we refuse)."""
+    """List every missing, unexpected, shape- or dtype-mismatched key of a weights file,
+    from its header alone (torch would cast dtypes silently; we refuse)."""
     header = read_safetensors_header(path)
+    stored = {k: (list(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+    check_fit(model, stored, path)
+
+
+def check_fit(model: nn.Module, stored: dict[str, tuple[list[int], str]], source: Path) -> None:
+    """``stored`` maps each key to its shape and safetensors dtype; raise one
+    :class:`CheckpointError` listing every key that does not fit ``model``."""
     expected = unwrap_model(model).state_dict()
-    stored = {k: v for k, v in header.items() if k != "__metadata__"}
     problems: list[str] = []
     missing = sorted(set(expected) - set(stored))
     unexpected = sorted(set(stored) - set(expected))
@@ -243,19 +352,20 @@ def check_weights_fit(model: nn.Module, path: Path) -> None:
         problems.append(f"unexpected keys {unexpected}")
     for key in sorted(set(expected) & set(stored)):
         want = expected[key]
-        shape = [int(d) for d in stored[key]["shape"]]
+        shape, dtype = stored[key]
         if list(want.shape) != shape:
             problems.append(f"'{key}' has shape {shape}, the model expects {list(want.shape)}")
-        dtype = _safetensors_dtype(want.dtype)
-        if stored[key]["dtype"] != dtype:
-            problems.append(f"'{key}' is {stored[key]['dtype']}, the model expects {dtype}")
+        if dtype != safetensors_dtype(want.dtype):
+            problems.append(
+                f"'{key}' is {dtype}, the model expects {safetensors_dtype(want.dtype)}"
+            )
     if problems:
         raise CheckpointError(
-            f"checkpoint: '{path}' does not fit the model: " + "; ".join(problems)
+            f"checkpoint: '{source}' does not fit the model: " + "; ".join(problems)
         )
 
 
-def _safetensors_dtype(dtype: torch.dtype) -> str:
+def safetensors_dtype(dtype: torch.dtype) -> str:
     names = {
         torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
         torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -276,10 +386,8 @@ def load_weights(model: nn.Module, path: Path) -> dict[str, str]:
             "(.pt/.pth/.ckpt); convert it with safetensors.torch.save_file"
         )
     check_weights_fit(model, path)
-    tensors = load_file(str(path))
-    unwrap_model(model).load_state_dict(tensors, strict=True)
-    with safe_open(str(path), "pt") as handle:
-        return dict(handle.metadata() or {})
+    unwrap_model(model).load_state_dict(read_tensors(path), strict=True)
+    return read_metadata(path)
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -313,7 +421,25 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and _ours(p)]
+    return [p for p in step_dirs(run_dir) if _ours(p)]
+
+
+def step_dirs(run_dir: Path) -> list[Path]:
+    """Every ``step-XXXXXXXX`` directory that glassloop wrote, committed or damaged (it holds
+    the marker, a manifest or one of the checkpoint files), oldest first. A user's folder
+    of that name is not one; a symbolic link never is (following it could leave the run
+    directory)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [
+        p
+        for p in root.iterdir()
+        if STEP_DIR.match(p.name)
+        and p.is_dir()
+        and not p.is_symlink()
+        and any((p / name).exists() for name in (MARKER, "manifest.json", *FILES))
+    ]
     return sorted(found, key=lambda p: p.name)
 
 
@@ -336,25 +462,50 @@ def latest_pointer(run_dir: Path) -> Path | None:
 
 
 def clean_temporaries(run_dir: Path) -> list[Path]:
-    """Remove what an interrupted write left behind; return what was removed."""
+    """Remove what an interrupted write or prune of glassloop left behind; return what was
+    removed. Only exact glassloop names are touched (``.tmp-step-00000120-4242``,
+    ``.latest.tmp-4242``, ...), a directory only if it carries glassloop's marker file (or is
+    empty), and never through a symbolic link: a user's ``.tmp-mydata`` stays where it is."""
     removed: list[Path] = []
     for root in (checkpoints_dir(run_dir), Path(run_dir)):
         if not root.is_dir():
             continue
         for path in sorted(root.iterdir()):
-            if not path.is_dir():
+            if path.is_symlink():
                 continue
-            if path.name.startswith(TMP_PREFIX):
-                shutil.rmtree(path, ignore_errors=True)
+            if path.is_file() and LEFTOVER_FILE.match(path.name):
+                path.unlink()
                 removed.append(path)
-            elif path.name.startswith(OLD_PREFIX):
-                original = root / path.name[len(OLD_PREFIX) :].rsplit("-", 1)[0]
-                if original.exists():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    os.replace(path, original)  # a replace was cut between its renames: undo
-                removed.append(path)
+                continue
+            found = LEFTOVER_DIR.match(path.name)
+            if not found or not path.is_dir() or not _marked(path):
+                continue
+            original = root / found.group(2)
+            if found.group(1) == "old" and not original.exists() and _ours(path):
+                os.replace(path, original)  # a replace was cut between its renames: undo
+            else:
+                remove_marked(path)
+            removed.append(path)
     return removed
+
+
+def _marked(path: Path) -> bool:
+    """A directory glassloop created: it holds the marker, or nothing at all."""
+    return (path / MARKER).is_file() or not any(path.iterdir())
+
+
+def remove_marked(path: Path) -> None:
+    """Delete a flat directory glassloop created, its marker last, so that a kill half-way
+    leaves a directory that :func:`clean_temporaries` still recognises."""
+    for entry in path.iterdir():
+        if entry.name == MARKER:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    (path / MARKER).unlink(missing_ok=True)
+    path.rmdir()
 
 
 def all_finite(model: nn.Module) -> bool:
@@ -372,16 +523,17 @@ def write_checkpoint_dir(
     tmp = target.parent / f"{TMP_PREFIX}{target.name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp.mkdir()
     try:
-        metadata = {"format": "glassloop-weights"}
-        if meta.get("model_spec") is not None:
-            metadata["glassloop.model"] = json.dumps(meta["model_spec"])
-        write_safetensors(weights_dict(model), tmp / "model.safetensors", metadata)
+        (tmp / MARKER).touch()  # says "glassloop made this" to clean_temporaries
+        write_safetensors(
+            weights_dict(model), tmp / "model.safetensors", weights_metadata(meta.get("model_spec"))
+        )
         write_safetensors(tensors, tmp / "state.safetensors", None)
-        (tmp / "state.json").write_text(json.dumps(tree), encoding="utf-8")
+        (tmp / "state.json").write_text(json.dumps(tree, allow_nan=False), encoding="utf-8")
         (tmp / "meta.json").write_text(
-            json.dumps(meta, indent=1, default=_jsonable) + "\n", encoding="utf-8"
+            json.dumps(finite_json(meta), indent=1, default=_jsonable, allow_nan=False) + "\n",
+            encoding="utf-8",
         )
         files = {}
         for name in FILES:
@@ -393,15 +545,38 @@ def write_checkpoint_dir(
         fsync_dir(tmp)
         if target.exists():  # replacing: swap with two renames (undone at start if cut)
             old = target.parent / f"{OLD_PREFIX}{target.name}-{os.getpid()}"
+            (target / MARKER).touch()
             os.replace(target, old)
             os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
+            remove_marked(old)
         else:
             os.replace(tmp, target)
         fsync_dir(target.parent)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            remove_marked(tmp)
         raise
+
+
+def weights_metadata(model_spec: Any) -> dict[str, str]:
+    """The safetensors metadata of a weights file: its format and, when the model was built
+    from a config, how to rebuild it (``glassloop.model``, keys sorted)."""
+    metadata = {"format": "glassloop-weights"}
+    if model_spec is not None:
+        metadata["glassloop.model"] = json.dumps(model_spec, sort_keys=True)
+    return metadata
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with NaN/inf floats as ``None``: glassloop's JSON files are strict JSON (a
+    reader that meets ``NaN`` or ``Infinity`` in them refuses the file)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
 
 
 def save_checkpoint(
@@ -432,11 +607,7 @@ def save_checkpoint(
     except UnserializableError as err:
         raise CheckpointError(f"checkpoint: {err}") from err
     except OSError as err:
-        code = errno.errorcode.get(err.errno or 0, "OSError")
-        raise CheckpointWriteError(
-            f"checkpoint: could not write '{target}': {err.strerror or err} ({code}); "
-            f"nothing was lost, last good checkpoint: {last_text}"
-        ) from err
+        raise write_failure(target, err, last_text) from err
     return target
 
 
@@ -464,20 +635,27 @@ def prune(run_dir: Path, keep_last: int) -> list[Path]:
     removed = []
     for path in ours:
         if path not in keep and path != latest:
-            shutil.rmtree(path)
+            # Renamed out of the way first: a kill half-way through the deletion leaves a
+            # ".trash-" directory that the next start removes, never a damaged step folder.
+            (path / MARKER).touch()
+            trash = path.parent / f"{TRASH_PREFIX}{path.name}-{os.getpid()}"
+            os.replace(path, trash)
+            remove_marked(trash)
             removed.append(path)
     return removed
 
 
 def read_checkpoint(path: Path) -> Checkpoint:
-    """Verify every file against the manifest (size, SHA-256), then read it. Any problem is
-    one :class:`CheckpointError` naming the path and the reason."""
+    """Verify every file against the manifest (size, SHA-256), then read and check it: strict
+    JSON, well-formed safetensors, finite tensors, and a training state whose numbers and RNG
+    states make sense. Any problem is one :class:`CheckpointError` naming the path and the
+    reason, raised before anything is loaded into a model or optimizer."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint: '{path}' is not a checkpoint directory")
     manifest = _read_json(path / "manifest.json", path)
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if manifest.get("format") != FORMAT_VERSION or not isinstance(files, dict):
+    if not isinstance(files, dict) or manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint: '{path}' has an unknown manifest format")
     for name in FILES:
         entry = files.get(name)
@@ -498,43 +676,92 @@ def read_checkpoint(path: Path) -> Checkpoint:
             )
     meta = _read_json(path / "meta.json", path)
     tree = _read_json(path / "state.json", path)
-    read_safetensors_header(path / "model.safetensors")
-    read_safetensors_header(path / "state.safetensors")
+    for name in ("model.safetensors", "state.safetensors"):
+        bad = [k for k, t in read_tensors(path / name).items() if not _finite(t)]
+        if bad:
+            raise CheckpointError(
+                f"checkpoint: '{path}': {name} holds NaN/inf values (in '{bad[0]}'); not "
+                "resuming from it"
+            )
     try:
-        tensors = load_file(str(path / "state.safetensors"))
-        state = unflatten(tree, tensors)
-    except (KeyError, ValueError, TypeError, RuntimeError) as err:
-        raise CheckpointError(f"checkpoint: '{path}': the training state is malformed") from err
-    if not isinstance(meta, dict) or not isinstance(state, dict) or "step" not in meta:
-        raise CheckpointError(f"checkpoint: '{path}': meta.json or state.json is malformed")
+        state = unflatten(tree, read_tensors(path / "state.safetensors"))
+        check_training_state(meta, state)
+    except (KeyError, IndexError, ValueError, TypeError, OverflowError, RuntimeError) as err:
+        raise CheckpointError(
+            f"checkpoint: '{path}': the training state is malformed ({type(err).__name__}: {err})"
+        ) from err
     return Checkpoint(path, meta, state)
 
 
+def _finite(tensor: torch.Tensor) -> bool:
+    return not tensor.is_floating_point() or bool(tensor.isfinite().all())
+
+
+class MalformedState(ValueError):
+    """A field of meta.json or the training state that cannot be right."""
+
+
+def check_training_state(meta: Any, state: Any) -> None:
+    """Refuse numbers that cannot be right before any of them is used: counters that are not
+    non-negative integers, a world size that is not a positive integer, RNG states that the
+    generators would reject (tried on throwaway generators)."""
+    if not isinstance(meta, dict) or not isinstance(state, dict):
+        raise MalformedState("meta.json and state.json must hold tables")
+    for key in ("step", "epoch", "batch_in_epoch", "world_size"):
+        if key in meta or key in ("step", "epoch"):
+            minimum = 1 if key == "world_size" else 0
+            if not _count(meta.get(key)) or meta[key] < minimum:
+                raise MalformedState(f"meta.json {key} = {meta.get(key)!r}")
+    if not isinstance(meta.get("finished", False), bool):
+        raise MalformedState(f"meta.json finished = {meta['finished']!r}")
+    loop = state["loop"]
+    for key in ("step", "epoch", "batch_in_epoch", "samples_seen"):
+        if not _count(loop[key]):
+            raise MalformedState(f"loop.{key} = {loop[key]!r}")
+    if loop["step"] != meta["step"]:
+        raise MalformedState(f"loop.step {loop['step']} != meta.json step {meta['step']}")
+    best = loop.get("best_metric")
+    if best is not None and not isinstance(best, (int, float)):
+        raise MalformedState(f"loop.best_metric = {best!r}")
+    ranks = state.get("rng_per_rank")
+    for rng in [state["rng"], *(ranks or [])]:
+        check_rng_state(rng)
+    if ranks is not None and len(ranks) != meta.get("world_size", 1):
+        raise MalformedState(f"{len(ranks)} RNG states for world_size {meta.get('world_size')}")
+    data = state.get("data")
+    if data is not None and not isinstance(data, dict):
+        raise MalformedState("data position is not a table")
+    if not isinstance(state.get("history", []), list):
+        raise MalformedState("history is not a list")
+
+
 def _read_json(file: Path, checkpoint: Path) -> Any:
+    """Strict JSON (``NaN``/``Infinity`` are refused: glassloop never writes them)."""
     try:
         if file.stat().st_size > MAX_JSON_BYTES:
             raise CheckpointError(f"checkpoint: '{checkpoint}': {file.name} is too large")
-        return json.loads(file.read_bytes())
+        return json.loads(file.read_bytes(), parse_constant=_no_constant)
     except FileNotFoundError as err:
         raise CheckpointError(f"checkpoint: '{checkpoint}': {file.name} is missing") from err
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise CheckpointError(
-            f"checkpoint: '{checkpoint}': {file.name} is not valid JSON (corrupt or not a "
-            "glassloop file)"
+            f"checkpoint: '{checkpoint}': {file.name} is not valid JSON (corrupt, not a "
+            "glassloop file, NaN/Infinity or nested too deeply)"
         ) from err
     except OSError as err:
         raise CheckpointError(f"checkpoint: cannot read '{file}': {err.strerror}") from err
 
 
 def find_resumable(run_dir: Path) -> tuple[Checkpoint | None, list[str]]:
-    """The newest checkpoint that verifies, and a warning for each newer one that did not."""
-    warnings: list[str] = []
+    """The newest checkpoint that verifies, and what is wrong with each newer one (every
+    ``step-`` folder counts, also one whose manifest is unreadable)."""
+    problems: list[str] = []
     # Newest first. A committed directory is complete (renamed into place only after its
     # manifest was written), so one newer than `latest` (a crash between the rename and the
     # pointer move) is as good as the one `latest` names.
-    for path in reversed(list_checkpoints(run_dir)):
+    for path in reversed(step_dirs(run_dir)):
         try:
-            return read_checkpoint(path), warnings
+            return read_checkpoint(path), problems
         except CheckpointError as err:
-            warnings.append(f"{err}; falling back to the previous checkpoint")
-    return None, warnings
+            problems.append(str(err))
+    return None, problems

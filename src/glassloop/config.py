@@ -23,6 +23,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import json
+import math
 import sys
 import types
 import typing
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from glassloop.errors import ConfigError
+from glassloop.serialization import stable_repr
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -160,6 +162,8 @@ class TrainConfig:
     max_nonfinite_skips: int = 10  # "skip": stop after this many in a row
     ema_decay: float = 0.0  # 0: off; e.g. 0.999: evaluate and export an EMA of the weights
     compile: bool = False  # torch.compile the model (checkpoints load with or without it)
+    compile_mode: str = "default"  # torch.compile mode: "reduce-overhead", "max-autotune", ...
+    compile_dynamic: bool = False  # false: static shapes (a resumed run compiles the same)
     strategy: str = "auto"  # several processes (torchrun): "auto"/"ddp" = DDP; "dp" is refused
     dist_timeout_s: float = 300.0  # a collective waiting longer (a dead process) fails the job
     tensorboard: bool = False  # also write RUN_DIR/tensorboard/ (glassloop[tensorboard])
@@ -225,17 +229,83 @@ CHOICES = {
     ("train", "precision"): ("32", "bf16", "fp16"),
     ("train", "loss_weighting"): ("samples", "tokens"),
     ("train", "nonfinite"): ("raise", "skip"),
+    ("train", "compile_mode"): (
+        "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs",
+    ),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key accepts: ``low``/``high`` (``None``: unbounded), each
+    inclusive unless ``open_low``/``open_high``."""
+
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        low_ok = self.low is None or (value > self.low if self.open_low else value >= self.low)
+        high_ok = self.high is None or (value < self.high if self.open_high else value <= self.high)
+        return low_ok and high_ok
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.open_low else '>='} {self.low:g}"
+        low = "(" if self.open_low else "["
+        high = ")" if self.open_high else "]"
+        return f"in {low}{self.low:g}, {self.high:g}{high}"
+
+
+AT_LEAST_0, AT_LEAST_1 = Range(0), Range(1)
+FRACTION = Range(0.0, 1.0, open_high=True)
+# Every numeric key's accepted values, checked once, where the config is read. A value
+# outside them would crash later with a traceback (num_workers = -1, T_max = 0), allocate
+# without bound (hidden = [10**12]) or train silently wrong (hidden = [0]).
+RANGES: dict[tuple[str, str], Range] = {
+    ("model", "hidden"): Range(1, 2**20),
+    ("model", "dropout"): FRACTION,
+    ("model", "embed_dim"): Range(1, 2**16),
+    ("model", "num_layers"): Range(1, 1024),
+    ("model", "num_heads"): Range(1, 1024),
+    ("data", "batch_size"): AT_LEAST_1,
+    ("data", "eval_batch_size"): AT_LEAST_0,
+    ("data", "num_workers"): Range(0, 256),
+    ("data", "val_fraction"): Range(0.0, 1.0, open_low=True, open_high=True),
+    ("data", "num_samples"): AT_LEAST_1,
+    ("data", "num_features"): Range(1, 2**24),
+    ("data", "num_classes"): Range(2, 2**24),
+    ("data", "image_size"): Range(0, 2**15),
+    ("data", "vocab_size"): Range(2, 2**24),
+    ("data", "max_length"): AT_LEAST_1,
+    ("data", "seed"): Range(0, 2**32 - 1),
+    ("optim", "lr"): AT_LEAST_0,
+    ("train", "epochs"): AT_LEAST_1,
+    ("train", "seed"): Range(0, 2**63 - 1),
+    ("train", "log_every"): AT_LEAST_1,
+    ("train", "grad_accum_steps"): AT_LEAST_1,
+    ("train", "clip_grad_norm"): AT_LEAST_0,
+    ("train", "clip_grad_value"): AT_LEAST_0,
+    ("train", "max_nonfinite_skips"): AT_LEAST_1,
+    ("train", "ema_decay"): FRACTION,
+    ("train", "dist_timeout_s"): Range(0, open_low=True),
+    ("checkpoint", "every_n_steps"): AT_LEAST_0,
+    ("checkpoint", "every_n_epochs"): AT_LEAST_0,
+    ("checkpoint", "keep_last"): AT_LEAST_0,
+    ("early_stopping", "patience"): AT_LEAST_1,
+    ("early_stopping", "min_delta"): AT_LEAST_0,
 }
-POSITIVE = {
-    ("train", "grad_accum_steps"),
-    ("train", "max_nonfinite_skips"),
-    ("early_stopping", "patience"),
-    ("data", "batch_size"),
-    ("train", "epochs"),
-    ("train", "log_every"),
-    ("data", "num_samples"),
-    ("data", "num_features"),
-}
+# Scheduler arguments that are lengths or periods: 0 divides by zero inside torch.
+SCHEDULER_LENGTHS = ("T_max", "T_0", "T_mult", "step_size", "total_iters", "total_steps")
+
+
+def check_range(key: str, value: Any, accepted: Range) -> None:
+    """Raise ConfigError unless ``value`` (or each item of a list) is in ``accepted``."""
+    for i, item in enumerate(value if isinstance(value, list) else [value]):
+        if item not in accepted:
+            name = f"{key}[{i}]" if isinstance(value, list) else key
+            raise ConfigError(f"config: {name} must be {accepted}, got {item!r}")
 
 
 def load_config(
@@ -263,16 +333,13 @@ def read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config: file '{path}' not found")
     text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"config: '{path}' is not valid JSON: {err}") from err
-    else:
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"config: '{path}' is not valid TOML: {err}") from err
+    kind = "JSON" if path.suffix == ".json" else "TOML"
+    try:
+        data = json.loads(text) if kind == "JSON" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
+        raise ConfigError(f"config: '{path}' is not valid {kind}: {err}") from err
+    except RecursionError as err:
+        raise ConfigError(f"config: '{path}' is nested too deeply to be a config") from err
     if not isinstance(data, dict):
         raise ConfigError(f"config: '{path}' must hold a table of sections")
     return data
@@ -282,7 +349,7 @@ def parse_value(text: str) -> Any:
     """A ``--set`` value: TOML if it parses (numbers, booleans, lists), else a string."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):
         return text
 
 
@@ -360,9 +427,9 @@ def from_dict(raw: dict[str, Any]) -> Config:
                     f"config: {section}.{key} must be one of {', '.join(map(str, choices))}; "
                     f"got {typed[key]!r}"
                 )
-        for sec, key in POSITIVE:
-            if sec == section and key in typed and typed[key] < 1:
-                raise ConfigError(f"config: {section}.{key} must be >= 1, got {typed[key]}")
+        for key, value in typed.items():
+            if (section, key) in RANGES:
+                check_range(f"{section}.{key}", value, RANGES[section, key])
         obj = cls(**typed)
         if section == "optim":
             obj.kwargs = optimizer_kwargs(obj.name, kwargs)
@@ -370,18 +437,6 @@ def from_dict(raw: dict[str, Any]) -> Config:
             obj.kwargs = scheduler_kwargs(obj.name, kwargs)
         built[section] = obj
     cfg = Config(**built)
-    if not 0.0 < cfg.data.val_fraction < 1.0:
-        raise ConfigError(
-            f"config: data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}"
-        )
-    for key in ("every_n_steps", "every_n_epochs", "keep_last"):
-        if getattr(cfg.checkpoint, key) < 0:
-            raise ConfigError(f"config: checkpoint.{key} must be >= 0")
-    if not 0.0 <= cfg.train.ema_decay < 1.0:
-        raise ConfigError(f"config: train.ema_decay must be in [0, 1), got {cfg.train.ema_decay}")
-    for key in ("clip_grad_norm", "clip_grad_value"):
-        if getattr(cfg.train, key) < 0:
-            raise ConfigError(f"config: train.{key} must be >= 0 (0: off)")
     if cfg.scheduler.name == "warmup_cosine":
         if "interval" not in raw.get("scheduler", {}):
             cfg.scheduler.interval = "step"  # it is defined in optimizer steps
@@ -390,8 +445,6 @@ def from_dict(raw: dict[str, Any]) -> Config:
                 "config: scheduler 'warmup_cosine' is defined in optimizer steps: set "
                 "scheduler.interval = 'step'"
             )
-    if not 0.0 <= cfg.model.dropout < 1.0:
-        raise ConfigError(f"config: model.dropout must be in [0, 1), got {cfg.model.dropout}")
     return cfg
 
 
@@ -412,6 +465,8 @@ def check_type(key: str, value: Any, hint: Any) -> Any:
         ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
     elif hint is float:
         ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        if ok and not math.isfinite(value):  # nan/inf: never what a user meant
+            ok, want = False, "a finite number"
         value = float(value) if ok else value
     elif hint is str:
         ok, want = isinstance(value, str), "a string"
@@ -483,6 +538,8 @@ def checked_kwargs(
         elif isinstance(default, (int, float)):  # SGD's momentum defaults to int 0
             value = check_type(f"{section}.{key}", value, float)
             value = int(value) if isinstance(default, int) and value.is_integer() else value
+        if key in SCHEDULER_LENGTHS:
+            check_range(f"{section}.{key}", check_type(f"{section}.{key}", value, int), AT_LEAST_1)
         elif isinstance(default, tuple):
             if not isinstance(value, list):
                 raise ConfigError(f"config: {section}.{key} must be a list, got {value!r}")
@@ -505,7 +562,7 @@ def optimizer_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**defaults, **checked}
 
 
-WARMUP_COSINE_KEYS = {"warmup_steps": int, "min_lr_ratio": float}
+WARMUP_COSINE_KEYS = {"warmup_steps": int, "min_lr_ratio": float, "total_steps": int}
 
 
 def scheduler_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -517,6 +574,10 @@ def scheduler_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
                     "scheduler", key, [*WARMUP_COSINE_KEYS, "name", "interval"], "warmup_cosine"
                 )
             out[key] = check_type(f"scheduler.{key}", value, WARMUP_COSINE_KEYS[key])
+        check_range("scheduler.warmup_steps", out["warmup_steps"], AT_LEAST_0)
+        check_range("scheduler.min_lr_ratio", out["min_lr_ratio"], Range(0.0, 1.0))
+        if "total_steps" in out:
+            check_range("scheduler.total_steps", out["total_steps"], AT_LEAST_1)
         return out
     if name.lower() == "none":
         if kwargs:
@@ -548,8 +609,15 @@ RESUME_SAFE_KEYS = (
     "data.num_workers",
     "data.eval_batch_size",
     "train.compile",
-    "compile",  # the same, in the description of a run built in Python
+    "train.compile_mode",
+    "train.compile_dynamic",
+    # the same, in the description of a run built in Python
+    "compile",
+    "device",
 )
+# Keys that build() fills in from train.epochs when the user leaves them out: a change of
+# epochs shows up as a change of these, and the message names the key the user changed.
+DERIVED_FROM_EPOCHS = ("scheduler.T_max", "scheduler.total_steps")
 RESUME_SAFE_PREFIXES = ("checkpoint.",)
 
 
@@ -560,14 +628,19 @@ def config_differences(saved: Any, current: Any) -> list[str]:
     >>> config_differences({"optim": {"lr": 0.1}}, {"optim": {"lr": 0.2}})
     ['optim.lr: 0.1 -> 0.2']
     """
-    old = _dotted(json.loads(json.dumps(saved, default=repr)))
-    new = _dotted(json.loads(json.dumps(current, default=repr)))
+    old = _dotted(json.loads(json.dumps(saved, default=stable_repr)))
+    new = _dotted(json.loads(json.dumps(current, default=stable_repr)))
+    epochs = f"train.epochs: {old.get('train.epochs')} -> {new.get('train.epochs')}"
     changes = []
     for key in sorted(old.keys() | new.keys()):
         if key in RESUME_SAFE_KEYS or key.startswith(RESUME_SAFE_PREFIXES):
             continue
-        if old.get(key, "<unset>") != new.get(key, "<unset>"):
-            changes.append(f"{key}: {old.get(key, '<unset>')} -> {new.get(key, '<unset>')}")
+        change = f"{key}: {old.get(key, '<unset>')} -> {new.get(key, '<unset>')}"
+        if old.get(key, "<unset>") == new.get(key, "<unset>"):
+            continue
+        if key in DERIVED_FROM_EPOCHS and old.get("train.epochs") != new.get("train.epochs"):
+            change = f"{epochs} (the learning-rate schedule spans the run: {change})"
+        changes.append(change)
     return changes
 
 

@@ -3,113 +3,221 @@
 An exported file holds the weights plus, in its safetensors metadata, the model section of
 the config, the input shape, the number of classes and class names (``glassloop.model``) and
 the whole resolved config (``glassloop.config``): enough to rebuild and evaluate the model.
+
+Loading never runs code named inside a file. A built-in model (``mlp``, ``cnn``,
+``text-classifier``) is rebuilt from numbers that are checked first (and on the ``meta``
+device against the file's shapes, so ``hidden = [10**12]`` allocates nothing). A file that
+names its own class (``model.target = "pkg.module:Class"``) is refused unless the caller
+passes the class (``model_class=``) or says it trusts the file (``trust_code=True``, the CLI's
+``--trust-code``): importing a module a file names is running code, as unpickling is.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
-from safetensors.torch import load_file
+import torch
 from torch import nn
 
 from glassloop.checkpoint import (
     CheckpointError,
     atomic_path,
+    check_fit,
     find_resumable,
-    load_weights,
     read_checkpoint,
-    read_safetensors_header,
+    read_metadata,
+    read_tensors,
+    safetensors_dtype,
+    unwrap_model,
     write_safetensors,
 )
-from glassloop.config import ModelConfig
+from glassloop.config import ModelConfig, from_dict
+from glassloop.errors import ConfigError, ModelError
 from glassloop.models import build_model
 
+ModelClass = Callable[..., nn.Module]
 
-def locate_weights(source: str | Path) -> tuple[Path, dict[str, Any] | None]:
-    """The weights file and resolved config for a run directory (its final weights, else its
-    newest valid checkpoint), a checkpoint directory, or a ``.safetensors`` file."""
+
+@dataclass
+class Weights:
+    """The weights to evaluate, predict with or export, and where they came from."""
+
+    path: Path  # the file (or checkpoint directory) they were read from
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    config: dict[str, Any] | None  # the run's resolved config, when known
+
+
+def read_weights(source: str | Path) -> Weights:
+    """The weights of a run directory (its final weights, else its newest valid
+    checkpoint), a checkpoint directory, or a ``.safetensors`` file. For a checkpoint of a
+    run with ``train.ema_decay``, the EMA weights (what the run evaluates and exports), not
+    the raw ones."""
     source = Path(source)
     if source.is_file():
-        read_safetensors_header(source)
-        metadata = _metadata(source)
-        config = (
-            json.loads(metadata["glassloop.config"]) if "glassloop.config" in metadata else None
-        )
-        return source, config
+        metadata = read_metadata(source)
+        config = _json_field(metadata, "glassloop.config", source)
+        return Weights(source, read_tensors(source), metadata, config)
     if (source / "manifest.json").is_file():
         checkpoint = read_checkpoint(source)
-        return checkpoint.weights, checkpoint.meta.get("config")
-    if (source / "config.json").is_file():
-        config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+        config = checkpoint.meta.get("config")
+    elif (source / "config.json").is_file():
+        config = _json_file(source / "config.json")
         if (source / "model.safetensors").is_file():
-            return source / "model.safetensors", config
-        found, _ = find_resumable(source)
-        if found is not None:
-            return found.weights, config
-        raise CheckpointError(f"checkpoint: run '{source}' has no weights yet (no checkpoint)")
-    raise CheckpointError(
-        f"checkpoint: '{source}' is not a run directory, a checkpoint or a .safetensors file"
-    )
+            final = source / "model.safetensors"
+            return Weights(final, read_tensors(final), read_metadata(final), config)
+        found, problems = find_resumable(source)
+        if found is None:
+            detail = f": {'; '.join(problems)}" if problems else " (no checkpoint)"
+            raise CheckpointError(f"checkpoint: run '{source}' has no valid weights{detail}")
+        checkpoint = found
+    else:
+        raise CheckpointError(
+            f"checkpoint: '{source}' is not a run directory, a checkpoint or a .safetensors file"
+        )
+    tensors = read_tensors(checkpoint.weights)
+    ema = checkpoint.state.get("ema")
+    if isinstance(ema, dict):  # AveragedModel's state: "module.<key>" plus "n_averaged"
+        tensors = {k[len("module.") :]: v for k, v in ema.items() if k.startswith("module.")}
+    if not isinstance(config, dict):
+        config = None
+    return Weights(checkpoint.path, tensors, read_metadata(checkpoint.weights), config)
 
 
-def _metadata(path: Path) -> dict[str, str]:
-    with safe_open(str(path), "pt") as handle:
-        return dict(handle.metadata() or {})
+def _json_file(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise CheckpointError(f"checkpoint: '{path}' is not readable JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise CheckpointError(f"checkpoint: '{path}' must hold a JSON object")
+    return data
+
+
+def _json_field(metadata: dict[str, str], key: str, path: Path) -> dict[str, Any] | None:
+    if key not in metadata:
+        return None
+    try:
+        value = json.loads(metadata[key])
+    except (ValueError, RecursionError) as err:
+        raise CheckpointError(f"checkpoint: '{path}': metadata {key} is not JSON") from err
+    if not isinstance(value, dict):
+        raise CheckpointError(f"checkpoint: '{path}': metadata {key} is not a JSON object")
+    return value
+
+
+def require_trust(config: dict[str, Any] | None, source: str | Path, trust_code: bool) -> None:
+    """Refuse a config read from a file that names code to import (``model.target``),
+    unless the user said they trust it."""
+    model = (config or {}).get("model")
+    target = model.get("target") if isinstance(model, dict) else None
+    if target and not trust_code:
+        raise ModelError(
+            f"model: '{source}' asks to import {target!r} to build its model, and importing "
+            "runs code; pass --trust-code (trust_code=True) if you trust this file, or pass "
+            "the class yourself (glassloop.load_model(path, model_class=MyNet))"
+        )
 
 
 def export_model(source: str | Path, output: str | Path) -> Path:
-    """Write the weights of ``source`` (see :func:`locate_weights`) to ``output`` with the
-    model description in the metadata; return ``output``."""
-    weights, config = locate_weights(source)
-    metadata = _metadata(weights)
-    if config is not None:
-        metadata["glassloop.config"] = json.dumps(config)
+    """Write the weights of ``source`` (see :func:`read_weights`) to ``output`` with the
+    model description in the metadata; return ``output``. Nothing is imported or built."""
+    weights = read_weights(source)
+    metadata = dict(weights.metadata)
+    if weights.config is not None:
+        metadata["glassloop.config"] = json.dumps(weights.config, sort_keys=True)
     if "glassloop.model" not in metadata:
         raise CheckpointError(
-            f"checkpoint: '{weights}' does not describe its model (trained without a config); "
-            "save it with glassloop.save_weights and rebuild the model in code"
+            f"checkpoint: '{weights.path}' does not describe its model (trained without a "
+            "config); save it with glassloop.save_weights and rebuild the model in code"
         )
-    tensors = load_file(str(weights))
     output = Path(output)
     with atomic_path(output) as tmp:
-        write_safetensors(tensors, tmp, metadata)
+        write_safetensors(weights.tensors, tmp, metadata)
         tmp.chmod(0o644)
     return output
 
 
-def model_description(path: str | Path) -> dict[str, Any]:
-    """The ``glassloop.model`` metadata of a weights file."""
-    path = Path(path)
-    read_safetensors_header(path)
-    metadata = _metadata(path)
-    if "glassloop.model" not in metadata:
+def model_description(weights: Weights) -> dict[str, Any]:
+    """The ``glassloop.model`` metadata of a weights file, checked: a model section that
+    passes the config's own validation, a positive input shape and class count."""
+    spec = _json_field(weights.metadata, "glassloop.model", weights.path)
+    if spec is None:
         raise CheckpointError(
-            f"checkpoint: '{path}' has no glassloop model description; build the model in code "
-            "and call glassloop.load_weights(model, path)"
+            f"checkpoint: '{weights.path}' has no glassloop model description; build the model "
+            "in code and call glassloop.load_weights(model, path)"
         )
-    spec: dict[str, Any] = json.loads(metadata["glassloop.model"])
-    return spec
+    try:
+        model = from_dict({"model": spec["model"]}).model
+        input_shape = [_positive(d) for d in spec["input_shape"]]
+        num_classes = _positive(spec["num_classes"])
+        for key in ("vocab_size", "pad_id"):
+            value = spec.get(key, 0)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{key} = {value!r}")
+    except (ConfigError, KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(
+            f"checkpoint: '{weights.path}' has a malformed model description ({err})"
+        ) from err
+    return {**spec, "model": model, "input_shape": input_shape, "num_classes": num_classes}
 
 
-def load_model(path: str | Path) -> nn.Module:
-    """Rebuild the model described in a glassloop weights file and load its weights, in eval
-    mode. No pickle is involved (a ``model.target`` class is imported from its module).
+def _positive(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{value!r} is not a positive integer")
+    return value
+
+
+def load_model(
+    path: str | Path, *, model_class: ModelClass | None = None, trust_code: bool = False
+) -> nn.Module:
+    """Rebuild the model described in a glassloop weights file (or run directory, or
+    checkpoint) and load its weights, in eval mode. No pickle, and no code named in the file:
+    a model of your own comes from ``model_class`` (called with the file's ``model.kwargs``),
+    or is imported from the file's ``model.target`` only with ``trust_code=True``.
 
     Example::
 
         model = glassloop.load_model("runs/demo/model.safetensors")
         probs = glassloop.predict(model, images)
+        mine = glassloop.load_model("runs/mine/model.safetensors", model_class=MyNet)
     """
-    spec = model_description(path)
-    model = build_model(
-        ModelConfig(**spec["model"]),
-        tuple(spec["input_shape"]),
-        int(spec["num_classes"]),
-        vocab_size=int(spec.get("vocab_size", 0)),
-        pad_id=int(spec.get("pad_id", 0)),
-    )
-    load_weights(model, Path(path))
+    weights = read_weights(path)
+    return model_from(weights, model_description(weights), model_class, trust_code)
+
+
+def model_from(
+    weights: Weights, spec: dict[str, Any], model_class: ModelClass | None, trust_code: bool
+) -> nn.Module:
+    """The model of ``spec`` with ``weights`` loaded (see :func:`load_model`)."""
+    cfg: ModelConfig = spec["model"]
+    if model_class is not None:
+        try:
+            model = model_class(**cfg.kwargs)
+        except Exception as err:  # the user's constructor may raise anything
+            raise ModelError(f"model: {model_class!r}(**{cfg.kwargs}) failed: {err}") from err
+    else:
+        require_trust({"model": {"target": cfg.target}}, weights.path, trust_code)
+        build: dict[str, Any] = {
+            "input_shape": tuple(spec["input_shape"]), "num_classes": spec["num_classes"],
+            "vocab_size": int(spec.get("vocab_size", 0)), "pad_id": int(spec.get("pad_id", 0)),
+        }  # fmt: skip
+        if not cfg.target:
+            # Shapes first, on the meta device (no memory): a description that does not
+            # match the file's tensors is refused before anything is allocated.
+            with torch.device("meta"):
+                check_fits(build_model(cfg, **build), weights)
+        model = build_model(cfg, **build)
+    check_fits(model, weights)
+    unwrap_model(model).load_state_dict(weights.tensors, strict=True)
     return model.eval()
+
+
+def check_fits(model: nn.Module, weights: Weights) -> None:
+    """Every key present with the right shape and dtype, nothing left over."""
+    stored = {k: (list(t.shape), safetensors_dtype(t.dtype)) for k, t in weights.tensors.items()}
+    check_fit(model, stored, weights.path)

@@ -7,7 +7,7 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -15,16 +15,17 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.data import DataLoader
 
 from glassloop.batch import Inputs, batch_size_of, describe, split_batch
 from glassloop.callbacks import Callback
 from glassloop.checkpoint import (
     FORMAT_VERSION,
     CheckpointError,
+    CheckpointWriteError,
     checkpoints_dir,
     clean_temporaries,
     find_resumable,
-    list_checkpoints,
     load_weights,
     prune,
     read_checkpoint,
@@ -32,7 +33,10 @@ from glassloop.checkpoint import (
     save_checkpoint,
     save_weights,
     step_dir_name,
+    step_dirs,
     unwrap_model,
+    weights_metadata,
+    write_failure,
     write_json,
 )
 from glassloop.config import CheckpointConfig, config_differences
@@ -51,7 +55,15 @@ from glassloop.evaluate import LossFn, evaluate, predict
 from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import Preempted, StopSignals
 from glassloop.provenance import environment
-from glassloop.rng import capture_rng_state, restore_rng_state, seed_everything
+from glassloop.rng import (
+    capture_loader_rng,
+    capture_rng_state,
+    restore_loader_rng,
+    restore_rng_state,
+    seed_everything,
+)
+from glassloop.run_lock import RunLock
+from glassloop.serialization import stable_repr
 from glassloop.sinks import ConsoleSink, CSVSink, JSONLSink, TensorBoardSink, truncate_rows
 from glassloop.state import TrainState
 
@@ -119,6 +131,8 @@ class Trainer:
         max_nonfinite_skips: int = 10,
         ema_decay: float | None = None,
         compile: bool = False,
+        compile_mode: str = "default",
+        compile_dynamic: bool = False,
         world: World | None = None,
         tensorboard: bool = False,
         checkpoint: CheckpointConfig | None = None,
@@ -149,8 +163,15 @@ class Trainer:
         check_precision(precision, self.device)
         model = model.to(self.device)
         # torch.compile wraps the module (state_dict keys gain "_orig_mod."); checkpoints
-        # store the unwrapped keys, so they load with or without compile.
-        self.model: nn.Module = cast(nn.Module, torch.compile(model)) if compile else model
+        # store the unwrapped keys, so they load with or without compile. dynamic=False: one
+        # static graph per input shape. Dynamo's default ("automatic dynamic") switches to a
+        # dynamic graph after the second shape it sees (the short last batch), so a resumed
+        # process that meets the shapes in another order ran other kernels (max diff 0.018).
+        self.model: nn.Module = (
+            cast(nn.Module, torch.compile(model, mode=compile_mode, dynamic=compile_dynamic))
+            if compile
+            else model
+        )
         # DistributedDataParallel with several processes: gradients are averaged across them
         # during backward (once per optimizer step, see no_sync in train_step).
         self.model = wrap(self.model, self.world, self.device)
@@ -170,7 +191,6 @@ class Trainer:
             average = get_ema_multi_avg_fn(ema_decay)  # type: ignore[no-untyped-call]
             self.ema = AveragedModel(model, multi_avg_fn=average, use_buffers=True)
         self.last_grad_norm: torch.Tensor | None = None
-        self._params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.scheduler = scheduler
@@ -194,9 +214,13 @@ class Trainer:
         self._train_loader: Iterable[Any] = ()
         self._environment: dict[str, Any] = {}
         self._epoch_losses: list[torch.Tensor] = []
+        # A loader without state_dict (a DataLoader, a list): the RNG it drew this epoch's
+        # order from, so a resume can replay the epoch exactly (see _replay).
+        self._epoch_rng: dict[str, Any] | None = None
         self._epoch_sizes: list[int] = []
         self._last_log = (time.perf_counter(), 0)
         self._checked_first_batch = False
+        self._failure: str | None = None  # the error a failed fit ended with, for run.json
         self._window_samples = 0
         # Under DDP: the signal the processes agreed on in this step's collective (None: no
         # collective ran, e.g. an overridden train_step; the stop check then runs its own).
@@ -239,15 +263,23 @@ class Trainer:
         assert window_loss is not None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # true gradients for clipping and the norm
-        params = self._params
+        # Read every step: parameters unfrozen after the Trainer was built are clipped too.
+        params = [p for p in self.model.parameters() if p.grad is not None]
         if self.clip_grad_value:
             torch.nn.utils.clip_grad_value_(params, self.clip_grad_value)
+        grad_size = None
         if self.clip_grad_norm:
             # Returns the norm before clipping: what is logged as grad_norm.
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-        # A host sync (item() is ~25x cheaper than torch.isfinite on a CPU scalar): the price
-        # of never stepping on a NaN.
-        finite = math.isfinite(window_loss.item())
+            grad_size = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+            self.last_grad_norm = grad_size
+        elif self.scaler is None and params:  # (fp16: the scaler skips inf gradients itself)
+            grads = [p.grad for p in params if p.grad is not None]
+            grad_size = torch.stack(torch._foreach_norm(grads, math.inf)).max()  # largest |g|
+        # One host sync checks the loss and the gradients (a sum is finite only if both are;
+        # item() is ~25x cheaper than torch.isfinite on a CPU scalar): the price of never
+        # stepping on a NaN, also one with a finite loss.
+        check = window_loss if grad_size is None else window_loss + grad_size
+        finite = math.isfinite(check.item())
         if self.world.distributed:
             # Every process must take the same decisions: one collective carries "was any
             # loss non-finite" and "did any process get SIGTERM/SIGINT" (acted on after the step).
@@ -256,6 +288,8 @@ class Trainer:
             finite, self._agreed_signal = not flags[0].item(), int(flags[1].item())
         if not finite:
             self._nonfinite(window_loss, len(window))
+            if self.scaler is not None:
+                self.scaler.update()  # closes this step's unscale_() (and lowers the scale)
             self.optimizer.zero_grad(set_to_none=True)
             return None
         self.state.consecutive_nonfinite = 0
@@ -354,22 +388,27 @@ class Trainer:
         # Versions and git SHA for run.json and checkpoint metadata (a git subprocess: only
         # worth it when something is written).
         self._environment = environment() if self.run_dir is not None else {}
-        if self.run_dir is not None and self.world.is_main:
-            clean_temporaries(self.run_dir)
-        barrier()  # nobody reads the run dir while rank 0 tidies it
-        if resume is not None:
-            self._resume(resume, allow_config_change)
-        elif self.run_dir is not None and list_checkpoints(self.run_dir):
-            raise CheckpointError(
-                f"checkpoint: '{self.run_dir}' already holds checkpoints; pass resume='auto' "
-                "(--resume) to continue that run, or choose another run_dir"
-            )
-        if self.state.epoch >= epochs:
-            self.console.message(
-                f"run already finished at step {self.state.step} (epoch {self.state.epoch}/"
-                f"{epochs}); nothing to do"
-            )
-            return self.history
+        with self._own_run_dir():
+            if self.run_dir is not None and self.world.is_main:
+                clean_temporaries(self.run_dir)
+            barrier()  # nobody reads the run dir while rank 0 tidies it
+            if resume is not None:
+                self._resume(resume, allow_config_change)
+            elif self.run_dir is not None and step_dirs(self.run_dir):
+                raise CheckpointError(
+                    f"checkpoint: '{self.run_dir}' already holds checkpoints; pass "
+                    "resume='auto' (--resume) to continue that run, or choose another run_dir"
+                )
+            if self.state.epoch >= epochs or self.state.stopped:
+                self._finish_again(epochs)
+                return self.history
+            self._train(train_loader, val_loader, epochs)
+        return self.history
+
+    def _train(
+        self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
+    ) -> None:
+        """The epochs, between opening and closing the run directory's files."""
         if self.precision == "fp16" and self.device.type == "cpu":
             self.console.message(
                 "warning: fp16 on a CPU is emulated and slow (11x slower than '32' on the "
@@ -391,10 +430,12 @@ class Trainer:
         except (KeyboardInterrupt, Preempted):
             status = "interrupted"
             raise
+        except Exception as err:
+            self._failure = f"{type(err).__name__}: {err}"
+            raise
         finally:
             self.console.close()
             self._close_run_dir(status)
-        return self.history
 
     def _run_epoch(
         self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
@@ -408,9 +449,11 @@ class Trainer:
             self._epoch_losses, self._epoch_sizes = [], []
         losses, sizes = self._epoch_losses, self._epoch_sizes
         batches: Iterable[Any] = train_loader
-        if state.batch_in_epoch and not hasattr(train_loader, "load_state_dict"):
-            # A loader without state: replay (load and drop) the batches already trained on.
-            batches = itertools.islice(train_loader, state.batch_in_epoch, None)
+        if not hasattr(train_loader, "load_state_dict"):
+            if state.batch_in_epoch:  # resumed inside this epoch
+                batches = self._replay(train_loader, state.batch_in_epoch)
+            else:  # what the loader's order will be drawn from (kept in checkpoints)
+                self._epoch_rng = capture_loader_rng(train_loader)
         every_n_steps = self.checkpoint.every_n_steps if self.run_dir is not None else 0
         batch: Any = None
         window: list[tuple[Inputs, Any]] = []
@@ -469,6 +512,21 @@ class Trainer:
         row["samples_per_s"] = epoch_samples / row["seconds"] if row["seconds"] > 0 else None
         return row
 
+    def _replay(self, loader: Iterable[Any], num_batches: int) -> Iterator[Any]:
+        """Continue a loader without ``state_dict`` inside an epoch: with the RNG it drew the
+        epoch's order from put back (global and its own generator: a ``DataLoader`` draws
+        its shuffle and worker seeds from them), load and drop the batches already trained
+        on, then put back the RNG of the checkpoint. Exact for a ``DataLoader`` and for any
+        loader whose order depends on nothing else."""
+        now = capture_loader_rng(loader)
+        if self._epoch_rng is not None:
+            restore_loader_rng(loader, self._epoch_rng)
+        iterator = iter(loader)
+        for _ in itertools.islice(iterator, num_batches):
+            pass
+        restore_loader_rng(loader, now)
+        return iterator
+
     def _step_window(
         self,
         window: list[tuple[Inputs, Any]],
@@ -500,21 +558,24 @@ class Trainer:
         self._stop_if_signalled(agreed=self._agreed_signal)
 
     def _end_epoch(self, row: dict[str, Any], epochs: int) -> None:
-        """Record the epoch, let callbacks see it, checkpoint per policy, track the best."""
+        """Record the epoch, let callbacks see it, track the best, checkpoint per policy."""
         self.history.append(row)
         for sink in self._sinks:
             sink.write(row)
         self.console.epoch_end(row, epochs)
         for callback in self.callbacks:
             callback.on_epoch_end(self, row)
-        improved = self._update_best(row)
+        self.state.stopped = self.should_stop  # a stopped run stays finished on resume
+        if self._update_best(row) and self.run_dir is not None:
+            # best/ before the epoch's checkpoint: a kill in between resumes before this
+            # epoch, which then writes both again, so they never disagree for good.
+            state = self.state_dict()  # collective: every process takes part
+            if self.world.is_main:
+                self._check_run_dir()
+                save_best(self.run_dir, self.model, state, self._meta(finished=False))
         every = self.checkpoint.every_n_epochs
         if every and self.state.epoch % every == 0:
             self.save_checkpoint()
-        if improved and self.run_dir is not None:
-            state = self.state_dict()  # collective: every process takes part
-            if self.world.is_main:
-                save_best(self.run_dir, self.model, state, self._meta(finished=False))
         self._stop_if_signalled()
 
     def _update_best(self, row: dict[str, Any]) -> bool:
@@ -566,6 +627,7 @@ class Trainer:
             # The current epoch's per-step losses, so its train_loss is exact after a resume.
             "epoch_losses": torch.stack(self._epoch_losses) if self._epoch_losses else None,
             "epoch_sizes": list(self._epoch_sizes),
+            "epoch_rng": self._epoch_rng,
             "history": self.history,
             "rng": capture_rng_state(),
             # Every process's RNG (dropout masks differ per process); a collective call.
@@ -589,6 +651,7 @@ class Trainer:
         losses = state["epoch_losses"]
         self._epoch_losses = list(losses.to(self.device).unbind()) if losses is not None else []
         self._epoch_sizes = [int(n) for n in state["epoch_sizes"]]
+        self._epoch_rng = state.get("epoch_rng")
         self.history = list(state["history"])
         loader = self._train_loader
         if state["data"] is not None and hasattr(loader, "load_state_dict"):
@@ -608,6 +671,7 @@ class Trainer:
         failure: Exception | None = None
         if self.world.is_main:  # one writer; the others wait for its verdict below
             try:
+                self._check_run_dir()
                 path = save_checkpoint(
                     self.run_dir, self.model, state, self._meta(finished=finished)
                 )
@@ -641,9 +705,15 @@ class Trainer:
         if str(resume) == "auto":
             if self.run_dir is None:
                 raise GlassloopError("resume='auto' needs a run_dir to look for checkpoints in")
-            found, warnings = find_resumable(self.run_dir)
-            for warning in warnings:
-                self.console.message(f"warning: {warning}")
+            found, problems = find_resumable(self.run_dir)
+            if found is None and problems:
+                # Never restart over checkpoints that a user may want to repair or inspect.
+                raise CheckpointError(
+                    f"checkpoint: no valid checkpoint to resume in '{self.run_dir}' (nothing "
+                    f"was changed): {' | '.join(problems)}"
+                )
+            for problem in problems:
+                self.console.message(f"warning: {problem}; falling back to an older checkpoint")
             if found is None:
                 self.console.message(
                     f"no checkpoint in '{self.run_dir / 'checkpoints'}'; starting at step 0"
@@ -652,7 +722,7 @@ class Trainer:
             checkpoint = found
         else:
             checkpoint = read_checkpoint(Path(resume))  # named explicitly: no fallback
-        saved_world = int(checkpoint.meta.get("world_size", 1))
+        saved_world = checkpoint.meta.get("world_size", 1)  # checked to be an int >= 1
         if saved_world != self.world.size:
             raise ConfigError(
                 f"config: '{checkpoint.path}' was written by {saved_world} process(es), this "
@@ -676,11 +746,15 @@ class Trainer:
                 f"checkpoint: '{checkpoint.path}' does not fit this trainer: "
                 f"{type(err).__name__}: {err}"
             ) from err
-        if self.state.batch_in_epoch and not hasattr(self._train_loader, "load_state_dict"):
+        loader = self._train_loader
+        exact = hasattr(loader, "load_state_dict") or isinstance(loader, (DataLoader, list, tuple))
+        if self.state.batch_in_epoch and not exact:
             self.console.message(
-                f"warning: the training loader has no load_state_dict(); resuming replays the "
-                f"first {self.state.batch_in_epoch} batches of the epoch and is exact only if "
-                "it yields them in the same order (use glassloop.data.ResumableLoader)"
+                f"warning: the training loader ({type(loader).__name__}) has no "
+                f"load_state_dict(); resuming replays the first {self.state.batch_in_epoch} "
+                "batches of the epoch with the RNG of the epoch's start, exact only if its "
+                "order depends on nothing else (glassloop.data loaders, DataLoader and "
+                "lists resume exactly)"
             )
         if self.run_dir is not None and self.world.is_main:
             truncate_rows(self.run_dir, self.state.step)
@@ -800,18 +874,82 @@ class Trainer:
             self._sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
 
     def _close_run_dir(self, status: str) -> None:
+        """Final weights (when finished) and run.json. A write failure is a
+        :class:`CheckpointWriteError` (exit 3); while another error is already on its way
+        out, a failure here is only reported, so that error is the one the user sees."""
         for sink in self._sinks:
             sink.close()
         self._sinks = []
         if self.run_dir is None or not self.world.is_main:
             return
-        if status == "finished":
-            metadata = {"format": "glassloop-weights"}
-            if self.model_spec is not None:
-                metadata["glassloop.model"] = json.dumps(self.model_spec)
-            save_weights(self.eval_model, self.run_dir / "model.safetensors", metadata)
-        info = {"status": status, "step": self.state.step, "epoch": self.state.epoch}
-        write_json(self.run_dir / "run.json", {**info, **self._environment})
+        try:
+            self._check_run_dir()
+            if status == "finished":
+                self._write_final_weights()
+            info = {"status": status, "step": self.state.step, "epoch": self.state.epoch}
+            if self._failure is not None and status == "failed":
+                info["error"] = self._failure
+            write_json(self.run_dir / "run.json", {**info, **self._environment})
+        except (OSError, CheckpointError) as err:
+            failure = write_failure(self.run_dir, err)
+            if status == "finished":
+                raise failure from err
+            self.console.message(f"warning: {failure}")
+
+    def _write_final_weights(self) -> None:
+        assert self.run_dir is not None
+        metadata = weights_metadata(self.model_spec)
+        save_weights(self.eval_model, self.run_dir / "model.safetensors", metadata)
+
+    def _check_run_dir(self) -> None:
+        """Refuse to write into a run directory that disappeared during the run (never
+        recreate it half-empty, without its config and metrics)."""
+        if self.run_dir is not None and not self.run_dir.is_dir():
+            raise CheckpointWriteError(
+                f"checkpoint: the run directory '{self.run_dir}' disappeared during the run "
+                "(deleted or unmounted?); not recreating it without its config and metrics"
+            )
+
+    @contextlib.contextmanager
+    def _own_run_dir(self) -> Iterator[None]:
+        """Create the run directory and hold its lock (rank 0) for the whole ``fit``."""
+        if self.run_dir is None or not self.world.is_main:
+            yield
+            return
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise GlassloopError(f"run: '{self.run_dir}' is a file, not a run directory")
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            lock = RunLock(self.run_dir)
+            lock.acquire()
+        except OSError as err:
+            raise write_failure(self.run_dir, err) from err
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def _finish_again(self, epochs: int) -> None:
+        """Resuming a finished run: complete whatever final file a kill left unwritten
+        (finishing is idempotent), then stop."""
+        state = self.state
+        why = "stopped early" if state.stopped else "already finished"
+        missing = []
+        if self.run_dir is not None and self.world.is_main:
+            try:
+                if not (self.run_dir / "model.safetensors").is_file():
+                    self._write_final_weights()
+                    missing.append("model.safetensors")
+                if _run_status(self.run_dir) != "finished":
+                    info = {"status": "finished", "step": state.step, "epoch": state.epoch}
+                    write_json(self.run_dir / "run.json", {**info, **self._environment})
+                    missing.append("run.json")
+            except OSError as err:
+                raise write_failure(self.run_dir, err) from err
+        done = f"; wrote what its end left out: {', '.join(missing)}" if missing else ""
+        self.console.message(
+            f"run {why} at step {state.step} (epoch {state.epoch}/{epochs}); nothing to do{done}"
+        )
 
     def _describe(self) -> dict[str, Any]:
         """The configuration of a run built in Python, for runs without a config file."""
@@ -819,8 +957,10 @@ class Trainer:
             "model": type(unwrap_model(self.model)).__name__,
             "num_parameters": sum(p.numel() for p in self.model.parameters()),
             "optimizer": type(self.optimizer).__name__,
-            "optimizer_defaults": {k: _jsonable(v) for k, v in self.optimizer.defaults.items()},
-            "loss_fn": repr(self.loss_fn),
+            "optimizer_defaults": {
+                k: _jsonable(v) for k, v in sorted(self.optimizer.defaults.items())
+            },
+            "loss_fn": stable_repr(self.loss_fn),
             "scheduler": type(self.scheduler).__name__ if self.scheduler is not None else None,
             "scheduler_interval": self.scheduler_interval,
             "precision": self.precision,
@@ -851,4 +991,12 @@ def _jsonable(value: Any) -> Any:
         return value
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
-    return repr(value)
+    return stable_repr(value)
+
+
+def _run_status(run_dir: Path) -> str | None:
+    try:
+        info = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return info.get("status") if isinstance(info, dict) else None

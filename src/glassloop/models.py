@@ -167,20 +167,31 @@ def build_model(
                 "nn.Module"
             )
         return model
-    if cfg.name == "mlp":
-        return mlp(input_shape, num_classes, cfg.hidden, cfg.dropout)
-    if cfg.name == "cnn":
-        if len(input_shape) != 3:
-            raise ModelError(f"model: 'cnn' needs images (C, H, W), the data is {input_shape}")
-        return cnn(input_shape, num_classes, cfg.dropout or 0.25)
-    if cfg.name == "text-classifier":
-        if not vocab_size:
-            raise ModelError("model: 'text-classifier' needs text data (data.name = 'text-csv')")
-        return TextClassifier(
-            vocab_size, num_classes, embed_dim=cfg.embed_dim, encoder=cfg.encoder,
-            num_layers=cfg.num_layers, num_heads=cfg.num_heads, dropout=cfg.dropout,
-            pad_id=pad_id,
-        )  # fmt: skip
+    try:
+        if cfg.name == "mlp":
+            return mlp(input_shape, num_classes, cfg.hidden, cfg.dropout)
+        if cfg.name == "cnn":
+            if len(input_shape) != 3 or min(input_shape[1:]) < 6:
+                raise ModelError(
+                    f"model: 'cnn' needs images (C, H, W) of at least 6x6, the data is "
+                    f"{input_shape}"
+                )
+            return cnn(input_shape, num_classes, cfg.dropout or 0.25)
+        if cfg.name == "text-classifier":
+            if not vocab_size:
+                raise ModelError(
+                    "model: 'text-classifier' needs text data (data.name = 'text-csv')"
+                )
+            return TextClassifier(
+                vocab_size, num_classes, embed_dim=cfg.embed_dim, encoder=cfg.encoder,
+                num_layers=cfg.num_layers, num_heads=cfg.num_heads, dropout=cfg.dropout,
+                pad_id=pad_id,
+            )  # fmt: skip
+    except (RuntimeError, MemoryError, AssertionError) as err:  # torch's checks, memory
+        raise ModelError(
+            f"model: '{cfg.name}' could not be built for inputs {input_shape} and "
+            f"{num_classes} classes: {type(err).__name__}: {' '.join(str(err).split())[:200]}"
+        ) from err
     raise ModelError(
         f"model.name {cfg.name!r} is not a built-in model (built-in: 'mlp', 'cnn', "
         "'text-classifier'); or set "

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from glassloop.data.collate import pad_collate
+from glassloop.data.datasets import load_arrays
+from glassloop.data.files import IMAGE_SUFFIXES, open_image
 from glassloop.errors import DataError
 from glassloop.evaluate import predict as predict_probs
-from glassloop.export import load_model, locate_weights, model_description
-
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
+from glassloop.export import ModelClass, model_description, model_from, read_weights
 
 
 @dataclass
@@ -45,10 +45,14 @@ class Predictor:
         self.preprocessing: dict[str, Any] = dict(spec.get("preprocessing") or {})
 
     @classmethod
-    def from_path(cls, path: str | Path) -> Predictor:
-        """A run directory, a checkpoint directory or an exported ``.safetensors`` file."""
-        weights, _ = locate_weights(path)
-        return cls(load_model(weights), model_description(weights))
+    def from_path(
+        cls, path: str | Path, *, model_class: ModelClass | None = None, trust_code: bool = False
+    ) -> Predictor:
+        """A run directory, a checkpoint directory or an exported ``.safetensors`` file;
+        ``model_class`` / ``trust_code`` as in :func:`glassloop.load_model`."""
+        weights = read_weights(path)
+        spec = model_description(weights)
+        return cls(model_from(weights, spec, model_class, trust_code), spec)
 
     # ------------------------------------------------------------------ raw → model inputs
     def prepare(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -70,6 +74,8 @@ class Predictor:
                     f"predict: input of shape {tuple(t.shape)} does not fit the model's input "
                     f"({shape}) (one example) or (N, {shape})"
                 )
+        if not bool(torch.isfinite(t).all()):
+            raise DataError("predict: the input holds NaN or inf values; clean it first")
         p = self.preprocessing
         if "scale" in p:
             t = t * float(p["scale"])
@@ -82,16 +88,11 @@ class Predictor:
         return t
 
     def read_image(self, path: Path) -> np.ndarray:
-        from PIL import Image, UnidentifiedImageError
-
         if len(self.input_shape) != 3:
             raise DataError(f"predict: '{path}' is an image but the model takes {self.input_shape}")
         channels, height, width = self.input_shape
-        try:
-            with Image.open(path) as opened:
-                image = opened.convert("L" if channels == 1 else "RGB").resize((width, height))
-        except (OSError, UnidentifiedImageError) as err:
-            raise DataError(f"predict: cannot read image '{path}': {err}") from err
+        with open_image(path, "predict") as opened:
+            image = opened.convert("L" if channels == 1 else "RGB").resize((width, height))
         pixels = np.asarray(image, dtype=np.float32)
         return pixels.reshape(height, width, channels).transpose(2, 0, 1)
 
@@ -150,16 +151,10 @@ class Predictor:
                 images.append(self.read_image(path))
                 image_names.append(str(path))
             elif suffix in (".npy", ".npz"):
-                try:
-                    loaded = np.load(path, allow_pickle=False)  # never unpickles
-                    if isinstance(loaded, np.lib.npyio.NpzFile):
-                        with loaded:
-                            array = np.array(loaded[loaded.files[0]])
-                    else:
-                        array = np.asarray(loaded)
-                except ValueError as err:
-                    raise DataError(f"predict: cannot read '{path}': {err}") from err
-                probs = self.predict(array)
+                arrays = load_arrays(path, "predict")
+                if not arrays:
+                    raise DataError(f"predict: '{path}' holds no arrays")
+                probs = self.predict(next(iter(arrays.values())))
                 outputs.append(probs)
                 sources += [f"{path.name}[{i}]" for i in range(len(probs))]
             elif suffix == ".csv":

@@ -42,3 +42,60 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def check_rng_state(state: dict[str, Any]) -> None:
+    """Raise ``ValueError``/``TypeError`` if :func:`restore_rng_state` would fail on ``state``:
+    each part is tried on a throwaway generator, so a bad state is found before anything
+    global changes.
+
+    >>> check_rng_state(capture_rng_state())
+    >>> check_rng_state({"python": (3, (1, 2), None), "numpy": None, "torch": None})
+    Traceback (most recent call last):
+    ...
+    ValueError: state vector is the wrong size
+    """
+    random.Random().setstate(state["python"])
+    np.random.RandomState().set_state(state["numpy"])
+    torch.Generator().set_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and not all(
+        isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda
+    ):
+        raise TypeError("cuda RNG states must be uint8 tensors")
+
+
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The torch generators a ``DataLoader`` draws its shuffle and worker seeds from when the
+    user gave one (``DataLoader(generator=g)``, ``RandomSampler(generator=g)``)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    owners = (loader, getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None))
+    found: list[torch.Generator] = []
+    for owner in owners:
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+            found.append(generator)
+    return found
+
+
+def capture_loader_rng(loader: Any) -> dict[str, Any]:
+    """Every RNG an epoch of ``loader`` may draw its order from: the global ones and the
+    loader's own generators.
+
+    >>> from torch.utils.data import DataLoader
+    >>> loader = DataLoader(list(range(8)), batch_size=4, shuffle=True)
+    >>> saved = capture_loader_rng(loader); first = [b.tolist() for b in loader]
+    >>> restore_loader_rng(loader, saved); [b.tolist() for b in loader] == first
+    True
+    """
+    return {
+        "global": capture_rng_state(),
+        "generators": [g.get_state() for g in loader_generators(loader)],
+    }
+
+
+def restore_loader_rng(loader: Any, state: dict[str, Any]) -> None:
+    """Put back what :func:`capture_loader_rng` returned."""
+    restore_rng_state(state["global"])
+    for generator, saved in zip(loader_generators(loader), state["generators"], strict=False):
+        generator.set_state(saved)

@@ -12,12 +12,14 @@ carry data only.
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 import numpy as np
 import torch
 
-MARKERS = ("__tensor__", "__tuple__", "__pairs__", "__ndarray__")
+MARKERS = ("__tensor__", "__tuple__", "__pairs__", "__ndarray__", "__float__")
 
 
 class UnserializableError(TypeError):
@@ -38,6 +40,8 @@ def flatten(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     seen: dict[int, str] = {}
 
     def walk(value: Any, path: str) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return {"__float__": repr(value)}  # "nan", "inf", "-inf": strict JSON has none
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         if isinstance(value, torch.Tensor):
@@ -86,6 +90,8 @@ def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
                 return tuple(unflatten(v, tensors) for v in payload)
             if marker == "__pairs__":
                 return {_hashable(unflatten(k, tensors)): unflatten(v, tensors) for k, v in payload}
+            if marker == "__float__" and payload in ("nan", "inf", "-inf"):
+                return float(payload)
             if marker == "__ndarray__":
                 return np.asarray(payload["data"], dtype=np.dtype(payload["dtype"]))
         return {k: unflatten(v, tensors) for k, v in tree.items()}
@@ -96,3 +102,18 @@ def _hashable(key: Any) -> Any:
     if isinstance(key, list):
         return tuple(_hashable(k) for k in key)
     return key
+
+
+def stable_repr(value: Any) -> str:
+    """``repr`` without memory addresses, to describe a value in a config that is compared
+    across processes: a function is its qualified name, and ``<... at 0x7f..>`` loses the
+    address (it differs in every process, so a resume would always see a "change").
+
+    >>> import torch.nn.functional as F
+    >>> stable_repr(F.cross_entropy), stable_repr(lambda x: x)
+    ('torch.nn.functional.cross_entropy', 'glassloop.serialization.<lambda>')
+    """
+    if callable(value) and hasattr(value, "__qualname__") and not isinstance(value, type):
+        module = getattr(value, "__module__", None) or "?"
+        return f"{module}.{value.__qualname__}"
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))

@@ -24,6 +24,7 @@ class TrainState:
     best_metric: float | None = None
     skipped_steps: int = 0  # fp16 overflows and non-finite steps skipped
     consecutive_nonfinite: int = 0
+    stopped: bool = False  # stopped early (a callback): the run is finished, whatever epochs says
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -35,5 +36,6 @@ class TrainState:
         self.samples_seen = int(state["samples_seen"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
+        self.stopped = bool(state.get("stopped", False))
         best = state.get("best_metric")
         self.best_metric = None if best is None else float(best)

@@ -56,7 +56,7 @@ def test_layout_manifest_and_latest(tmp_path: Path) -> None:
     assert (root / "latest").read_text() == "step-00000012\n"
     ckpt = root / "step-00000012"
     assert sorted(p.name for p in ckpt.iterdir()) == [
-        "manifest.json", "meta.json", "model.safetensors", "state.json", "state.safetensors",
+        ".glassloop", "manifest.json", "meta.json", "model.safetensors", "state.json", "state.safetensors",
     ]  # fmt: skip
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert set(manifest["files"]) == {

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_WRITE_FAILED, EXIT_DIVERGED = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
@@ -32,6 +32,16 @@ def add_set_option(parser: argparse.ArgumentParser, text: str) -> None:
     """The repeatable ``--set KEY=VALUE`` config override."""
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=text
+    )
+
+
+def add_trust_option(parser: argparse.ArgumentParser) -> None:
+    """``--trust-code``: allow a weights file or run directory to name a model class to import."""
+    parser.add_argument(
+        "--trust-code",
+        action="store_true",
+        help="build a model whose class the file names (model.target) by importing it; "
+        "importing runs code, so only for files you trust (built-in models never need it)",
     )
 
 
@@ -98,6 +108,7 @@ def make_parser() -> Parser:
     add_set_option(
         evaluate, "override a key of the run's config, e.g. --set data.eval_batch_size=500"
     )
+    add_trust_option(evaluate)
 
     predict = commands.add_parser(
         "predict",
@@ -111,6 +122,7 @@ def make_parser() -> Parser:
     predict.add_argument("inputs", nargs="+", metavar="INPUT", help="files to predict on")
     predict.add_argument("--top-k", type=int, default=1, metavar="K", help="classes per input")
     predict.add_argument("--output", metavar="FILE", help="also write the predictions as CSV")
+    add_trust_option(predict)
 
     doctor = commands.add_parser(
         "doctor",
@@ -134,6 +146,7 @@ def make_parser() -> Parser:
         "validation data, and an index.html showing it all.",
     )
     report.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by train")
+    add_trust_option(report)
 
     runs = commands.add_parser(
         "runs",
@@ -229,25 +242,38 @@ def exec_torchrun(nproc: int) -> int:
     return EXIT_ERROR  # not reached
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
+def evaluate_weights(
+    source: Path, overrides: list[str], trust_code: bool
+) -> tuple[Any, Any, dict[str, Any]]:
+    """Rebuild the run that made ``source`` from its recorded config and evaluate its weights
+    (the EMA weights for an EMA run) on its validation data; returns the run, the weights
+    and the evaluation."""
     from glassloop.build import build
-    from glassloop.checkpoint import load_weights
     from glassloop.config import apply_override, from_dict
     from glassloop.errors import GlassloopError
-    from glassloop.export import locate_weights
-    from glassloop.metrics import format_report
+    from glassloop.export import check_fits, read_weights, require_trust
 
-    weights, config = locate_weights(args.source)
+    weights = read_weights(source)
+    config = weights.config
     if config is None:
         raise GlassloopError(
-            f"eval: '{args.source}' does not say which data it was trained on (no config)"
+            f"eval: '{source}' does not say which data it was trained on (no config)"
         )
-    for item in args.overrides:
+    require_trust(config, source, trust_code)
+    for item in overrides:
         apply_override(config, item)
     run = build(from_dict(config))
-    load_weights(run.trainer.model, weights)
-    result = run.trainer.evaluate(run.val_loader)
-    print(f"weights: {weights}")
+    model = run.trainer.eval_model  # what training evaluated: the EMA copy when enabled
+    check_fits(model, weights)
+    model.load_state_dict(weights.tensors, strict=True)
+    return run, weights, run.trainer.evaluate(run.val_loader)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from glassloop.metrics import format_report
+
+    run, weights, result = evaluate_weights(Path(args.source), args.overrides, args.trust_code)
+    print(f"weights: {weights.path}")
     print(f"validation samples: {len(run.splits.y_val)}")
     print(f"loss: {result['loss']:.6f}")
     if "accuracy" in result:
@@ -263,7 +289,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     if args.top_k < 1:
         raise GlassloopError("predict: --top-k must be >= 1")
-    predictor = Predictor.from_path(args.source)
+    predictor = Predictor.from_path(args.source, trust_code=args.trust_code)
     sources, probs = predictor.predict_files(args.inputs)
     predictions = predictor.top_k(sources, probs, args.top_k)
     print(describe(predictions))
@@ -288,26 +314,19 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    index = report_for(Path(args.run_dir))
+    index = report_for(Path(args.run_dir), trust_code=args.trust_code)
     print(f"report: {index}")
     return EXIT_OK
 
 
-def report_for(run_dir: Path) -> Path:
+def report_for(run_dir: Path, *, trust_code: bool = False) -> Path:
     """Evaluate the run's final weights on its validation data and write its report."""
-    from glassloop.build import build
-    from glassloop.checkpoint import load_weights
-    from glassloop.config import from_dict
     from glassloop.errors import GlassloopError
-    from glassloop.export import locate_weights
     from glassloop.report import write_report
 
     if not (run_dir / "config.json").is_file():
         raise GlassloopError(f"report: '{run_dir}' is not a run directory (no config.json)")
-    weights, config = locate_weights(run_dir)
-    run = build(from_dict(config or {}))
-    load_weights(run.trainer.model, weights)
-    evaluation = run.trainer.evaluate(run.val_loader)
+    run, _, evaluation = evaluate_weights(run_dir, [], trust_code)
     return write_report(run_dir, evaluation=evaluation, class_names=run.splits.class_names)
 
 

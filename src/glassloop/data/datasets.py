@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,17 +135,28 @@ def synthetic(cfg: DataConfig) -> Splits:
     return _tensors(x[n_val:], y[n_val:], x[:n_val], y[:n_val], cfg.num_classes)
 
 
+def load_arrays(path: Path, who: str) -> dict[str, np.ndarray]:
+    """Every array of a ``.npz`` (or the one of a ``.npy``, as ``"arr_0"``), never unpickling;
+    an empty, truncated or foreign file is one :class:`DataError`."""
+    try:
+        loaded = np.load(path, allow_pickle=False)  # never unpickles
+        if isinstance(loaded, np.lib.npyio.NpzFile):
+            with loaded:
+                return {k: np.asarray(loaded[k]) for k in loaded.files}
+        return {"arr_0": np.asarray(loaded)}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as err:
+        raise DataError(
+            f"{who}: '{path}' is not a readable {path.suffix} file: {err or type(err).__name__}"
+        ) from err
+
+
 def npz(cfg: DataConfig) -> Splits:
     if not cfg.path:
         raise DataError("data: data.name = 'npz' needs data.path = 'file.npz'")
     path = Path(cfg.path)
     if not path.is_file():
         raise DataError(f"data: file '{path}' not found (data.path)")
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            arrays = {k: f[k] for k in f.files}
-    except (OSError, ValueError) as err:
-        raise DataError(f"data: '{path}' is not a readable .npz file: {err}") from err
+    arrays = load_arrays(path, "data")
     if {"x_train", "y_train", "x_val", "y_val"} <= arrays.keys():
         parts = (arrays["x_train"], arrays["y_train"], arrays["x_val"], arrays["y_val"])
     elif {"x", "y"} <= arrays.keys():

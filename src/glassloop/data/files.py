@@ -9,8 +9,11 @@ either unpickle (CIFAR-10's python batches) or need torchvision, which is option
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,13 +122,28 @@ def _existing(path: str, what: str) -> Path:
     return resolved
 
 
+@contextlib.contextmanager
+def open_image(path: Path, who: str) -> Iterator[Any]:
+    """Pillow's ``Image.open``, with every way an image file can fail (unreadable, not an
+    image, a decompression bomb: a small file that claims billions of pixels) turned into
+    one :class:`DataError` line. Pillow only warns between 89M and 179M pixels; here that
+    is an error too."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as opened:
+                yield opened
+    except (OSError, Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise DataError(f"{who}: cannot read image '{path}': {err}") from err
+
+
 def image_folder(cfg: DataConfig) -> Splits:
     """``data.path/<class>/<image>``: one folder per class, PNG/JPEG/...; decoded with Pillow
     (no torchvision needed), resized to ``image_size``, normalised per channel with the
     training split's statistics. ``train/`` and ``val/`` subfolders, if present, are the
     split; otherwise ``val_fraction`` of each class is held out (stratified, seeded)."""
-    from PIL import Image
-
     root = _existing(cfg.path, "data.path (a folder with one sub-folder per class)")
     parts = [root / "train", root / "val"]
     fixed_split = all(p.is_dir() for p in parts)
@@ -142,16 +160,13 @@ def image_folder(cfg: DataConfig) -> Splits:
             for file in sorted((folder / name).iterdir()) if (folder / name).is_dir() else []:
                 if file.suffix.lower() not in IMAGE_SUFFIXES:
                     continue
-                try:
-                    with Image.open(file) as opened:
-                        if channels == 0:
-                            channels = 1 if opened.mode in ("L", "1", "I", "I;16") else 3
-                        image = opened.convert("L" if channels == 1 else "RGB")
-                        if cfg.image_size:
-                            image = image.resize((cfg.image_size, cfg.image_size))
-                        pixels = np.asarray(image, dtype=np.uint8)
-                except OSError as err:
-                    raise DataError(f"data: cannot read image '{file}': {err}") from err
+                with open_image(file, "data") as opened:
+                    if channels == 0:
+                        channels = 1 if opened.mode in ("L", "1", "I", "I;16") else 3
+                    image = opened.convert("L" if channels == 1 else "RGB")
+                    if cfg.image_size:
+                        image = image.resize((cfg.image_size, cfg.image_size))
+                    pixels = np.asarray(image, dtype=np.uint8)
                 images.append(pixels.reshape(pixels.shape[0], pixels.shape[1], channels))
                 labels.append(label)
         if not images:

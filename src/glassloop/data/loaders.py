@@ -321,7 +321,9 @@ class InMemoryLoader(LoaderPosition):
         self.sampler.epoch = self.epoch
         self.sampler.start = self.batches_consumed * self.batch_size
         order = self.sampler.indices().to(self.tensors[0].device)
-        for idx in torch.split(order, self.batch_size):
+        # (split of an empty order yields one empty chunk: a resume at an epoch's last batch
+        # must yield nothing, not one empty batch)
+        for idx in torch.split(order, self.batch_size) if len(order) else ():
             if self.drop_last and len(idx) < self.batch_size:
                 break
             batch = tuple(t[idx] for t in self.tensors)

@@ -1,0 +1,324 @@
+"""Resume never dead-ends and never silently differs: the edges found by random kill trials.
+
+A kill is emulated in-process by a model that raises ``Kill`` (a ``BaseException``, like the
+``SystemExit`` of a dying process) at a chosen training forward call; a fresh ``Trainer`` then
+resumes from what is on disk, as a new process would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from glassloop import Callback, CheckpointError, Trainer
+from glassloop.checkpoint import read_checkpoint
+from glassloop.config import CheckpointConfig, config_differences
+from glassloop.data import make_loader
+from glassloop.errors import NonFiniteError
+
+
+class Kill(BaseException):
+    """Stands in for kill -9: raised from inside a training step."""
+
+
+class Net(nn.Module):
+    """An MLP with dropout that dies at training forward number ``kill_at``."""
+
+    def __init__(self, kill_at: int = 0) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+        self.calls, self.kill_at = 0, kill_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls == self.kill_at:
+                raise Kill
+        out: torch.Tensor = self.net(x)
+        return out
+
+
+def dataset(n: int = 96) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def make(run_dir: Path | None, kill_at: int = 0, **options: Any) -> Trainer:
+    torch.manual_seed(0)
+    model = Net(kill_at)
+    checkpoint = CheckpointConfig(**options.pop("checkpoint", {}))
+    return Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        options.pop("loss_fn", nn.CrossEntropyLoss()),
+        device="cpu",
+        progress="none",
+        run_dir=run_dir,
+        checkpoint=checkpoint,
+        **options,
+    )
+
+
+def user_loader() -> DataLoader[Any]:
+    """What the README's Python example uses: a DataLoader that shuffles from the global RNG."""
+    return DataLoader(dataset(), batch_size=16, shuffle=True)
+
+
+def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def killed_then_resumed(
+    tmp_path: Path, kill_at: int, loader: Any, epochs: int = 3, **options: Any
+) -> Trainer:
+    with pytest.raises(Kill):
+        make(tmp_path / "run", kill_at, **options).fit(loader(), epochs=epochs)
+    resumed = make(tmp_path / "run", **options)
+    resumed.fit(loader(), epochs=epochs, resume="auto")
+    return resumed
+
+
+# 96 samples / batch 16 = 6 steps per epoch.
+@pytest.mark.parametrize(
+    ("every_n_steps", "every_n_epochs", "kill_at"),
+    [(4, 1, 6), (6, 0, 8), (6, 1, 8)],
+    ids=["mid-epoch", "at-an-epochs-last-step", "at-an-epoch-boundary"],
+)
+def test_a_users_shuffling_dataloader_resumes_bitwise(
+    tmp_path: Path, every_n_steps: int, every_n_epochs: int, kill_at: int
+) -> None:
+    options = {"checkpoint": {"every_n_steps": every_n_steps, "every_n_epochs": every_n_epochs}}
+    straight = make(tmp_path / "straight", **options)
+    straight.fit(user_loader(), epochs=3)
+    resumed = killed_then_resumed(tmp_path, kill_at, user_loader, **options)
+    assert_same(weights(resumed), weights(straight))
+
+
+def test_a_checkpoint_on_an_epochs_last_batch_resumes(tmp_path: Path) -> None:
+    """The fast loader used to yield one empty batch there: NaN loss, exit 4 on every retry."""
+
+    def fast() -> Any:
+        data = dataset()
+        return make_loader(data.tensors, batch_size=16, shuffle=True, seed=3)
+
+    options = {"checkpoint": {"every_n_steps": 6, "every_n_epochs": 0}}
+    straight = make(tmp_path / "straight", **options)
+    straight.fit(fast(), epochs=3)
+    resumed = killed_then_resumed(tmp_path, 8, fast, **options)
+    assert_same(weights(resumed), weights(straight))
+
+
+def test_best_and_the_recorded_best_never_disagree_after_a_kill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import glassloop.loop as loop
+
+    writes = {"n": 0}
+
+    def counted(real: Any) -> Any:
+        def write(*args: Any, **kwargs: Any) -> Any:
+            writes["n"] += 1
+            if writes["n"] == 4:  # the second of the two writes at the end of epoch 2
+                raise Kill
+            return real(*args, **kwargs)
+
+        return write
+
+    monkeypatch.setattr(loop, "save_checkpoint", counted(loop.save_checkpoint))
+    monkeypatch.setattr(loop, "save_best", counted(loop.save_best))
+    val = DataLoader(dataset(48), batch_size=16)
+    options = {"checkpoint": {"monitor": "train_loss"}}
+    with pytest.raises(Kill):
+        make(tmp_path / "run", **options).fit(user_loader(), val, epochs=2)
+    monkeypatch.undo()
+    resumed = make(tmp_path / "run", **options)
+    resumed.fit(user_loader(), val, epochs=2, resume="auto")
+    best = read_checkpoint(tmp_path / "run" / "best")
+    assert best.meta["metrics"]["train_loss"] == resumed.state.best_metric
+    assert resumed.state.best_metric == min(row["train_loss"] for row in resumed.history)
+
+
+def test_resuming_a_finished_run_writes_what_its_end_left_out(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    first = make(run, ema_decay=0.9)
+    first.fit(user_loader(), epochs=2)
+    expected = weights_of_file(run / "model.safetensors")
+    # A kill after the final checkpoint, before the final files:
+    (run / "model.safetensors").unlink()
+    (run / "run.json").write_text(json.dumps({"status": "running"}))
+    again = make(run, ema_decay=0.9)
+    again.fit(user_loader(), epochs=2, resume="auto")
+    assert json.loads((run / "run.json").read_text())["status"] == "finished"
+    assert_same(weights_of_file(run / "model.safetensors"), expected)  # the EMA weights
+    assert again.state.step == first.state.step
+
+
+def weights_of_file(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+class StopAfterFirstEpoch(Callback):
+    def on_epoch_end(self, trainer: Trainer, row: dict[str, Any]) -> None:
+        trainer.should_stop = True
+
+
+def test_an_early_stopped_run_stays_finished(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    make(run, callbacks=[StopAfterFirstEpoch()]).fit(user_loader(), epochs=3)
+    before = (run / "model.safetensors").read_bytes()
+    again = make(run)
+    again.fit(user_loader(), epochs=3, resume="auto")
+    assert again.state.step == 6 and again.state.epoch == 1
+    assert (run / "model.safetensors").read_bytes() == before
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_resume_with_every_checkpoint_corrupt_stops_and_touches_nothing(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    make(run, checkpoint={"keep_last": 2}).fit(user_loader(), epochs=2)
+    steps = sorted((run / "checkpoints").glob("step-*"))
+    assert len(steps) == 2
+    (steps[0] / "manifest.json").unlink()  # one without its manifest
+    state = steps[1] / "state.json"
+    state.write_text(state.read_text().replace("1", "2", 1))  # one failing its hash
+    before = snapshot(run)
+    with pytest.raises(CheckpointError, match="no valid checkpoint to resume") as err:
+        make(run).fit(user_loader(), epochs=3, resume="auto")
+    assert "manifest.json is missing" in str(err.value) and "SHA-256" in str(err.value)
+    assert snapshot(run) == before
+
+
+class NaNGradient(torch.autograd.Function):
+    """Identity forward; NaN gradient backward (a finite loss with a poisoned gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * math.nan
+
+
+class PoisonAt(nn.Module):
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+        self.calls, self.at = 0, at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += self.training
+        out: torch.Tensor = self.linear(x)
+        return NaNGradient.apply(out) if self.calls == self.at else out  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_a_nan_gradient_with_a_finite_loss_is_never_applied(clip: float) -> None:
+    torch.manual_seed(0)
+    model = PoisonAt(3)
+    trainer = Trainer(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(),
+        device="cpu", progress="none", clip_grad_norm=clip or None,
+    )  # fmt: skip
+    with pytest.raises(NonFiniteError, match=r"step 3 \(epoch 1, batch 3\).*'linear.weight'"):
+        trainer.fit(user_loader(), epochs=1)
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+    assert trainer.state.step == 2
+
+    torch.manual_seed(0)
+    model = PoisonAt(3)
+    skipping = Trainer(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(),
+        device="cpu", progress="none", nonfinite="skip", clip_grad_norm=clip or None,
+    )  # fmt: skip
+    skipping.fit(user_loader(), epochs=1)
+    assert skipping.state.skipped_steps == 1 and skipping.state.step == 5
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+    for state in skipping.optimizer.state.values():
+        assert all(bool(t.isfinite().all()) for t in state.values() if torch.is_tensor(t))
+
+
+class NaNLossAt(nn.Module):
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+        self.calls, self.at = 0, at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += self.training
+        out: torch.Tensor = self.linear(x)
+        return out * math.nan if self.calls == self.at else out
+
+
+def test_fp16_with_nonfinite_skip_skips_and_goes_on() -> None:
+    torch.manual_seed(0)
+    model = NaNLossAt(2)
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(),
+        device="cpu", progress="none", precision="fp16", nonfinite="skip",
+    )  # fmt: skip
+    trainer.fit(user_loader(), epochs=1)
+    assert trainer.state.skipped_steps >= 1 and trainer.state.step >= 4
+
+
+def test_clipping_covers_parameters_unfrozen_after_the_trainer_was_built() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    model[0].requires_grad_(False)
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=1.0), nn.CrossEntropyLoss(),
+        device="cpu", progress="none", clip_grad_norm=0.1,
+    )  # fmt: skip
+    model[0].requires_grad_(True)  # unfrozen after the Trainer was built
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = dataset(16).tensors
+    trainer.fit([(x * 100, y)], epochs=1)  # large inputs: a gradient far above 0.1
+    update = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+    assert float(update.norm()) <= 0.1 * (1 + 1e-4)  # lr 1: the update is the clipped gradient
+    assert float(trainer.last_grad_norm) > 1.0  # type: ignore[arg-type]
+
+
+def test_a_function_loss_resumes_in_a_new_process(tmp_path: Path) -> None:
+    """repr() of a function holds its address; a fresh process has another one."""
+
+    def fresh_loss() -> Any:
+        return lambda output, target: F.cross_entropy(output, target)  # a new object each call
+
+    run = tmp_path / "run"
+    first = make(run, loss_fn=fresh_loss())  # kept alive: the next lambda gets another address
+    first.fit(user_loader(), epochs=1)
+    again = make(run, loss_fn=fresh_loss())
+    again.fit(user_loader(), epochs=2, resume="auto")
+    assert again.state.epoch == 2
+
+
+def test_device_and_extended_epochs_in_the_config_check() -> None:
+    assert config_differences({"device": "cpu"}, {"device": "cuda:0"}) == []
+    saved = {"train": {"epochs": 3}, "scheduler": {"T_max": 3}}
+    current = {"train": {"epochs": 5}, "scheduler": {"T_max": 5}}
+    (change,) = config_differences(saved, current)
+    assert change.startswith("train.epochs: 3 -> 5 (the learning-rate schedule spans the run")
