@@ -297,7 +297,9 @@ def test_clipping_covers_parameters_unfrozen_after_the_trainer_was_built() -> No
     before = [p.detach().clone() for p in model.parameters()]
     x, y = dataset(16).tensors
     trainer.fit([(x * 100, y)], epochs=1)  # large inputs: a gradient far above 0.1
-    update = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+    update = torch.cat(
+        [(p.detach() - b).flatten() for p, b in zip(model.parameters(), before, strict=True)]
+    )
     assert float(update.norm()) <= 0.1 * (1 + 1e-4)  # lr 1: the update is the clipped gradient
     assert float(trainer.last_grad_norm) > 1.0  # type: ignore[arg-type]
 
