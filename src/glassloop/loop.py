@@ -560,8 +560,7 @@ class Trainer:
     def _end_epoch(self, row: dict[str, Any], epochs: int) -> None:
         """Record the epoch, let callbacks see it, track the best, checkpoint per policy."""
         self.history.append(row)
-        for sink in self._sinks:
-            sink.write(row)
+        self._write_row(row)
         self.console.epoch_end(row, epochs)
         for callback in self.callbacks:
             callback.on_epoch_end(self, row)
@@ -756,8 +755,6 @@ class Trainer:
                 "order depends on nothing else (glassloop.data loaders, DataLoader and "
                 "lists resume exactly)"
             )
-        if self.run_dir is not None and self.world.is_main:
-            truncate_rows(self.run_dir, self.state.step)
         self.console.message(
             f"resumed from '{checkpoint.path}' at step {self.state.step} (epoch "
             f"{self.state.epoch + 1}, batch {self.state.batch_in_epoch})"
@@ -779,8 +776,7 @@ class Trainer:
             "grad_norm": float(self.last_grad_norm) if self.last_grad_norm is not None else None,
             "samples_per_s": (samples - last_samples) / (now - last_time) if last_samples else None,
         }
-        for sink in self._sinks:
-            sink.write(row)
+        self._write_row(row)
 
     def _check_batch(self, inputs: Inputs, target: Any) -> None:
         """Cheap checks on the first batch of a fit, each with one clear error: inputs free of
@@ -859,19 +855,32 @@ class Trainer:
     def _open_run_dir(self, has_val: bool) -> None:
         if self.run_dir is None or not self.world.is_main:  # rank 0 writes the run's files
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(self.run_dir / "config.json", self.config or self._describe())
-        write_json(self.run_dir / "run.json", {"status": "running", **self._environment})
         fields = list(CSV_FIELDS)
         if has_val:
             fields[5:5] = ["val_loss", "val_accuracy"]
         fresh = self.state.step == 0  # a new run replaces the metrics of one that never saved
-        self._sinks = [
-            CSVSink(self.run_dir / "metrics.csv", fields, fresh=fresh),
-            JSONLSink(self.run_dir / "metrics.jsonl", fresh=fresh),
-        ]
+        try:
+            if not fresh:  # rows a killed process wrote after its last checkpoint go
+                truncate_rows(self.run_dir, self.state.step)
+            write_json(self.run_dir / "config.json", self.config or self._describe())
+            write_json(self.run_dir / "run.json", {"status": "running", **self._environment})
+            self._sinks = [
+                CSVSink(self.run_dir / "metrics.csv", fields, fresh=fresh),
+                JSONLSink(self.run_dir / "metrics.jsonl", fresh=fresh),
+            ]
+        except OSError as err:
+            raise write_failure(self.run_dir, err) from err
         if self.tensorboard:
             self._sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
+
+    def _write_row(self, row: dict[str, Any]) -> None:
+        """One metrics row to every sink; a full disk is a write failure (exit 3)."""
+        try:
+            for sink in self._sinks:
+                sink.write(row)
+        except OSError as err:
+            assert self.run_dir is not None  # sinks exist only with a run directory
+            raise write_failure(self.run_dir, err) from err
 
     def _close_run_dir(self, status: str) -> None:
         """Final weights (when finished) and run.json. A write failure is a

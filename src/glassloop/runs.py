@@ -21,8 +21,12 @@ def summarise(run_dir: Path) -> RunSummary | None:
     """The summary of one run directory, or ``None`` if it is not one."""
     try:
         info = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError, RecursionError):
+        info = {"status": "unreadable run.json"}
+    if not isinstance(info, dict):
+        info = {"status": "unreadable run.json"}
     rows = []
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
@@ -31,7 +35,7 @@ def summarise(run_dir: Path) -> RunSummary | None:
                 row = json.loads(line)
             except ValueError:
                 continue  # a line cut short by a kill
-            if row.get("kind") == "epoch":
+            if isinstance(row, dict) and row.get("kind") == "epoch":
                 rows.append(row)
     status = str(info.get("status", "unknown"))
     if status == "running":
@@ -40,15 +44,20 @@ def summarise(run_dir: Path) -> RunSummary | None:
     return RunSummary(
         run_dir,
         status,
-        int(info.get("step", last.get("step", 0)) or 0),
-        int(info.get("epoch", last.get("epoch", 0)) or 0),
+        _count(info.get("step", last.get("step"))),
+        _count(info.get("epoch", last.get("epoch"))),
         best_metric(rows),
     )
 
 
+def _count(value: Any) -> int:
+    """A step or epoch from a file that may have been edited or cut: 0 unless a count."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
 def best_metric(rows: list[dict[str, Any]]) -> str:
     for key, pick in (("val_accuracy", max), ("val_loss", min), ("train_loss", min)):
-        scored = [r for r in rows if isinstance(r.get(key), (int, float))]
+        scored = [r for r in rows if isinstance(r.get(key), (int, float)) and "epoch" in r]
         if scored:
             best = pick(scored, key=lambda r: r[key])
             value = f"{100 * best[key]:.2f}%" if key.endswith("accuracy") else f"{best[key]:.4f}"

@@ -163,12 +163,15 @@ def test_sigterm_to_the_launcher_checkpoints_one_consistent_step(workdir: Path) 
         if lines == 10:
             proc.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to both ranks
             break
-    proc.communicate(timeout=120)
-    assert proc.returncode != 0
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr  # the workers' code, as in one process (128 + 15)
     root = workdir / "term" / "checkpoints"
     latest = (root / "latest").read_text().strip()
     meta = json.loads((root / latest / "meta.json").read_text())
     assert meta["world_size"] == 2 and 10 <= meta["step"] < 40
+    refused = train(workdir, "--run-dir", "term", "--resume", "--set", "optim.lr=0.5", nproc=2)
+    assert refused.returncode == 2, refused.stderr  # a config refusal: 2, not torchrun's 1
+    assert "optim.lr: 0.001 -> 0.5" in refused.stderr
     resumed = train(workdir, "--run-dir", "term", "--resume", nproc=2)
     assert resumed.returncode == 0, resumed.stderr
     assert f"at step {meta['step']}" in resumed.stdout

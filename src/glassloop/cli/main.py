@@ -10,8 +10,12 @@ stderr); 3 a checkpoint could not be written (disk full, quota; earlier checkpoi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +23,8 @@ from typing import Any, NoReturn
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_WRITE_FAILED, EXIT_DIVERGED = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
+# Set by --nproc for its workers: where each records its exit code (see launch_torchrun).
+EXIT_DIR = "GLASSLOOP_EXIT_DIR"
 
 
 class Parser(argparse.ArgumentParser):
@@ -187,7 +193,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from glassloop.errors import GlassloopError
 
     if args.nproc and "WORLD_SIZE" not in os.environ:
-        return exec_torchrun(args.nproc)
+        return launch_torchrun(args.nproc)
     cfg = load_config(args.config, args.overrides)
     if args.resume == "auto" and not args.run_dir:
         raise GlassloopError("--resume needs --run-dir DIR: the run to continue")
@@ -221,8 +227,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def exec_torchrun(nproc: int) -> int:
-    """Replace this process with torchrun running the same command without ``--nproc``."""
+def launch_torchrun(nproc: int) -> int:
+    """Run torchrun with the same command minus ``--nproc`` and return the workers' own exit
+    code (torchrun itself says 1 for any failure: a preemption would read as a crash, a
+    config refusal as a bug). Each worker records its code in ``GLASSLOOP_EXIT_DIR``; rank 0's
+    code wins, then the first non-zero one; torchrun's code only when no worker recorded one
+    (a worker that died). SIGTERM/SIGINT to this process go on to torchrun, which forwards
+    them to the workers."""
     argv = sys.argv[1:]
     kept: list[str] = []
     skip = False
@@ -238,8 +249,25 @@ def exec_torchrun(nproc: int) -> int:
         f"--nproc-per-node={nproc}", "-m", "glassloop", *kept,
     ]  # fmt: skip
     sys.stdout.flush()
-    os.execv(sys.executable, command)
-    return EXIT_ERROR  # not reached
+    with tempfile.TemporaryDirectory(prefix="glassloop-exit-") as exit_dir:
+        child = subprocess.Popen(command, env={**os.environ, EXIT_DIR: exit_dir})
+
+        def forward(signum: int, frame: object) -> None:
+            child.send_signal(signum)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, forward)
+        code = child.wait()
+        recorded = {}
+        for path in Path(exit_dir).glob("rank-*"):
+            with contextlib.suppress(OSError, ValueError):
+                recorded[int(path.name[5:])] = int(path.read_text())
+    if recorded.get(0):
+        return recorded[0]
+    failed = [recorded[rank] for rank in sorted(recorded) if recorded[rank]]
+    if failed:
+        return failed[0]
+    return code if code >= 0 else 128 - code  # killed by a signal: 128 + N, as a shell says
 
 
 def evaluate_weights(
@@ -351,6 +379,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    code = run_command(argv)
+    if EXIT_DIR in os.environ and "RANK" in os.environ:  # a worker of --nproc: tell the launcher
+        with contextlib.suppress(OSError):
+            Path(os.environ[EXIT_DIR], f"rank-{os.environ['RANK']}").write_text(str(code))
+    return code
+
+
+def run_command(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv``, run the command, map errors to exit codes (module docstring)."""
     args = make_parser().parse_args(argv)
     from glassloop.checkpoint import CheckpointWriteError
     from glassloop.errors import GlassloopError, NonFiniteError
