@@ -123,7 +123,7 @@ def test_a_decompression_bomb_is_one_line(
     for name in ("a", "b"):
         (folder / name).mkdir(parents=True)
         png_header_only(folder / name / "bomb.png", 100_000, 100_000)
-    with pytest.raises(DataError, match="cannot read image .*decompression bomb"):
+    with pytest.raises(DataError, match=r"cannot read image .*decompression bomb"):
         image_folder(DataConfig(name="image-folder", path=str(folder)))
     mnist = ["train.epochs=1", "train.progress=none", "model.hidden=[8]"]  # 28x28 images
     digits = tmp_path / "digits"
@@ -189,7 +189,7 @@ def test_a_failing_run_json_does_not_hide_the_real_error(
 
     monkeypatch.setattr(loop, "write_json", write_json)
     overrides = [*SMALL, "optim.lr=1e30", "train.max_nonfinite_skips=1", "train.nonfinite=skip"]
-    code, out, err = cli(capsys, "train", *sets(overrides), "--run-dir", str(tmp_path / "r"))
+    code, _, err = cli(capsys, "train", *sets(overrides), "--run-dir", str(tmp_path / "r"))
     assert code == 4, err  # the divergence, not the failure to record it
     assert "non-finite steps in a row" in err.strip().splitlines()[-1]
 
