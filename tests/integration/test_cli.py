@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_runner import run_glassloop
 
 FAST = ["--set", "train.epochs=2", "--set", "train.progress=lines"]
 
 
 def glassloop(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "glassloop", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=300,
-        check=False,
-    )
+    return run_glassloop(*args, cwd=cwd)
 
 
 def assert_user_error(result: subprocess.CompletedProcess[str], message: str) -> None:

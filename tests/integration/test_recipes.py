@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import run_glassloop
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -35,11 +34,9 @@ def test_recipe_smoke(recipe: str, tmp_path: Path) -> None:
         overrides += ["--set", f"data.path={tmp_path / 'texts.csv'}"]
     else:
         overrides += ["--set", "data.name=mnist-5k"]  # the bundled subset: no download
-    result = subprocess.run(
-        [sys.executable, "-m", "glassloop", "train", str(RECIPES / recipe), *overrides,
-         "--run-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    result = run_glassloop(
+        "train", str(RECIPES / recipe), *overrides, "--run-dir", str(tmp_path / "run")
+    )
     assert result.returncode == 0, result.stderr
     rows = [
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

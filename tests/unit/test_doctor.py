@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import run_glassloop
 
 from glassloop import load_config
 from glassloop.doctor import run_doctor
@@ -72,14 +71,10 @@ def test_a_healthy_setup_passes_and_draws_the_lr_curve(tmp_path: Path) -> None:
 
 def test_doctor_cli_exit_codes(tmp_path: Path) -> None:
     (tmp_path / "models.py").write_text(MODELS)
-    base = [sys.executable, "-m", "glassloop", "doctor", "--set", "data.name=synthetic",
-            "--output", str(tmp_path / "d")]  # fmt: skip
-    bad = subprocess.run(
-        [*base, "--set", f"model.target={tmp_path / 'models.py'}:DoubleSoftmax"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    base = ["doctor", "--set", "data.name=synthetic", "--output", str(tmp_path / "d")]
+    bad = run_glassloop(*base, "--set", f"model.target={tmp_path / 'models.py'}:DoubleSoftmax")
     assert bad.returncode == 1
     assert "FAIL  softmax + CE" in bad.stdout and " 0 failed" not in bad.stdout
-    good = subprocess.run(base, capture_output=True, text=True, timeout=120, check=False)
+    good = run_glassloop(*base)
     assert good.returncode == 0, good.stdout
     assert "PASS  initial loss" in good.stdout

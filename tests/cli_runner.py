@@ -1,0 +1,35 @@
+"""The glassloop command run in the test process: the same ``main()`` the console script
+calls, with stdout/stderr captured and the exit code returned. A subprocess per call would
+cost an interpreter and a torch import each (~1 s, ~3 s on CI); tests that need a real
+process (signals, kill -9, torchrun) still start one."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import traceback
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+from glassloop.cli.main import main
+
+
+def run_glassloop(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Like ``subprocess.run(["glassloop", *args], capture_output=True, text=True)``."""
+    out, err = io.StringIO(), io.StringIO()
+    previous = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as stop:  # argparse: --help, usage errors
+                code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+            except Exception:  # what the console script would print before exiting 1
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.chdir(previous)
+    return subprocess.CompletedProcess(["glassloop", *args], code, out.getvalue(), err.getvalue())
