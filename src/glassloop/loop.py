@@ -165,8 +165,9 @@ class Trainer:
         # torch.compile wraps the module (state_dict keys gain "_orig_mod."); checkpoints
         # store the unwrapped keys, so they load with or without compile. dynamic=False: one
         # static graph per input shape. Dynamo's default ("automatic dynamic") switches to a
-        # dynamic graph after the second shape it sees (the short last batch), so a resumed
-        # process that meets the shapes in another order ran other kernels (max diff 0.018).
+        # dynamic graph after the second shape it sees (the short last batch), so which
+        # kernels run depends on the order a process met the shapes in, which a resumed
+        # process does not repeat (a max weight diff of 0.018 was reported on a resume).
         self.model: nn.Module = (
             cast(nn.Module, torch.compile(model, mode=compile_mode, dynamic=compile_dynamic))
             if compile
