@@ -11,6 +11,7 @@ import subprocess
 import traceback
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from typing import Any
 
 from glassloop.cli.main import main
 
@@ -33,3 +34,15 @@ def run_glassloop(*args: str, cwd: Path | None = None) -> subprocess.CompletedPr
     finally:
         os.chdir(previous)
     return subprocess.CompletedProcess(["glassloop", *args], code, out.getvalue(), err.getvalue())
+
+
+def sets(items: list[str]) -> list[str]:
+    """``["a.b=1", "c.d=2"]`` -> ``["--set", "a.b=1", "--set", "c.d=2"]``."""
+    return [arg for item in items for arg in ("--set", item)]
+
+
+def cli(capsys: Any, *args: str) -> tuple[int, str, str]:
+    """``main(args)`` with pytest's ``capsys``: (exit code, stdout, stderr)."""
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err

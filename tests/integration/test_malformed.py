@@ -14,24 +14,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cli_runner import cli, sets
 
 from glassloop import ConfigError, DataError, load_config
-from glassloop.cli.main import main
 
 SMALL = [
     "data.name=synthetic", "data.num_samples=256", "data.num_features=8", "model.hidden=[16]",
     "train.epochs=1", "train.progress=none",
 ]  # fmt: skip
-
-
-def sets(items: list[str]) -> list[str]:
-    return [arg for item in items for arg in ("--set", item)]
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def assert_error(result: tuple[int, str, str], code: int, message: str) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from cli_runner import cli, sets
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -28,17 +29,6 @@ SMALL = [
     "train.epochs=2", "train.progress=none", "checkpoint.keep_last=2",
 ]  # fmt: skip
 HOSTILE = {"target": "subprocess:run", "kwargs": {"args": ["sh", "-c", "touch PWNED"]}}
-
-
-def sets(items: list[str]) -> list[str]:
-    return [arg for item in items for arg in ("--set", item)]
-
-
-def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """The glassloop command, in this process (much faster than a subprocess per call)."""
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def assert_one_line(err: str, message: str) -> None:

@@ -225,15 +225,20 @@ class NaNGradient(torch.autograd.Function):
 
 
 class PoisonAt(nn.Module):
-    def __init__(self, at: int) -> None:
+    """A linear model whose training forward number ``at`` is poisoned: a NaN gradient with a
+    finite loss (``"gradient"``) or a NaN loss (``"loss"``)."""
+
+    def __init__(self, at: int, what: str = "gradient") -> None:
         super().__init__()
         self.linear = nn.Linear(6, 3)
-        self.calls, self.at = 0, at
+        self.calls, self.at, self.what = 0, at, what
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += self.training
         out: torch.Tensor = self.linear(x)
-        return NaNGradient.apply(out) if self.calls == self.at else out  # type: ignore[no-any-return]
+        if self.calls != self.at:
+            return out
+        return NaNGradient.apply(out) if self.what == "gradient" else out * math.nan  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("clip", [0.0, 1.0])
@@ -262,21 +267,9 @@ def test_a_nan_gradient_with_a_finite_loss_is_never_applied(clip: float) -> None
         assert all(bool(t.isfinite().all()) for t in state.values() if torch.is_tensor(t))
 
 
-class NaNLossAt(nn.Module):
-    def __init__(self, at: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(6, 3)
-        self.calls, self.at = 0, at
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += self.training
-        out: torch.Tensor = self.linear(x)
-        return out * math.nan if self.calls == self.at else out
-
-
 def test_fp16_with_nonfinite_skip_skips_and_goes_on() -> None:
     torch.manual_seed(0)
-    model = NaNLossAt(2)
+    model = PoisonAt(2, "loss")
     trainer = Trainer(
         model, torch.optim.SGD(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(),
         device="cpu", progress="none", precision="fp16", nonfinite="skip",
