@@ -1,48 +1,82 @@
 """glassloop: a production PyTorch training loop you can read in one sitting.
 
+The public names below are imported when first used (PEP 562), so ``import glassloop`` and
+``glassloop --help`` start without torch; ``glassloop.Trainer`` imports what it needs.
+
 >>> import glassloop
 >>> {"Trainer", "evaluate", "predict", "load_model"} <= set(glassloop.__all__)
 True
+>>> glassloop.evaluate.__module__, glassloop.build.__module__
+('glassloop.evaluation', 'glassloop.assemble')
+>>> set(glassloop.__all__) == {*_EXPORTS, "__version__"}
+True
 """
 
-from glassloop.build import Run, build
-from glassloop.callbacks import Callback
-from glassloop.checkpoint import CheckpointError, load_weights, save_weights
-from glassloop.config import Config, load_config
-from glassloop.errors import ConfigError, DataError, GlassloopError, ModelError
-from glassloop.evaluate import evaluate, predict
-from glassloop.export import export_model, load_model
-from glassloop.loop import Trainer
-from glassloop.metrics import format_report
-from glassloop.prediction import Predictor
-from glassloop.preemption import Preempted
-from glassloop.rng import seed_everything
-from glassloop.state import TrainState
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from glassloop._version import __version__
+
+# Each public name and the module that defines it.
+_EXPORTS = {
+    "Callback": "glassloop.callbacks",
+    "CheckpointError": "glassloop.checkpoint",
+    "Config": "glassloop.config",
+    "ConfigError": "glassloop.errors",
+    "DataError": "glassloop.errors",
+    "GlassloopError": "glassloop.errors",
+    "ModelError": "glassloop.errors",
+    "Predictor": "glassloop.prediction",
+    "Preempted": "glassloop.preemption",
+    "Run": "glassloop.assemble",
+    "TrainState": "glassloop.state",
+    "Trainer": "glassloop.loop",
+    "build": "glassloop.assemble",
+    "evaluate": "glassloop.evaluation",
+    "export_model": "glassloop.export",
+    "format_report": "glassloop.metrics",
+    "load_config": "glassloop.config",
+    "load_model": "glassloop.export",
+    "load_weights": "glassloop.checkpoint",
+    "predict": "glassloop.evaluation",
+    "save_weights": "glassloop.checkpoint",
+    "seed_everything": "glassloop.rng",
+}
 
 __all__ = [
-    "Callback",
-    "CheckpointError",
-    "Config",
-    "ConfigError",
-    "DataError",
-    "GlassloopError",
-    "ModelError",
-    "Predictor",
-    "Preempted",
-    "Run",
-    "TrainState",
-    "Trainer",
-    "__version__",
-    "build",
-    "evaluate",
-    "export_model",
-    "format_report",
-    "load_config",
-    "load_model",
-    "load_weights",
-    "predict",
-    "save_weights",
-    "seed_everything",
-]
+    "Callback", "CheckpointError", "Config", "ConfigError", "DataError", "GlassloopError",
+    "ModelError", "Predictor", "Preempted", "Run", "TrainState", "Trainer", "__version__",
+    "build", "evaluate", "export_model", "format_report", "load_config", "load_model",
+    "load_weights", "predict", "save_weights", "seed_everything",
+]  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use and cache the name here."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'glassloop' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from glassloop.assemble import Run, build
+    from glassloop.callbacks import Callback
+    from glassloop.checkpoint import CheckpointError, load_weights, save_weights
+    from glassloop.config import Config, load_config
+    from glassloop.errors import ConfigError, DataError, GlassloopError, ModelError
+    from glassloop.evaluation import evaluate, predict
+    from glassloop.export import export_model, load_model
+    from glassloop.loop import Trainer
+    from glassloop.metrics import format_report
+    from glassloop.prediction import Predictor
+    from glassloop.preemption import Preempted
+    from glassloop.rng import seed_everything
+    from glassloop.state import TrainState

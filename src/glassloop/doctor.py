@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from glassloop.assemble import Run, build
 from glassloop.batch import split_batch
-from glassloop.build import Run, build
 from glassloop.config import Config, optimizer_class
-from glassloop.data.datasets import Splits
+from glassloop.data.splits import Splits
 from glassloop.device import move_to_device
 
 

@@ -51,7 +51,7 @@ from glassloop.distributed import (
     wrap,
 )
 from glassloop.errors import ConfigError, DataError, GlassloopError, ModelError, NonFiniteError
-from glassloop.evaluate import LossFn, evaluate, predict
+from glassloop.evaluation import LossFn, evaluate, predict
 from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import Preempted, StopSignals
 from glassloop.provenance import environment

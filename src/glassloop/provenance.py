@@ -36,7 +36,7 @@ def environment() -> dict[str, Any]:
     >>> sorted(environment())[:3]
     ['argv', 'cuda', 'git_sha']
     """
-    from glassloop import __version__
+    from glassloop._version import __version__
 
     return {
         "glassloop": __version__,

@@ -52,7 +52,7 @@ def add_trust_option(parser: argparse.ArgumentParser) -> None:
 
 
 def make_parser() -> Parser:
-    from glassloop import __version__
+    from glassloop._version import __version__
 
     parser = Parser(
         prog="glassloop",
@@ -187,7 +187,7 @@ def default_run_dir() -> Path:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from glassloop.build import build
+    from glassloop.assemble import build
     from glassloop.config import load_config
     from glassloop.distributed import shutdown
     from glassloop.errors import GlassloopError
@@ -276,7 +276,7 @@ def evaluate_weights(
     """Rebuild the run that made ``source`` from its recorded config and evaluate its weights
     (the EMA weights for an EMA run) on its validation data; returns the run, the weights
     and the evaluation."""
-    from glassloop.build import build
+    from glassloop.assemble import build
     from glassloop.config import apply_override, from_dict
     from glassloop.errors import GlassloopError
     from glassloop.export import check_fits, read_weights, require_trust

@@ -1,7 +1,7 @@
 """Datasets and loaders."""
 
 from glassloop.data.collate import pad_collate
-from glassloop.data.datasets import Splits, load_splits
+from glassloop.data.datasets import load_splits
 from glassloop.data.loaders import (
     BucketBatchSampler,
     InMemoryLoader,
@@ -9,6 +9,7 @@ from glassloop.data.loaders import (
     make_loader,
     make_loaders,
 )
+from glassloop.data.splits import Splits
 
 __all__ = [
     "BucketBatchSampler",

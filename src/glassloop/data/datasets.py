@@ -12,37 +12,17 @@ from __future__ import annotations
 
 import os
 import zipfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from glassloop.config import DataConfig
+from glassloop.data.splits import Splits, from_arrays, stratified_split
 from glassloop.errors import DataError
 
 # The usual MNIST pixel statistics (over the 60,000 training images, pixels in [0, 1]).
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-
-
-@dataclass
-class Splits:
-    """Training and validation tensors plus what the model needs to know about them."""
-
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_val: torch.Tensor
-    y_val: torch.Tensor
-    num_classes: int
-    class_names: list[str]
-    # How raw inputs were transformed (e.g. standardisation statistics of the training
-    # split); saved with the weights so that prediction transforms new inputs the same way.
-    preprocessing: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def input_shape(self) -> tuple[int, ...]:
-        return tuple(self.x_train.shape[1:])
 
 
 def cache_dir() -> Path:
@@ -99,33 +79,6 @@ def _cached(name: str, keys: tuple[str, ...], make: Any) -> dict[str, np.ndarray
     return arrays
 
 
-def stratified_split(
-    x: np.ndarray, y: np.ndarray, *, val_size: float | int, seed: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    from sklearn.model_selection import train_test_split  # ~1 s to import: only when used
-
-    try:
-        x_tr, x_va, y_tr, y_va = train_test_split(
-            x, y, test_size=val_size, random_state=seed, stratify=y
-        )
-    except ValueError as err:
-        raise DataError(f"data: cannot split {len(y)} samples for validation: {err}") from err
-    return x_tr, y_tr, x_va, y_va
-
-
-def _tensors(
-    x_tr: np.ndarray, y_tr: np.ndarray, x_va: np.ndarray, y_va: np.ndarray, num_classes: int
-) -> Splits:
-    return Splits(
-        torch.as_tensor(x_tr, dtype=torch.float32),
-        torch.as_tensor(y_tr, dtype=torch.int64),
-        torch.as_tensor(x_va, dtype=torch.float32),
-        torch.as_tensor(y_va, dtype=torch.int64),
-        num_classes,
-        [str(c) for c in range(num_classes)],
-    )
-
-
 def mnist_5k(normalize: bool = True) -> Splits:
     # Fixed split: the validation set never changes with train.seed, so runs are comparable.
     split = load_mnist_5k_split()
@@ -134,9 +87,9 @@ def mnist_5k(normalize: bool = True) -> Splits:
     def images(x: np.ndarray) -> np.ndarray:
         return ((x.astype(np.float32) / 255.0 - mean) / std).reshape(-1, 1, 28, 28)
 
-    splits = _tensors(
+    splits = from_arrays(
         images(split["x_train"]), split["y_train"], images(split["x_val"]), split["y_val"],
-        num_classes=10,
+        10,
     )  # fmt: skip
     splits.preprocessing = {"scale": 1 / 255, "mean": [mean], "std": [std]}
     return splits
@@ -148,9 +101,9 @@ def digits(cfg: DataConfig) -> Splits:
     bunch = load_digits()
     images = (bunch.images.astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
     target = bunch.target.astype(np.int64)
-    return _tensors(
+    return from_arrays(
         *stratified_split(images, target, val_size=cfg.val_fraction, seed=cfg.seed),
-        num_classes=10,
+        10,
     )
 
 
@@ -161,7 +114,7 @@ def synthetic(cfg: DataConfig) -> Splits:
     y = rng.integers(0, cfg.num_classes, size=cfg.num_samples).astype(np.int64)
     x = centres[y] + rng.normal(0.0, 1.0, size=(cfg.num_samples, cfg.num_features))
     n_val = max(1, round(cfg.num_samples * cfg.val_fraction))
-    return _tensors(x[n_val:], y[n_val:], x[:n_val], y[:n_val], cfg.num_classes)
+    return from_arrays(x[n_val:], y[n_val:], x[:n_val], y[:n_val], cfg.num_classes)
 
 
 def load_arrays(path: Path, who: str) -> dict[str, np.ndarray]:
@@ -211,7 +164,7 @@ def npz(cfg: DataConfig) -> Splits:
                 "class indices in [0, num_classes)"
             )
     num_classes = int(max(y_tr.max(), y_va.max())) + 1
-    return _tensors(x_tr, y_tr, x_va, y_va, num_classes)
+    return from_arrays(x_tr, y_tr, x_va, y_va, num_classes)
 
 
 def load_splits(cfg: DataConfig) -> Splits:

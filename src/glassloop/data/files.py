@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from glassloop.config import DataConfig
-from glassloop.data.datasets import Splits, stratified_split
+from glassloop.data.splits import Splits, from_arrays, stratified_split
 from glassloop.errors import DataError
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
@@ -31,21 +30,6 @@ STATS = {
     "fashion-mnist": ([0.2860], [0.3530]),
     "cifar10": ([0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616]),
 }
-
-
-def _splits(
-    x_tr: np.ndarray, y_tr: np.ndarray, x_va: np.ndarray, y_va: np.ndarray,
-    class_names: list[str], preprocessing: dict[str, Any],
-) -> Splits:  # fmt: skip
-    return Splits(
-        torch.as_tensor(x_tr, dtype=torch.float32),
-        torch.as_tensor(y_tr, dtype=torch.int64),
-        torch.as_tensor(x_va, dtype=torch.float32),
-        torch.as_tensor(y_va, dtype=torch.int64),
-        len(class_names),
-        class_names,
-        preprocessing,
-    )
 
 
 def _class_indices(labels: list[str]) -> tuple[np.ndarray, list[str]]:
@@ -102,7 +86,7 @@ def tabular_csv(cfg: DataConfig) -> Splits:
     std = x_tr.std(axis=0)
     std[std == 0] = 1.0  # a constant column stays constant instead of dividing by zero
     scale = {"feature_columns": features, "mean": mean.tolist(), "std": std.tolist()}
-    return _splits((x_tr - mean) / std, y_tr, (x_va - mean) / std, y_va, names, scale)
+    return from_arrays((x_tr - mean) / std, y_tr, (x_va - mean) / std, y_va, names, scale)
 
 
 def _is_float(value: str) -> bool:
@@ -211,7 +195,7 @@ def _normalised(
     s = np.array(stats[1], dtype=np.float32)[None, :, None, None]
     preprocessing = {"scale": 1 / 255, "mean": list(stats[0]), "std": list(stats[1]),
                      "image_shape": list(x_tr.shape[1:])}  # fmt: skip
-    return _splits((train - m) / s, y_tr, (val - m) / s, y_va, names, preprocessing)
+    return from_arrays((train - m) / s, y_tr, (val - m) / s, y_va, names, preprocessing)
 
 
 IDX_FILES = {

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from glassloop.data.augment import BatchAugment
-from glassloop.data.datasets import Splits
+from glassloop.data.splits import Splits
 from glassloop.distributed import SINGLE, World
 from glassloop.errors import ConfigError
 from glassloop.preemption import ignore_stop_signals

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from glassloop.config import DataConfig
-from glassloop.data.datasets import stratified_split
+from glassloop.data.splits import stratified_split
 from glassloop.errors import DataError
 
 PAD, UNK = "[PAD]", "[UNK]"

@@ -1,0 +1,69 @@
+"""The one shape every dataset reader returns: training and validation tensors in memory plus
+what the model and prediction need to know about them (:class:`Splits`), and the stratified
+split that readers use when a dataset has no fixed validation set."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from glassloop.errors import DataError
+
+
+@dataclass
+class Splits:
+    """Training and validation tensors plus what the model needs to know about them."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    num_classes: int
+    class_names: list[str]
+    # How raw inputs were transformed (e.g. standardisation statistics of the training
+    # split); saved with the weights so that prediction transforms new inputs the same way.
+    preprocessing: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+
+def from_arrays(
+    x_tr: np.ndarray, y_tr: np.ndarray, x_va: np.ndarray, y_va: np.ndarray,
+    class_names: list[str] | int, preprocessing: dict[str, Any] | None = None,
+) -> Splits:  # fmt: skip
+    """float32 inputs and int64 labels; ``class_names`` may be a count (names "0", "1", ...).
+
+    >>> s = from_arrays(np.zeros((4, 2)), np.arange(4), np.zeros((2, 2)), np.arange(2), 4)
+    >>> s.class_names, s.x_train.dtype, s.input_shape
+    (['0', '1', '2', '3'], torch.float32, (2,))
+    """
+    names = [str(c) for c in range(class_names)] if isinstance(class_names, int) else class_names
+    return Splits(
+        torch.as_tensor(x_tr, dtype=torch.float32),
+        torch.as_tensor(y_tr, dtype=torch.int64),
+        torch.as_tensor(x_va, dtype=torch.float32),
+        torch.as_tensor(y_va, dtype=torch.int64),
+        len(names),
+        names,
+        dict(preprocessing or {}),
+    )
+
+
+def stratified_split(
+    x: np.ndarray, y: np.ndarray, *, val_size: float | int, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """scikit-learn's stratified ``train_test_split``: (x_train, y_train, x_val, y_val)."""
+    from sklearn.model_selection import train_test_split  # ~1 s to import: only when used
+
+    try:
+        x_tr, x_va, y_tr, y_va = train_test_split(
+            x, y, test_size=val_size, random_state=seed, stratify=y
+        )
+    except ValueError as err:
+        raise DataError(f"data: cannot split {len(y)} samples for validation: {err}") from err
+    return x_tr, y_tr, x_va, y_va
