@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from glassloop.metrics import improves, monitor_mode
+
 if TYPE_CHECKING:
     from glassloop.loop import Trainer
 
@@ -45,14 +47,10 @@ class EarlyStopping(Callback):
     def __init__(
         self, monitor: str, *, patience: int = 3, min_delta: float = 0.0, mode: str = "auto"
     ) -> None:
-        if mode == "auto":
-            mode = "max" if "accuracy" in monitor or "f1" in monitor else "min"
-        if mode not in ("min", "max"):
-            raise ValueError(f"early stopping mode must be 'min', 'max' or 'auto', got {mode!r}")
         self.monitor = monitor
         self.patience = patience
         self.min_delta = min_delta
-        self.mode = mode
+        self.mode = monitor_mode(monitor, mode)
         self.best: float | None = None
         self.bad_epochs = 0
         self.stopped_epoch: int | None = None
@@ -66,12 +64,7 @@ class EarlyStopping(Callback):
                 f"(available: {', '.join(sorted(k for k in row if k != 'kind'))})"
             )
         value = float(row[self.monitor])
-        improved = self.best is None or (
-            value > self.best + self.min_delta
-            if self.mode == "max"
-            else value < self.best - self.min_delta
-        )
-        if improved:
+        if improves(value, self.best, self.mode, self.min_delta):
             self.best = value
             self.bad_epochs = 0
             return

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
+from glassloop.checkpointer import CheckpointConfig
 from glassloop.errors import ConfigError
-from glassloop.serialization import stable_repr
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -131,18 +131,6 @@ class SchedulerConfig:
     name: str = "CosineAnnealingLR"
     interval: str = "epoch"
     kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class CheckpointConfig:
-    """When to save (``every_n_steps``, ``every_n_epochs``; always at the end), how many to
-    keep, and which validation metric picks ``RUN_DIR/best/`` (``""``: no best tracking)."""
-
-    every_n_steps: int = 0  # 0: off
-    every_n_epochs: int = 1  # 0: off
-    keep_last: int = 3
-    monitor: str = ""  # e.g. "val_loss" or "val_accuracy"
-    mode: str = "auto"  # "min", "max", or "auto" (max for accuracy/F1, else min)
 
 
 @dataclass
@@ -597,61 +585,4 @@ def to_dict(cfg: Config) -> dict[str, Any]:
         if section in OPEN_SECTIONS:
             values.update(values.pop("kwargs"))
         out[section] = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
-    return out
-
-
-# Keys a resumed run may change without changing what it computes.
-RESUME_SAFE_KEYS = (
-    "train.epochs",
-    "train.log_every",
-    "train.progress",
-    "train.device",
-    "data.num_workers",
-    "data.eval_batch_size",
-    "train.compile",
-    "train.compile_mode",
-    "train.compile_dynamic",
-    # the same, in the description of a run built in Python
-    "compile",
-    "device",
-)
-# Keys that build() fills in from train.epochs when the user leaves them out: a change of
-# epochs shows up as a change of these, and the message names the key the user changed.
-DERIVED_FROM_EPOCHS = ("scheduler.T_max", "scheduler.total_steps")
-RESUME_SAFE_PREFIXES = ("checkpoint.",)
-
-
-def config_differences(saved: Any, current: Any) -> list[str]:
-    """``key: saved -> current`` for every key that differs, except keys that do not change
-    the trajectory (logging, device, workers, epochs to run, compile, checkpoint policy).
-
-    >>> config_differences({"optim": {"lr": 0.1}}, {"optim": {"lr": 0.2}})
-    ['optim.lr: 0.1 -> 0.2']
-    """
-    old = _dotted(json.loads(json.dumps(saved, default=stable_repr)))
-    new = _dotted(json.loads(json.dumps(current, default=stable_repr)))
-    epochs = f"train.epochs: {old.get('train.epochs')} -> {new.get('train.epochs')}"
-    changes = []
-    for key in sorted(old.keys() | new.keys()):
-        if key in RESUME_SAFE_KEYS or key.startswith(RESUME_SAFE_PREFIXES):
-            continue
-        change = f"{key}: {old.get(key, '<unset>')} -> {new.get(key, '<unset>')}"
-        if old.get(key, "<unset>") == new.get(key, "<unset>"):
-            continue
-        if key in DERIVED_FROM_EPOCHS and old.get("train.epochs") != new.get("train.epochs"):
-            change = f"{epochs} (the learning-rate schedule spans the run: {change})"
-        changes.append(change)
-    return changes
-
-
-def _dotted(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, dict) and value:
-            out.update(_dotted(value, name))
-        else:
-            out[name] = value
     return out

@@ -1,13 +1,20 @@
-"""The training loop: ``Trainer.fit`` runs epochs; ``Trainer.train_step`` is one optimizer step."""
+"""The training loop: ``Trainer.fit`` runs epochs; ``Trainer.train_step`` is one optimizer step.
+
+The Trainer is handed its parts, each with one job: a :class:`~glassloop.checkpointer.
+Checkpointer` (when to save, what is best, how to resume), a :class:`~glassloop.run_log.RunLog`
+(the run directory's files) and the guards of :mod:`glassloop.guards`. What is left here is
+the loop itself, in the order it runs: ``fit`` → ``_train`` → ``_run_epoch`` →
+``_step_window`` → ``train_step`` → ``_end_epoch``.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -17,29 +24,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader
 
-from glassloop.batch import Inputs, batch_size_of, describe, split_batch
+from glassloop.batch import Inputs, batch_size_of, split_batch
 from glassloop.callbacks import Callback
-from glassloop.checkpoint import (
-    FORMAT_VERSION,
-    CheckpointError,
-    CheckpointWriteError,
-    checkpoints_dir,
-    clean_temporaries,
-    find_resumable,
-    load_weights,
-    prune,
-    read_checkpoint,
-    save_best,
-    save_checkpoint,
-    save_weights,
-    step_dir_name,
-    step_dirs,
-    unwrap_model,
-    weights_metadata,
-    write_failure,
-    write_json,
-)
-from glassloop.config import CheckpointConfig, config_differences
+from glassloop.checkpoint import FORMAT_VERSION, CheckpointError, load_weights, unwrap_model
+from glassloop.checkpointer import CheckpointConfig, Checkpointer
 from glassloop.device import move_to_device, resolve_device
 from glassloop.distributed import (
     World,
@@ -50,10 +38,11 @@ from glassloop.distributed import (
     world_from_env,
     wrap,
 )
-from glassloop.errors import ConfigError, DataError, GlassloopError, ModelError, NonFiniteError
+from glassloop.errors import DataError, GlassloopError
 from glassloop.evaluation import LossFn, evaluate, predict
+from glassloop.guards import NonFinitePolicy, check_first_batch, explain
 from glassloop.precision import autocast, check_precision, make_scaler
-from glassloop.preemption import Preempted, StopSignals
+from glassloop.preemption import STOP_SIGNALS, Preempted, StopSignals
 from glassloop.provenance import environment
 from glassloop.rng import (
     capture_loader_rng,
@@ -62,16 +51,27 @@ from glassloop.rng import (
     restore_rng_state,
     seed_everything,
 )
-from glassloop.run_lock import RunLock
+from glassloop.run_log import RunLog
 from glassloop.serialization import stable_repr
-from glassloop.sinks import ConsoleSink, CSVSink, JSONLSink, TensorBoardSink, truncate_rows
+from glassloop.sinks import ConsoleSink
 from glassloop.state import TrainState
 
-SCHEDULER_INTERVALS = ("epoch", "step")
-CSV_FIELDS = [
-    "kind", "epoch", "step", "samples", "train_loss", "loss", "lr", "grad_norm", "samples_per_s",
-    "seconds",
-]  # fmt: skip
+
+@dataclass
+class Window(Sequence[tuple[Inputs, Any]]):
+    """The micro-batches of one optimizer step, as ``train_step`` receives them; a sequence of
+    ``(inputs, target)`` pairs (``inputs`` is ``(args, kwargs)``) that also carries what the
+    loop computed about them."""
+
+    batches: list[tuple[Inputs, Any]]
+    weights: list[float | None]  # each micro-batch's share of the step's loss (None: as is)
+    samples: int  # samples in the window, over every process
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.batches[index]
 
 
 class Trainer:
@@ -93,7 +93,7 @@ class Trainer:
             val = evaluate(val_loader)              # eval mode, no grad, mean over samples
             scheduler.step() if interval == "epoch"
             history.append({train_loss, val_loss, val_accuracy, lr, seconds})
-            checkpoint every n epochs; RUN_DIR/best/ when checkpoint.monitor improved
+            RUN_DIR/best/ when checkpoint.monitor improved; checkpoint every n epochs
         checkpoint; RUN_DIR/model.safetensors
 
     Example::
@@ -139,22 +139,16 @@ class Trainer:
         config: Mapping[str, Any] | None = None,
         model_spec: Mapping[str, Any] | None = None,
     ) -> None:
-        if scheduler_interval not in SCHEDULER_INTERVALS:
-            raise GlassloopError(
-                f"scheduler.interval must be 'epoch' or 'step', got {scheduler_interval!r}"
-            )
-        if log_every < 1:
-            raise GlassloopError(f"train.log_every must be >= 1, got {log_every}")
-        if grad_accum_steps < 1:
-            raise GlassloopError(f"train.grad_accum_steps must be >= 1, got {grad_accum_steps}")
-        if loss_weighting not in ("samples", "tokens"):
-            raise GlassloopError(
-                f"train.loss_weighting must be 'samples' or 'tokens', got {loss_weighting!r}"
-            )
-        if nonfinite not in ("raise", "skip"):
-            raise GlassloopError(f"train.nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
-        if ema_decay is not None and not 0.0 < ema_decay < 1.0:
-            raise GlassloopError(f"train.ema_decay must be in (0, 1), got {ema_decay}")
+        # Values are validated where the config is read (config.py); these checks guard
+        # the Python API, where no config is read.
+        for ok, what in [
+            (scheduler_interval in ("epoch", "step"), "scheduler_interval: 'epoch' or 'step'"),
+            (log_every >= 1 and grad_accum_steps >= 1, "log_every, grad_accum_steps: >= 1"),
+            (loss_weighting in ("samples", "tokens"), "loss_weighting: 'samples' or 'tokens'"),
+            (ema_decay is None or 0.0 <= ema_decay < 1.0, "ema_decay: in [0, 1)"),
+        ]:
+            if not ok:
+                raise GlassloopError(f"Trainer: {what} expected")
         if seed is not None:
             seed_everything(seed)
         # Several processes (torchrun): this one's rank, and its own device.
@@ -168,14 +162,16 @@ class Trainer:
         # dynamic graph after the second shape it sees (the short last batch), so which
         # kernels run depends on the order a process met the shapes in, which a resumed
         # process does not repeat (a max weight diff of 0.018 was reported on a resume).
-        self.model: nn.Module = (
-            cast(nn.Module, torch.compile(model, mode=compile_mode, dynamic=compile_dynamic))
-            if compile
-            else model
-        )
+        if compile:
+            compiled = torch.compile(model, mode=compile_mode, dynamic=compile_dynamic)
+            model = cast(nn.Module, compiled)
         # DistributedDataParallel with several processes: gradients are averaged across them
         # during backward (once per optimizer step, see no_sync in train_step).
-        self.model = wrap(self.model, self.world, self.device)
+        self.model: nn.Module = wrap(model, self.world, self.device)
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.scheduler = scheduler
+        self.scheduler_interval = scheduler_interval
         self.precision = precision
         self.scaler = make_scaler(precision, self.device)
         self.grad_accum_steps = grad_accum_steps
@@ -183,23 +179,20 @@ class Trainer:
         self.ignore_index = ignore_index
         self.clip_grad_norm = clip_grad_norm or None
         self.clip_grad_value = clip_grad_value or None
-        self.nonfinite = nonfinite
-        self.max_nonfinite_skips = max_nonfinite_skips
+        self.nonfinite = NonFinitePolicy(nonfinite, max_nonfinite_skips)
         # An exponential moving average of the weights (torch's AveragedModel): evaluated
         # and exported instead of the raw weights when enabled.
+        self.ema_decay = ema_decay or None
         self.ema: AveragedModel | None = None
-        if ema_decay:
-            average = get_ema_multi_avg_fn(ema_decay)  # type: ignore[no-untyped-call]
-            self.ema = AveragedModel(model, multi_avg_fn=average, use_buffers=True)
-        self.last_grad_norm: torch.Tensor | None = None
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.scheduler = scheduler
-        self.scheduler_interval = scheduler_interval
+        if self.ema_decay:
+            average = get_ema_multi_avg_fn(self.ema_decay)  # type: ignore[no-untyped-call]
+            raw = unwrap_model(self.model)
+            self.ema = AveragedModel(raw, multi_avg_fn=average, use_buffers=True)
         self.log_every = log_every
-        self.run_dir = Path(run_dir) if run_dir is not None else None
         self.callbacks = list(callbacks)
-        self.checkpoint = checkpoint if checkpoint is not None else CheckpointConfig()
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.checkpointer = Checkpointer(self.run_dir, checkpoint, world=self.world)
+        self.run_log = RunLog(self.run_dir, world=self.world, tensorboard=tensorboard)
         self.config = dict(config) if config is not None else None
         # How to rebuild the model from its weights file alone (glassloop.load_model).
         self.model_spec = dict(model_spec) if model_spec is not None else None
@@ -208,160 +201,19 @@ class Trainer:
         self.state = TrainState()
         self.history: list[dict[str, Any]] = []
         self.last_eval: dict[str, Any] | None = None
-        self.should_stop = False
-        self._sinks: list[CSVSink | JSONLSink | TensorBoardSink] = []
-        self.tensorboard = tensorboard  # also log to RUN_DIR/tensorboard/
+        self.last_grad_norm: torch.Tensor | None = None
+        self.should_stop = False  # callbacks set it to end the run after this epoch
         self._signals = StopSignals()
         self._train_loader: Iterable[Any] = ()
         self._environment: dict[str, Any] = {}
         self._epoch_losses: list[torch.Tensor] = []
+        self._epoch_sizes: list[int] = []
         # A loader without state_dict (a DataLoader, a list): the RNG it drew this epoch's
         # order from, so a resume can replay the epoch exactly (see _replay).
         self._epoch_rng: dict[str, Any] | None = None
-        self._epoch_sizes: list[int] = []
         self._last_log = (time.perf_counter(), 0)
         self._checked_first_batch = False
         self._failure: str | None = None  # the error a failed fit ended with, for run.json
-        self._window_samples = 0
-        # Under DDP: the signal the processes agreed on in this step's collective (None: no
-        # collective ran, e.g. an overridden train_step; the stop check then runs its own).
-        self._agreed_signal: int | None = None
-
-    # ----------------------------------------------------------------------------- the step
-    def train_step(self, window: Sequence[tuple[Inputs, Any]]) -> torch.Tensor | None:
-        """One optimizer step over a window of micro-batches; returns the window's detached
-        loss, or ``None`` when the step was skipped (non-finite loss with
-        ``nonfinite="skip"``, or an fp16 overflow).
-
-        ``window`` holds ``grad_accum_steps`` ``(inputs, target)`` pairs (fewer at the end of an
-        epoch). Override this method to change what a step does; ``fit`` stays the same.
-        """
-        weights = self._loss_weights(window)
-        window_loss: torch.Tensor | None = None
-        last = len(window) - 1
-        for i, (((args, kwargs), target), weight) in enumerate(zip(window, weights, strict=True)):
-            # DDP: all-reduce gradients only on the window's last micro-batch (no_sync is
-            # entered once and spans its forward and backward).
-            sync = (
-                self.model.no_sync()  # type: ignore[operator]
-                if self.world.distributed and i != last
-                else contextlib.nullcontext()
-            )
-            with sync:
-                with autocast(self.precision, self.device):
-                    output = self.model(*args, **kwargs)  # forward
-                    loss = self.loss_fn(output, target)
-                if weight is not None:
-                    # This micro-batch's share of the window (its samples or tokens over the
-                    # window's), so the summed gradients equal those of one big batch, also
-                    # for the last, shorter window of an epoch.
-                    loss = loss * weight
-                detached = loss.detach()
-                window_loss = detached if window_loss is None else window_loss + detached
-                if self.scaler is not None:
-                    loss = self.scaler.scale(loss)  # fp16: keep small gradients representable
-                loss.backward()  # type: ignore[no-untyped-call]  # gradients add up in .grad
-        assert window_loss is not None
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # true gradients for clipping and the norm
-        # Read every step: parameters unfrozen after the Trainer was built are clipped too.
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.clip_grad_value:
-            torch.nn.utils.clip_grad_value_(params, self.clip_grad_value)
-        grad_size = None
-        if self.clip_grad_norm:
-            # Returns the norm before clipping: what is logged as grad_norm.
-            grad_size = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-            self.last_grad_norm = grad_size
-        elif self.scaler is None and params:  # (fp16: the scaler skips inf gradients itself)
-            # Fused L2 norms (one kernel on GPU; 51 us/step on the tutorial MLP on this CPU;
-            # the inf-norm would be 885 us): finite exactly when every gradient is.
-            grads = [p.grad for p in params if p.grad is not None]
-            grad_size = torch.stack(torch._foreach_norm(grads)).sum()
-        # One host sync checks the loss and the gradients (a sum is finite only if both are;
-        # item() is ~25x cheaper than torch.isfinite on a CPU scalar): the price of never
-        # stepping on a NaN, also one with a finite loss.
-        check = window_loss if grad_size is None else window_loss + grad_size
-        finite = math.isfinite(check.item())
-        if self.world.distributed:
-            # Every process must take the same decisions: one collective carries "was any
-            # loss non-finite" and "did any process get SIGTERM/SIGINT" (acted on after the step).
-            signum = self._signals.received or 0
-            flags = all_reduce(torch.tensor([float(not finite), float(signum)]), "max")
-            finite, self._agreed_signal = not flags[0].item(), int(flags[1].item())
-        if not finite:
-            self._nonfinite(window_loss, len(window))
-            if self.scaler is not None:
-                self.scaler.update()  # closes this step's unscale_() (and lowers the scale)
-            self.optimizer.zero_grad(set_to_none=True)
-            return None
-        self.state.consecutive_nonfinite = 0
-        if self.scaler is not None:
-            scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # optimizer.step(), unless fp16 grads overflowed
-            self.scaler.update()
-            stepped = self.scaler.get_scale() >= scale  # the scale drops only on a skipped step
-        else:
-            self.optimizer.step()  # exactly torch's step: nothing wrapped, nothing skipped
-            stepped = True
-        self.optimizer.zero_grad(set_to_none=True)  # None frees memory; next backward writes
-        if not stepped:
-            self.state.skipped_steps += 1
-            return None
-        if self.ema is not None:
-            self.ema.update_parameters(self.model)
-        if self.scheduler is not None and self.scheduler_interval == "step":
-            self.scheduler.step()  # once per optimizer step, never for a skipped one
-        return window_loss
-
-    def _loss_weights(self, window: Sequence[tuple[Inputs, Any]]) -> list[float | None]:
-        """Each micro-batch's weight in its window: ``None`` for a window of one in one
-        process (the loss is used as is), else its samples (or non-ignored tokens) over the
-        window's across all processes, times the number of processes (DDP averages
-        gradients over processes; this turns that average into the sample-weighted one)."""
-        if len(window) == 1 and not self.world.distributed:
-            return [None]
-        if self.loss_weighting == "tokens":
-            counts = [int((target != self.ignore_index).sum()) for _, target in window]
-        else:
-            counts = [batch_size_of(target, inputs) for inputs, target in window]
-        total = sum(counts)
-        if self.world.distributed:
-            samples = sum(batch_size_of(target, inputs) for inputs, target in window)
-            totals = all_reduce(torch.tensor([total, samples], dtype=torch.float64))
-            total, self._window_samples = int(totals[0]), int(totals[1])
-        scale = self.world.size
-        return [scale * count / total if total else 0.0 for count in counts]
-
-    def _nonfinite(self, loss: torch.Tensor, num_batches: int) -> None:
-        """Apply ``nonfinite``: raise with where it happened, or count a skipped step."""
-        state = self.state
-        first, last = state.batch_in_epoch + 1, state.batch_in_epoch + num_batches
-        batches = f"batch {last}" if first == last else f"batches {first}-{last}"
-        where = f"step {state.step + 1} (epoch {state.epoch + 1}, {batches})"
-        bad = next(
-            (
-                name
-                for name, p in self.model.named_parameters()
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all())
-            ),
-            None,
-        )
-        culprit = f"; first non-finite gradient: '{bad}'" if bad else ""
-        if self.nonfinite == "raise":
-            raise NonFiniteError(
-                f"train: loss is {loss.item()} at {where}{culprit}. Lower the learning rate, "
-                "clip gradients (train.clip_grad_norm), check the data for NaN/inf, or set "
-                "train.nonfinite = 'skip'"
-            )
-        state.skipped_steps += 1
-        state.consecutive_nonfinite += 1
-        if state.consecutive_nonfinite >= self.max_nonfinite_skips:
-            raise NonFiniteError(
-                f"train: {state.consecutive_nonfinite} non-finite steps in a row, the last at "
-                f"{where}{culprit}; stopping (train.max_nonfinite_skips = "
-                f"{self.max_nonfinite_skips})"
-            )
 
     # ------------------------------------------------------------------------------ the loop
     def fit(
@@ -378,9 +230,9 @@ class Trainer:
         ``train_loader`` is any iterable of batches (a ``DataLoader``, a list, ...) and is
         iterated exactly as given. ``resume="auto"`` continues from the newest valid
         checkpoint in ``run_dir`` (or starts fresh if there is none); a path resumes from that
-        checkpoint. Resume is exact when the loader has ``state_dict``/``load_state_dict``
-        (:class:`glassloop.data.ResumableLoader`); other loaders replay the epoch's first
-        batches. SIGTERM/SIGINT stop after the current step with a checkpoint and raise
+        checkpoint. Resume is exact for glassloop's loaders (their position is a state_dict),
+        for a ``DataLoader`` and for lists (the epoch's RNG is replayed); see the README.
+        SIGTERM/SIGINT stop after the current step with a checkpoint and raise
         :class:`glassloop.Preempted`.
         """
         if not isinstance(epochs, int) or epochs < 1:
@@ -391,21 +243,16 @@ class Trainer:
         # Versions and git SHA for run.json and checkpoint metadata (a git subprocess: only
         # worth it when something is written).
         self._environment = environment() if self.run_dir is not None else {}
-        with self._own_run_dir():
-            if self.run_dir is not None and self.world.is_main:
-                clean_temporaries(self.run_dir)
+        with self.run_log.hold():  # the run directory's lock, for the whole fit
             barrier()  # nobody reads the run dir while rank 0 tidies it
             if resume is not None:
                 self._resume(resume, allow_config_change)
-            elif self.run_dir is not None and step_dirs(self.run_dir):
-                raise CheckpointError(
-                    f"checkpoint: '{self.run_dir}' already holds checkpoints; pass "
-                    "resume='auto' (--resume) to continue that run, or choose another run_dir"
-                )
+            else:
+                self.checkpointer.refuse_overwrite()
             if self.state.epoch >= epochs or self.state.stopped:
                 self._finish_again(epochs)
-                return self.history
-            self._train(train_loader, val_loader, epochs)
+            else:
+                self._train(train_loader, val_loader, epochs)
         return self.history
 
     def _train(
@@ -417,7 +264,10 @@ class Trainer:
                 "warning: fp16 on a CPU is emulated and slow (11x slower than '32' on the "
                 "tutorial MLP in docs/benchmarks.md); 'bf16' is the CPU's mixed precision"
             )
-        self._open_run_dir(val_loader is not None)
+        self.run_log.open(
+            step=self.state.step, has_val=val_loader is not None,
+            config=self.config or self.python_config(), environment=self._environment,
+        )  # fmt: skip
         status = "failed"
         try:
             with StopSignals() as self._signals:
@@ -438,7 +288,10 @@ class Trainer:
             raise
         finally:
             self.console.close()
-            self._close_run_dir(status)
+            info = {"step": self.state.step, "epoch": self.state.epoch, **self._environment}
+            if self._failure is not None and status == "failed":
+                info["error"] = self._failure
+            self.run_log.close(status, model=self.eval_model, model_spec=self.model_spec, info=info)
 
     def _run_epoch(
         self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
@@ -450,26 +303,24 @@ class Trainer:
         self.model.train()  # dropout on, batch-norm updates its running statistics
         if state.batch_in_epoch == 0:  # a fresh epoch (a resumed one keeps its sums)
             self._epoch_losses, self._epoch_sizes = [], []
-        losses, sizes = self._epoch_losses, self._epoch_sizes
         batches: Iterable[Any] = train_loader
         if not hasattr(train_loader, "load_state_dict"):
             if state.batch_in_epoch:  # resumed inside this epoch
                 batches = self._replay(train_loader, state.batch_in_epoch)
             else:  # what the loader's order will be drawn from (kept in checkpoints)
                 self._epoch_rng = capture_loader_rng(train_loader)
-        every_n_steps = self.checkpoint.every_n_steps if self.run_dir is not None else 0
         batch: Any = None
-        window: list[tuple[Inputs, Any]] = []
+        micro: list[tuple[Inputs, Any]] = []
         try:
             for batch in batches:
-                window.append(split_batch(move_to_device(batch, self.device)))
-                if len(window) == self.grad_accum_steps:
-                    self._step_window(window, losses, sizes, every_n_steps)
-                    window = []
-            if window:  # the epoch's last, partial accumulation window
-                self._step_window(window, losses, sizes, every_n_steps)
+                micro.append(split_batch(move_to_device(batch, self.device)))
+                if len(micro) == self.grad_accum_steps:
+                    self._step_window(micro)
+                    micro = []
+            if micro:  # the epoch's last, partial accumulation window
+                self._step_window(micro)
         except (RuntimeError, IndexError, ValueError) as err:
-            explained = self._explain(err, batch)
+            explained = explain(err, batch, state)
             if explained is err:
                 raise
             raise explained from err
@@ -478,30 +329,17 @@ class Trainer:
                 "data: the training loader yielded no batches (an empty dataset, or "
                 "batch_size larger than the dataset with drop_last=True)"
             )
-        train_loss = float("nan")  # every step of the epoch was skipped
-        epoch_samples = sum(sizes)
-        if losses:
-            weights = torch.tensor(sizes, dtype=torch.float64, device=self.device)
-            loss_sum = torch.stack(losses).to(torch.float64) @ weights
-            if self.world.distributed:  # the mean over every process's samples
-                sums = all_reduce(torch.stack([loss_sum, weights.sum()]).cpu())
-                loss_sum, weights = sums[0], sums[1:]
-            epoch_samples = int(weights.sum())
-            train_loss = float(loss_sum) / epoch_samples
         row: dict[str, Any] = {
-            "kind": "epoch",
-            "epoch": epoch,
-            "step": state.step,
-            "samples": state.samples_seen,
-            "train_loss": train_loss,
-        }
+            "kind": "epoch", "epoch": epoch, "step": state.step, "samples": state.samples_seen,
+        }  # fmt: skip
+        row["train_loss"], epoch_samples = self._epoch_train_loss()
         if val_loader is not None:
             self.last_eval = self.evaluate(val_loader)
             row.update({f"val_{k}": v for k, v in self.last_eval.items() if _is_scalar(v)})
         row["lr"] = self.optimizer.param_groups[0]["lr"]
         if self.scheduler is not None and self.scheduler_interval == "epoch":
             if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-                self.scheduler.step(row.get("val_loss", train_loss))
+                self.scheduler.step(row.get("val_loss", row["train_loss"]))
             else:
                 self.scheduler.step()
         state.epoch = epoch
@@ -530,75 +368,196 @@ class Trainer:
         restore_loader_rng(loader, now)
         return iterator
 
-    def _step_window(
-        self,
-        window: list[tuple[Inputs, Any]],
-        losses: list[torch.Tensor],
-        sizes: list[int],
-        every_n_steps: int,
-    ) -> None:
-        """Run one optimizer step on ``window`` and do the bookkeeping around it."""
+    def _step_window(self, micro: list[tuple[Inputs, Any]]) -> None:
+        """One optimizer step on ``micro`` and the bookkeeping around it."""
         state = self.state
         if not self._checked_first_batch:
             self._checked_first_batch = True
-            self._check_batch(*window[0])
-        n = sum(batch_size_of(target, inputs) for inputs, target in window)
-        self._agreed_signal = None
+            self.check_first_batch(*micro[0])
+        window, signum = self._window(micro)
         loss = self.train_step(window)
-        # Samples of every process (counted in train_step's all-reduce under DDP).
-        state.samples_seen += self._window_samples if self.world.distributed else n
-        state.batch_in_epoch += len(window)
-        self.console.advance(n)
-        if loss is None:  # skipped: nothing learned, no step counted
-            return
-        losses.append(loss)  # kept on the device: no host sync per step
-        sizes.append(n)
-        state.step += 1
-        if (len(losses) - 1) % self.log_every == 0:  # the tutorial's "batch % 100 == 0"
-            self._log_step(loss, sum(sizes))
-        if every_n_steps and state.step % every_n_steps == 0:
-            self.save_checkpoint()
-        self._stop_if_signalled(agreed=self._agreed_signal)
+        state.samples_seen += window.samples
+        state.batch_in_epoch += len(micro)
+        local = sum(batch_size_of(target, inputs) for inputs, target in micro)
+        self.console.advance(local)
+        if loss is not None:  # None: skipped, nothing learned, no step counted
+            self._epoch_losses.append(loss)  # kept on the device: no host sync per step
+            self._epoch_sizes.append(local)
+            state.step += 1
+            if (len(self._epoch_losses) - 1) % self.log_every == 0:  # the tutorial's "% 100"
+                self._log_step(loss, sum(self._epoch_sizes))
+            if self.checkpointer.due_after_step(state.step):
+                self.save_checkpoint()
+        self._stop_if_signalled(signum)
+
+    def _window(self, micro: list[tuple[Inputs, Any]]) -> tuple[Window, int | None]:
+        """The step's :class:`Window` and, under DDP, the stop signal the processes agree on.
+
+        Each micro-batch's weight is ``None`` for a window of one in one process (the loss is
+        used as is), else its samples (or non-ignored tokens) over the window's across all
+        processes, times the number of processes (DDP averages gradients over processes;
+        this turns that average into the sample-weighted one). Under DDP one collective
+        carries the counts and "did any process get SIGTERM/SIGINT" (acted on after the step).
+        """
+        samples = sum(batch_size_of(target, inputs) for inputs, target in micro)
+        if len(micro) == 1 and not self.world.distributed:
+            return Window(micro, [None], samples), None
+        if self.loss_weighting == "tokens":
+            counts = [int((target != self.ignore_index).sum()) for _, target in micro]
+        else:
+            counts = [batch_size_of(target, inputs) for inputs, target in micro]
+        total, signum = sum(counts), None
+        if self.world.distributed:
+            # A sum: counts add up, and one flag per stop signal says if any process got it.
+            got = [float(self._signals.received == sig) for sig in STOP_SIGNALS]
+            totals = all_reduce(torch.tensor([total, samples, *got], dtype=torch.float64))
+            total, samples = int(totals[0]), int(totals[1])
+            signum = next((sig for sig, n in zip(STOP_SIGNALS, totals[2:], strict=True) if n), 0)
+        scale = self.world.size
+        weights = [scale * count / total if total else 0.0 for count in counts]
+        return Window(micro, list(weights), samples), signum
+
+    def train_step(self, window: Window) -> torch.Tensor | None:
+        """One optimizer step over ``window`` (``grad_accum_steps`` micro-batches, fewer at the
+        end of an epoch); returns the window's detached loss, or ``None`` when the step was
+        skipped (a non-finite loss or gradient with ``nonfinite="skip"``, an fp16 overflow).
+
+        Override it to change what a step does: everything it needs comes in ``window``
+        (micro-batches, loss weights, sample count) and ``self`` (model, optimizer, ...);
+        return the loss (or ``None``) and ``fit`` does the rest.
+        """
+        window_loss: torch.Tensor | None = None
+        last = len(window) - 1
+        for i, (((args, kwargs), target), weight) in enumerate(
+            zip(window, window.weights, strict=True)
+        ):
+            # DDP: all-reduce gradients only on the window's last micro-batch (no_sync is
+            # entered once and spans its forward and backward).
+            sync = (
+                self.model.no_sync()  # type: ignore[operator]
+                if self.world.distributed and i != last
+                else contextlib.nullcontext()
+            )
+            with sync:
+                with autocast(self.precision, self.device):
+                    output = self.model(*args, **kwargs)  # forward
+                    loss = self.loss_fn(output, target)
+                if weight is not None:
+                    # This micro-batch's share of the window (its samples or tokens over the
+                    # window's), so the summed gradients equal those of one big batch, also
+                    # for the last, shorter window of an epoch.
+                    loss = loss * weight
+                detached = loss.detach()
+                window_loss = detached if window_loss is None else window_loss + detached
+                if self.scaler is not None:
+                    loss = self.scaler.scale(loss)  # fp16: keep small gradients representable
+                loss.backward()  # type: ignore[no-untyped-call]  # gradients add up in .grad
+        assert window_loss is not None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # true gradients for clipping and the check
+        # Read every step: parameters unfrozen after the Trainer was built are clipped too.
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.clip_grad_value:
+            torch.nn.utils.clip_grad_value_(params, self.clip_grad_value)
+        grad_size = None
+        if self.clip_grad_norm:
+            # Returns the norm before clipping: what is logged as grad_norm.
+            grad_size = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+            self.last_grad_norm = grad_size
+        elif self.scaler is None and params:  # (fp16: the scaler skips inf gradients itself)
+            # Fused L2 norms (one kernel on GPU; 51 us/step on the tutorial MLP on this CPU;
+            # the inf-norm would be 885 us): finite exactly when every gradient is.
+            grads = [p.grad for p in params if p.grad is not None]
+            grad_size = torch.stack(torch._foreach_norm(grads)).sum()
+        # One host sync checks the loss and the gradients (a sum is finite only if both are;
+        # item() is ~25x cheaper than torch.isfinite on a CPU scalar): the price of never
+        # stepping on a NaN, also one with a finite loss.
+        check = window_loss if grad_size is None else window_loss + grad_size
+        finite = math.isfinite(check.item())
+        if self.world.distributed:  # every process takes the same decision
+            finite = not all_reduce(torch.tensor([float(not finite)]), "max").item()
+        if not finite:
+            self.nonfinite(self.model, window_loss, self.state, len(window))
+            if self.scaler is not None:
+                self.scaler.update()  # closes this step's unscale_() (and lowers the scale)
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        self.state.consecutive_nonfinite = 0
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # optimizer.step(), unless fp16 grads overflowed
+            self.scaler.update()
+            stepped = self.scaler.get_scale() >= scale  # the scale drops only on a skipped step
+        else:
+            self.optimizer.step()  # exactly torch's step: nothing wrapped, nothing skipped
+            stepped = True
+        self.optimizer.zero_grad(set_to_none=True)  # None frees memory; next backward writes
+        if not stepped:
+            self.state.skipped_steps += 1
+            return None
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
+        if self.scheduler is not None and self.scheduler_interval == "step":
+            self.scheduler.step()  # once per optimizer step, never for a skipped one
+        return window_loss
+
+    def check_first_batch(self, inputs: Inputs, target: Any) -> None:
+        """The first-batch guard (:func:`glassloop.guards.check_first_batch`): NaN/inf
+        inputs, labels within the model's outputs. Override it to replace it, or with
+        ``pass`` to switch it off (e.g. for a model that keeps state between steps)."""
+        check_first_batch(
+            unwrap_model(self.model), inputs, target, precision=self.precision,
+            device=self.device, ignore_index=self.ignore_index,
+        )  # fmt: skip
+
+    def _epoch_train_loss(self) -> tuple[float, int]:
+        """The epoch's mean training loss over every process's samples, and their number."""
+        losses, sizes = self._epoch_losses, self._epoch_sizes
+        if not losses:
+            return float("nan"), sum(sizes)  # every step of the epoch was skipped
+        weights = torch.tensor(sizes, dtype=torch.float64, device=self.device)
+        loss_sum = torch.stack(losses).to(torch.float64) @ weights
+        if self.world.distributed:  # the mean over every process's samples
+            sums = all_reduce(torch.stack([loss_sum, weights.sum()]).cpu())
+            loss_sum, weights = sums[0], sums[1:]
+        samples = int(weights.sum())
+        return float(loss_sum) / samples, samples
 
     def _end_epoch(self, row: dict[str, Any], epochs: int) -> None:
         """Record the epoch, let callbacks see it, track the best, checkpoint per policy."""
         self.history.append(row)
-        self._write_row(row)
+        self.run_log.write(row)
         self.console.epoch_end(row, epochs)
         for callback in self.callbacks:
             callback.on_epoch_end(self, row)
         self.state.stopped = self.should_stop  # a stopped run stays finished on resume
-        if self._update_best(row) and self.run_dir is not None:
-            # best/ before the epoch's checkpoint: a kill in between resumes before this
-            # epoch, which then writes both again, so they never disagree for good.
-            state = self.state_dict()  # collective: every process takes part
-            if self.world.is_main:
-                self._check_run_dir()
-                save_best(self.run_dir, self.model, state, self._meta(finished=False))
-        every = self.checkpoint.every_n_epochs
-        if every and self.state.epoch % every == 0:
+        best = self.checkpointer.better(row, self.state.best_metric)
+        if best is not None:
+            self.state.best_metric = best
+            if self.run_dir is not None:
+                # best/ before the epoch's checkpoint: a kill in between resumes before this
+                # epoch, which then writes both again, so they never disagree for good.
+                state = self.state_dict()  # collective: every process takes part
+                self.run_log.check_exists()
+                self.checkpointer.save_best(self.model, state, self.checkpoint_meta())
+        if self.checkpointer.due_after_epoch(self.state.epoch):
             self.save_checkpoint()
         self._stop_if_signalled()
 
-    def _update_best(self, row: dict[str, Any]) -> bool:
-        monitor = self.checkpoint.monitor
-        if not monitor:
-            return False
-        if monitor not in row:
-            names = sorted(k for k, v in row.items() if _is_scalar(v) and k != "epoch")
-            raise ConfigError(
-                f"config: checkpoint.monitor {monitor!r} is not a metric of this run "
-                f"(available: {', '.join(names)})"
-            )
-        value = float(row[monitor])
-        mode = self.checkpoint.mode
-        if mode == "auto":
-            mode = "max" if "accuracy" in monitor or "f1" in monitor else "min"
-        best = self.state.best_metric
-        if best is not None and not (value > best if mode == "max" else value < best):
-            return False
-        self.state.best_metric = value
-        return True
+    def _log_step(self, loss: torch.Tensor, seen_in_epoch: int) -> None:
+        value = loss.item()  # a host sync, only every log_every steps
+        self.console.log_step(value, seen_in_epoch)
+        now, samples = time.perf_counter(), self.state.samples_seen
+        last_time, last_samples = self._last_log
+        self._last_log = (now, samples)
+        norm = self.last_grad_norm
+        row = {
+            "kind": "step", "epoch": self.state.epoch + 1, "step": self.state.step,
+            "samples": samples, "loss": value, "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": float(norm) if norm is not None else None,
+            "samples_per_s": (samples - last_samples) / (now - last_time) if last_samples else None,
+        }  # fmt: skip
+        self.run_log.write(row)
 
     def _stop_if_signalled(self, agreed: int | None = None) -> None:
         """Stop after this step if a SIGTERM/SIGINT arrived (in any process: all processes
@@ -610,13 +569,16 @@ class Trainer:
                 agreed = int(all_reduce(torch.tensor([signum]), "max").item())
             signum = agreed
         if signum:
-            self._preempt(signum)
-
-    def _preempt(self, signum: int) -> None:
-        path = self.save_checkpoint() if self.run_dir is not None else None
-        raise Preempted(signum, self.state.step, str(path) if path is not None else None)
+            path = self.save_checkpoint()
+            raise Preempted(signum, self.state.step, str(path) if path is not None else None)
 
     # ------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, *, finished: bool = False) -> Path | None:
+        """Commit a checkpoint of the current step under ``run_dir`` (None without one)."""
+        state = self.state_dict()  # collective (RNG of every process): all processes call it
+        self.run_log.check_exists()
+        return self.checkpointer.save(self.model, state, self.checkpoint_meta(finished=finished))
+
     def state_dict(self) -> dict[str, Any]:
         """Everything but the weights that an exact resume needs (see :mod:`checkpoint`)."""
         loader = self._train_loader
@@ -664,82 +626,22 @@ class Trainer:
         per_rank = state.get("rng_per_rank")
         restore_rng_state(per_rank[self.world.rank] if per_rank else state["rng"])
 
-    def save_checkpoint(self, *, finished: bool = False) -> Path | None:
-        """Commit a checkpoint of the current step under ``run_dir`` (None without one)."""
-        if self.run_dir is None:
-            return None
-        state = self.state_dict()  # collective (RNG of every process): all processes call it
-        path = checkpoints_dir(self.run_dir) / step_dir_name(self.state.step)
-        failure: Exception | None = None
-        if self.world.is_main:  # one writer; the others wait for its verdict below
-            try:
-                self._check_run_dir()
-                path = save_checkpoint(
-                    self.run_dir, self.model, state, self._meta(finished=finished)
-                )
-                prune(self.run_dir, self.checkpoint.keep_last)
-            except GlassloopError as err:
-                failure = err
-        if self.world.distributed:
-            failed = all_reduce(torch.tensor([float(failure is not None)]), "max").item()
-            if failed and failure is None:
-                raise CheckpointError(f"checkpoint: rank 0 could not write '{path}'; see its error")
-        if failure is not None:
-            raise failure
-        return path
-
-    def _meta(self, *, finished: bool) -> dict[str, Any]:
+    def checkpoint_meta(self, *, finished: bool = False) -> dict[str, Any]:
+        """meta.json of a checkpoint: where the run stands, its config, what ran it."""
         return {
-            "format": FORMAT_VERSION,
-            "world_size": self.world.size,
-            "step": self.state.step,
-            "epoch": self.state.epoch,
-            "batch_in_epoch": self.state.batch_in_epoch,
-            "finished": finished,
-            "metrics": self.history[-1] if self.history else None,
-            "config": self.config or self._describe(),
-            "model_spec": self.model_spec,
-            "versions": self._environment,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
+            "format": FORMAT_VERSION, "world_size": self.world.size, "step": self.state.step,
+            "epoch": self.state.epoch, "batch_in_epoch": self.state.batch_in_epoch,
+            "finished": finished, "metrics": self.history[-1] if self.history else None,
+            "config": self.config or self.python_config(), "model_spec": self.model_spec,
+            "versions": self._environment, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }  # fmt: skip
 
     def _resume(self, resume: str | Path, allow_config_change: bool) -> None:
-        if str(resume) == "auto":
-            if self.run_dir is None:
-                raise GlassloopError("resume='auto' needs a run_dir to look for checkpoints in")
-            found, problems = find_resumable(self.run_dir)
-            if found is None and problems:
-                # Never restart over checkpoints that a user may want to repair or inspect.
-                raise CheckpointError(
-                    f"checkpoint: no valid checkpoint to resume in '{self.run_dir}' (nothing "
-                    f"was changed): {' | '.join(problems)}"
-                )
-            for problem in problems:
-                self.console.message(f"warning: {problem}; falling back to an older checkpoint")
-            if found is None:
-                self.console.message(
-                    f"no checkpoint in '{self.run_dir / 'checkpoints'}'; starting at step 0"
-                )
-                return
-            checkpoint = found
-        else:
-            checkpoint = read_checkpoint(Path(resume))  # named explicitly: no fallback
-        saved_world = checkpoint.meta.get("world_size", 1)  # checked to be an int >= 1
-        if saved_world != self.world.size:
-            raise ConfigError(
-                f"config: '{checkpoint.path}' was written by {saved_world} process(es), this "
-                f"job has {self.world.size}; resume with the same number (--nproc "
-                f"{saved_world}): each process's data shard and RNG are part of the state"
-            )
-        saved = checkpoint.meta.get("config")
-        current = self.config or self._describe()
-        changes = config_differences(saved, current)
-        if changes and not allow_config_change:
-            raise ConfigError(
-                f"config: the run in '{checkpoint.path}' was made with a different config: "
-                f"{'; '.join(changes)}. Resuming would not continue the same run; pass "
-                "--allow-config-change (allow_config_change=True) to resume anyway"
-            )
+        checkpoint = self.checkpointer.find(resume, self.console.message)
+        if checkpoint is None:
+            return
+        config = self.config or self.python_config()
+        self.checkpointer.check_compatible(checkpoint, config, allow_config_change)
         load_weights(self.model, checkpoint.weights)
         try:
             self.load_state_dict(checkpoint.state)
@@ -763,77 +665,19 @@ class Trainer:
             f"{self.state.epoch + 1}, batch {self.state.batch_in_epoch})"
         )
 
-    def _log_step(self, loss: torch.Tensor, seen_in_epoch: int) -> None:
-        value = loss.item()  # a host sync, only every log_every steps
-        self.console.log_step(value, seen_in_epoch)
-        now, samples = time.perf_counter(), self.state.samples_seen
-        last_time, last_samples = self._last_log
-        self._last_log = (now, samples)
-        row = {
-            "kind": "step",
-            "epoch": self.state.epoch + 1,
-            "step": self.state.step,
-            "samples": samples,
-            "loss": value,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "grad_norm": float(self.last_grad_norm) if self.last_grad_norm is not None else None,
-            "samples_per_s": (samples - last_samples) / (now - last_time) if last_samples else None,
-        }
-        self._write_row(row)
-
-    def _check_batch(self, inputs: Inputs, target: Any) -> None:
-        """Cheap checks on the first batch of a fit, each with one clear error: inputs free of
-        NaN/inf, integer class labels, labels within the model's outputs.
-
-        The labels are checked against an eval-mode, no-grad forward of the unwrapped model:
-        no dropout, no batch-norm update, no RNG draw, so training is not changed by it.
-        """
-        args, kwargs = inputs
-        for name, value in [*enumerate(args), *kwargs.items()]:
-            floating = isinstance(value, torch.Tensor) and value.is_floating_point()
-            if floating and not bool(torch.isfinite(value).all()):
-                raise DataError(
-                    f"data: the first training batch has NaN or inf in input {name!r}; "
-                    "clean or impute the data before training"
-                )
-        if not isinstance(target, torch.Tensor) or target.is_floating_point():
-            return  # regression or soft targets: nothing to check here
-        model = unwrap_model(self.model)
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad(), autocast(self.precision, self.device):
-                output = model(*args, **kwargs)
-        finally:
-            model.train(was_training)
-        if not isinstance(output, torch.Tensor) or output.ndim != target.ndim + 1:
-            return
-        classes = int(output.shape[1] if output.ndim == 2 else output.shape[-1])
-        labels = target[target != self.ignore_index]
-        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):
-            raise DataError(
-                f"data: labels in the first training batch range over [{int(labels.min())}, "
-                f"{int(labels.max())}] but the model has {classes} outputs; labels must be "
-                f"class indices in [0, {classes}) (or {self.ignore_index} to ignore)"
-            )
-
-    def _explain(self, err: Exception, batch: Any) -> Exception:
-        """Turn a torch error caused by the user's data or model into one clear line."""
-        if isinstance(err, GlassloopError):
-            return err
-        text = " ".join(str(err).split())
-        where = f"epoch {self.state.epoch + 1}, batch {self.state.batch_in_epoch + 1}"
-        if "out of bounds" in text and "arget" in text:
-            return DataError(
-                f"data: a label is outside the model's output range ({text}) at {where}; "
-                "labels must be in [0, num_outputs)"
-            )
-        if self.state.step == 0:
-            return ModelError(
-                f"model: the first batch {describe(batch)} was rejected by the model or loss: "
-                f"{type(err).__name__}: {text}"
-            )
-        return err
+    def _finish_again(self, epochs: int) -> None:
+        """Resuming a finished run: complete whatever final file a kill left unwritten
+        (finishing is idempotent), then stop."""
+        state = self.state
+        info = {"step": state.step, "epoch": state.epoch, **self._environment}
+        missing = self.run_log.complete(
+            model=self.eval_model, model_spec=self.model_spec, info=info
+        )
+        why = "stopped early" if state.stopped else "already finished"
+        done = f"; wrote what its end left out: {', '.join(missing)}" if missing else ""
+        self.console.message(
+            f"run {why} at step {state.step} (epoch {state.epoch}/{epochs}); nothing to do{done}"
+        )
 
     # ------------------------------------------------------------------------ eval / predict
     @property
@@ -854,117 +698,8 @@ class Trainer:
         with autocast(self.precision, self.device):
             return predict(self.eval_model, data, batch_size=batch_size, device=self.device)
 
-    # ------------------------------------------------------------------------------ run dir
-    def _open_run_dir(self, has_val: bool) -> None:
-        if self.run_dir is None or not self.world.is_main:  # rank 0 writes the run's files
-            return
-        fields = list(CSV_FIELDS)
-        if has_val:
-            fields[5:5] = ["val_loss", "val_accuracy"]
-        fresh = self.state.step == 0  # a new run replaces the metrics of one that never saved
-        try:
-            if not fresh:  # rows a killed process wrote after its last checkpoint go
-                truncate_rows(self.run_dir, self.state.step)
-            write_json(self.run_dir / "config.json", self.config or self._describe())
-            write_json(self.run_dir / "run.json", {"status": "running", **self._environment})
-            self._sinks = [
-                CSVSink(self.run_dir / "metrics.csv", fields, fresh=fresh),
-                JSONLSink(self.run_dir / "metrics.jsonl", fresh=fresh),
-            ]
-        except OSError as err:
-            raise write_failure(self.run_dir, err) from err
-        if self.tensorboard:
-            self._sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
-
-    def _write_row(self, row: dict[str, Any]) -> None:
-        """One metrics row to every sink; a full disk is a write failure (exit 3)."""
-        try:
-            for sink in self._sinks:
-                sink.write(row)
-        except OSError as err:
-            assert self.run_dir is not None  # sinks exist only with a run directory
-            raise write_failure(self.run_dir, err) from err
-
-    def _close_run_dir(self, status: str) -> None:
-        """Final weights (when finished) and run.json. A write failure is a
-        :class:`CheckpointWriteError` (exit 3); while another error is already on its way
-        out, a failure here is only reported, so that error is the one the user sees."""
-        for sink in self._sinks:
-            sink.close()
-        self._sinks = []
-        if self.run_dir is None or not self.world.is_main:
-            return
-        try:
-            self._check_run_dir()
-            if status == "finished":
-                self._write_final_weights()
-            info = {"status": status, "step": self.state.step, "epoch": self.state.epoch}
-            if self._failure is not None and status == "failed":
-                info["error"] = self._failure
-            write_json(self.run_dir / "run.json", {**info, **self._environment})
-        except (OSError, CheckpointError) as err:
-            failure = write_failure(self.run_dir, err)
-            if status == "finished":
-                raise failure from err
-            self.console.message(f"warning: {failure}")
-
-    def _write_final_weights(self) -> None:
-        assert self.run_dir is not None
-        metadata = weights_metadata(self.model_spec)
-        save_weights(self.eval_model, self.run_dir / "model.safetensors", metadata)
-
-    def _check_run_dir(self) -> None:
-        """Refuse to write into a run directory that disappeared during the run (never
-        recreate it half-empty, without its config and metrics)."""
-        if self.run_dir is not None and not self.run_dir.is_dir():
-            raise CheckpointWriteError(
-                f"checkpoint: the run directory '{self.run_dir}' disappeared during the run "
-                "(deleted or unmounted?); not recreating it without its config and metrics"
-            )
-
-    @contextlib.contextmanager
-    def _own_run_dir(self) -> Iterator[None]:
-        """Create the run directory and hold its lock (rank 0) for the whole ``fit``."""
-        if self.run_dir is None or not self.world.is_main:
-            yield
-            return
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise GlassloopError(f"run: '{self.run_dir}' is a file, not a run directory")
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            lock = RunLock(self.run_dir)
-            lock.acquire()
-        except OSError as err:
-            raise write_failure(self.run_dir, err) from err
-        try:
-            yield
-        finally:
-            lock.release()
-
-    def _finish_again(self, epochs: int) -> None:
-        """Resuming a finished run: complete whatever final file a kill left unwritten
-        (finishing is idempotent), then stop."""
-        state = self.state
-        why = "stopped early" if state.stopped else "already finished"
-        missing = []
-        if self.run_dir is not None and self.world.is_main:
-            try:
-                if not (self.run_dir / "model.safetensors").is_file():
-                    self._write_final_weights()
-                    missing.append("model.safetensors")
-                if _run_status(self.run_dir) != "finished":
-                    info = {"status": "finished", "step": state.step, "epoch": state.epoch}
-                    write_json(self.run_dir / "run.json", {**info, **self._environment})
-                    missing.append("run.json")
-            except OSError as err:
-                raise write_failure(self.run_dir, err) from err
-        done = f"; wrote what its end left out: {', '.join(missing)}" if missing else ""
-        self.console.message(
-            f"run {why} at step {state.step} (epoch {state.epoch}/{epochs}); nothing to do{done}"
-        )
-
-    def _describe(self) -> dict[str, Any]:
-        """The configuration of a run built in Python, for runs without a config file."""
+    def python_config(self) -> dict[str, Any]:
+        """The configuration of a run built in Python (no config file): what a resume compares."""
         return {
             "model": type(unwrap_model(self.model)).__name__,
             "num_parameters": sum(p.numel() for p in self.model.parameters()),
@@ -980,7 +715,7 @@ class Trainer:
             "loss_weighting": self.loss_weighting,
             "clip_grad_norm": self.clip_grad_norm,
             "clip_grad_value": self.clip_grad_value,
-            "ema_decay": self.ema is not None,
+            "ema_decay": self.ema_decay,
             "compile": self.model is not unwrap_model(self.model),
             "device": str(self.device),
         }
@@ -1004,11 +739,3 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return stable_repr(value)
-
-
-def _run_status(run_dir: Path) -> str | None:
-    try:
-        info = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return info.get("status") if isinstance(info, dict) else None

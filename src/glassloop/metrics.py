@@ -170,3 +170,28 @@ def format_report(
     lines += ["", f"{'accuracy':>{width}} {'':>9} {'':>9} {accuracy:>9.4f} {total:>9d}"]
     lines += [row("macro avg", report["macro avg"]), row("weighted avg", report["weighted avg"])]
     return "\n".join(lines)
+
+
+def monitor_mode(monitor: str, mode: str = "auto") -> str:
+    """``"max"`` or ``"min"``: which way ``monitor`` improves. ``"auto"`` maximises metrics
+    named like accuracy or F1 and minimises the rest (losses).
+
+    >>> monitor_mode("val_accuracy"), monitor_mode("val_loss"), monitor_mode("val_loss", "max")
+    ('max', 'min', 'max')
+    """
+    if mode == "auto":
+        return "max" if "accuracy" in monitor or "f1" in monitor else "min"
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min', 'max' or 'auto', got {mode!r}")
+    return mode
+
+
+def improves(value: float, best: float | None, mode: str, min_delta: float = 0.0) -> bool:
+    """Whether ``value`` beats ``best`` by more than ``min_delta`` (the first value always does).
+
+    >>> improves(0.5, None, "min"), improves(0.5, 0.4, "min"), improves(0.5, 0.4, "max", 0.2)
+    (True, False, False)
+    """
+    if best is None:
+        return True
+    return value > best + min_delta if mode == "max" else value < best - min_delta

@@ -153,12 +153,12 @@ def test_a_read_only_run_dir_fresh_and_resumed(
 def test_a_full_disk_at_the_final_weights_is_exit_3_with_the_real_reason(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import glassloop.loop as loop
+    import glassloop.run_log as run_log
 
     def full(*args: Any, **kwargs: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(loop, "save_weights", full)
+    monkeypatch.setattr(run_log, "save_weights", full)
     run = tmp_path / "run"
     result = cli(capsys, "train", *sets(SMALL), "--run-dir", str(run))
     assert_error(result, 3, "No space left on device (ENOSPC)")
@@ -168,16 +168,16 @@ def test_a_full_disk_at_the_final_weights_is_exit_3_with_the_real_reason(
 def test_a_failing_run_json_does_not_hide_the_real_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import glassloop.loop as loop
+    import glassloop.run_log as run_log
 
-    real = loop.write_json
+    real = run_log.write_json
 
     def write_json(path: Path, data: Any) -> None:
         if path.name == "run.json" and data.get("status") == "failed":
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, data)
 
-    monkeypatch.setattr(loop, "write_json", write_json)
+    monkeypatch.setattr(run_log, "write_json", write_json)
     overrides = [*SMALL, "optim.lr=1e30", "train.max_nonfinite_skips=1", "train.nonfinite=skip"]
     code, _, err = cli(capsys, "train", *sets(overrides), "--run-dir", str(tmp_path / "r"))
     assert code == 4, err  # the divergence, not the failure to record it

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from glassloop import Callback, CheckpointError, Trainer
 from glassloop.checkpoint import read_checkpoint
-from glassloop.config import CheckpointConfig, config_differences
+from glassloop.checkpointer import CheckpointConfig, config_differences
 from glassloop.data import make_loader
 from glassloop.errors import NonFiniteError
 
@@ -126,7 +126,7 @@ def test_a_checkpoint_on_an_epochs_last_batch_resumes(tmp_path: Path) -> None:
 def test_best_and_the_recorded_best_never_disagree_after_a_kill(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import glassloop.loop as loop
+    import glassloop.checkpointer as checkpointer
 
     writes = {"n": 0}
 
@@ -139,8 +139,8 @@ def test_best_and_the_recorded_best_never_disagree_after_a_kill(
 
         return write
 
-    monkeypatch.setattr(loop, "save_checkpoint", counted(loop.save_checkpoint))
-    monkeypatch.setattr(loop, "save_best", counted(loop.save_best))
+    monkeypatch.setattr(checkpointer, "save_checkpoint", counted(checkpointer.save_checkpoint))
+    monkeypatch.setattr(checkpointer, "save_best", counted(checkpointer.save_best))
     val = DataLoader(dataset(48), batch_size=16)
     options = {"checkpoint": {"monitor": "train_loss"}}
     with pytest.raises(Kill):

@@ -1,0 +1,227 @@
+"""The checkpoint policy: when to save, how many to keep, which one is best, and how to resume
+with the checks that keep a resume honest. Storage (atomic files, verification, pruning)
+is :mod:`glassloop.checkpoint`; this module decides, that one writes.
+
+The Trainer hands it the model and one dict of every stateful part's ``state_dict()``
+(:meth:`glassloop.Trainer.state_dict`) and saves in one line::
+
+    checkpointer = Checkpointer(run_dir, CheckpointConfig(every_n_steps=100, monitor="val_loss"))
+    if checkpointer.due_after_step(step):
+        checkpointer.save(model, trainer.state_dict(), trainer.checkpoint_meta())
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from glassloop.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    checkpoints_dir,
+    find_resumable,
+    prune,
+    read_checkpoint,
+    save_best,
+    save_checkpoint,
+    step_dir_name,
+    step_dirs,
+)
+from glassloop.distributed import SINGLE, World, all_reduce
+from glassloop.errors import ConfigError, GlassloopError
+from glassloop.metrics import improves, monitor_mode
+from glassloop.serialization import stable_repr
+
+
+@dataclass
+class CheckpointConfig:
+    """When to save (``every_n_steps``, ``every_n_epochs``; always at the end), how many to
+    keep, and which validation metric picks ``RUN_DIR/best/`` (``""``: no best tracking)."""
+
+    every_n_steps: int = 0  # 0: off
+    every_n_epochs: int = 1  # 0: off
+    keep_last: int = 3
+    monitor: str = ""  # e.g. "val_loss" or "val_accuracy"
+    mode: str = "auto"  # "min", "max", or "auto" (max for accuracy/F1, else min)
+
+
+class Checkpointer:
+    """Saves and restores a run's checkpoints under ``run_dir`` (does nothing without one).
+
+    Every process calls :meth:`save` (the state holds every process's RNG); rank 0 writes and
+    the others wait for its verdict, so a failed write fails every process.
+    """
+
+    def __init__(
+        self, run_dir: Path | None, policy: CheckpointConfig | None = None, *, world: World = SINGLE
+    ) -> None:
+        self.run_dir = run_dir
+        self.policy = policy if policy is not None else CheckpointConfig()
+        self.world = world
+
+    # ------------------------------------------------------------------------------ when
+    def due_after_step(self, step: int) -> bool:
+        every = self.policy.every_n_steps
+        return self.run_dir is not None and bool(every) and step % every == 0
+
+    def due_after_epoch(self, epoch: int) -> bool:
+        every = self.policy.every_n_epochs
+        return self.run_dir is not None and bool(every) and epoch % every == 0
+
+    def better(self, row: dict[str, Any], best: float | None) -> float | None:
+        """The monitored value of ``row`` if it beats ``best`` (``None`` otherwise, or when
+        nothing is monitored)."""
+        monitor = self.policy.monitor
+        if not monitor:
+            return None
+        if monitor not in row:
+            names = sorted(k for k, v in row.items() if _is_number(v) and k != "epoch")
+            raise ConfigError(
+                f"config: checkpoint.monitor {monitor!r} is not a metric of this run "
+                f"(available: {', '.join(names)})"
+            )
+        value = float(row[monitor])
+        mode = monitor_mode(monitor, self.policy.mode)
+        return value if improves(value, best, mode) else None
+
+    # ------------------------------------------------------------------------------ save
+    def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]) -> Path | None:
+        """Commit ``checkpoints/step-<step>/`` and prune to ``keep_last``; the path (None
+        without a run directory)."""
+        if self.run_dir is None:
+            return None
+        path = checkpoints_dir(self.run_dir) / step_dir_name(int(meta["step"]))
+        failure: Exception | None = None
+        if self.world.is_main:  # one writer; the others wait for its verdict below
+            try:
+                path = save_checkpoint(self.run_dir, model, state, meta)
+                prune(self.run_dir, self.policy.keep_last)
+            except GlassloopError as err:
+                failure = err
+        if self.world.distributed:
+            failed = all_reduce(torch.tensor([float(failure is not None)]), "max").item()
+            if failed and failure is None:
+                raise CheckpointError(f"checkpoint: rank 0 could not write '{path}'; see its error")
+        if failure is not None:
+            raise failure
+        return path
+
+    def save_best(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        """``RUN_DIR/best/`` (rank 0; the state was gathered by every process)."""
+        if self.run_dir is not None and self.world.is_main:
+            save_best(self.run_dir, model, state, meta)
+
+    # --------------------------------------------------------------------------- restore
+    def refuse_overwrite(self) -> None:
+        """A fresh run never writes over a run directory that holds checkpoints."""
+        if self.run_dir is not None and step_dirs(self.run_dir):
+            raise CheckpointError(
+                f"checkpoint: '{self.run_dir}' already holds checkpoints; pass "
+                "resume='auto' (--resume) to continue that run, or choose another run_dir"
+            )
+
+    def find(self, resume: str | Path, warn: Any) -> Checkpoint | None:
+        """The checkpoint to resume from: ``"auto"`` is the newest valid one in ``run_dir``
+        (``None`` when there is none; an error when there are some and none is valid, so
+        nothing a user may want to repair is overwritten); a path is read as is."""
+        if str(resume) != "auto":
+            return read_checkpoint(Path(resume))  # named explicitly: no fallback
+        if self.run_dir is None:
+            raise GlassloopError("resume='auto' needs a run_dir to look for checkpoints in")
+        found, problems = find_resumable(self.run_dir)
+        if found is None and problems:
+            raise CheckpointError(
+                f"checkpoint: no valid checkpoint to resume in '{self.run_dir}' (nothing "
+                f"was changed): {' | '.join(problems)}"
+            )
+        for problem in problems:
+            warn(f"warning: {problem}; falling back to an older checkpoint")
+        if found is None:
+            warn(f"no checkpoint in '{self.run_dir / 'checkpoints'}'; starting at step 0")
+        return found
+
+    def check_compatible(
+        self, checkpoint: Checkpoint, config: Any, allow_config_change: bool
+    ) -> None:
+        """The same number of processes (each one's data shard and RNG are in the state) and
+        the same config, but for keys that do not change the result."""
+        saved_world = checkpoint.meta.get("world_size", 1)  # checked to be an int >= 1
+        if saved_world != self.world.size:
+            raise ConfigError(
+                f"config: '{checkpoint.path}' was written by {saved_world} process(es), this "
+                f"job has {self.world.size}; resume with the same number (--nproc "
+                f"{saved_world}): each process's data shard and RNG are part of the state"
+            )
+        changes = config_differences(checkpoint.meta.get("config"), config)
+        if changes and not allow_config_change:
+            raise ConfigError(
+                f"config: the run in '{checkpoint.path}' was made with a different config: "
+                f"{'; '.join(changes)}. Resuming would not continue the same run; pass "
+                "--allow-config-change (allow_config_change=True) to resume anyway"
+            )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# Keys a resumed run may change without changing what it computes.
+RESUME_SAFE_KEYS = (
+    "train.epochs",
+    "train.log_every",
+    "train.progress",
+    "train.device",
+    "data.num_workers",
+    "data.eval_batch_size",
+    "train.compile",
+    "train.compile_mode",
+    "train.compile_dynamic",
+    # the same, in the description of a run built in Python
+    "compile",
+    "device",
+)
+# Keys that build() fills in from train.epochs when the user leaves them out: a change of
+# epochs shows up as a change of these, and the message names the key the user changed.
+DERIVED_FROM_EPOCHS = ("scheduler.T_max", "scheduler.total_steps")
+RESUME_SAFE_PREFIXES = ("checkpoint.",)
+
+
+def config_differences(saved: Any, current: Any) -> list[str]:
+    """``key: saved -> current`` for every key that differs, except keys that do not change
+    the trajectory (logging, device, workers, epochs to run, compile, checkpoint policy).
+
+    >>> config_differences({"optim": {"lr": 0.1}}, {"optim": {"lr": 0.2}})
+    ['optim.lr: 0.1 -> 0.2']
+    """
+    old = _dotted(json.loads(json.dumps(saved, default=stable_repr)))
+    new = _dotted(json.loads(json.dumps(current, default=stable_repr)))
+    epochs = f"train.epochs: {old.get('train.epochs')} -> {new.get('train.epochs')}"
+    changes = []
+    for key in sorted(old.keys() | new.keys()):
+        if key in RESUME_SAFE_KEYS or key.startswith(RESUME_SAFE_PREFIXES):
+            continue
+        change = f"{key}: {old.get(key, '<unset>')} -> {new.get(key, '<unset>')}"
+        if old.get(key, "<unset>") == new.get(key, "<unset>"):
+            continue
+        if key in DERIVED_FROM_EPOCHS and old.get("train.epochs") != new.get("train.epochs"):
+            change = f"{epochs} (the learning-rate schedule spans the run: {change})"
+        changes.append(change)
+    return changes
+
+
+def _dotted(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out.update(_dotted(value, name))
+        else:
+            out[name] = value
+    return out

@@ -1,0 +1,131 @@
+"""The loop's guards: cheap checks on the first batch, torch errors caused by the user's data
+or model turned into one clear line, and the non-finite policy (raise, or skip and count).
+
+A Trainer subclass replaces a guard by overriding ``Trainer.check_first_batch`` (for
+example a stateful model that must not be called outside its step) or switches it off with
+``check_first_batch=False``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from glassloop.batch import Inputs, describe
+from glassloop.errors import DataError, GlassloopError, ModelError, NonFiniteError
+from glassloop.precision import autocast
+from glassloop.state import TrainState
+
+
+def check_first_batch(
+    model: nn.Module,
+    inputs: Inputs,
+    target: Any,
+    *,
+    precision: str = "32",
+    device: torch.device | None = None,
+    ignore_index: int = -100,
+) -> None:
+    """Inputs free of NaN/inf; integer class labels within the model's outputs.
+
+    The labels are checked against an eval-mode, no-grad forward of ``model`` (pass the
+    unwrapped module): no dropout, no batch-norm update, no RNG draw, so training is not
+    changed by it.
+    """
+    args, kwargs = inputs
+    for name, value in [*enumerate(args), *kwargs.items()]:
+        floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+        if floating and not bool(torch.isfinite(value).all()):
+            raise DataError(
+                f"data: the first training batch has NaN or inf in input {name!r}; "
+                "clean or impute the data before training"
+            )
+    if not isinstance(target, torch.Tensor) or target.is_floating_point():
+        return  # regression or soft targets: nothing to check here
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), autocast(precision, device or torch.device("cpu")):
+            output = model(*args, **kwargs)
+    finally:
+        model.train(was_training)
+    if not isinstance(output, torch.Tensor) or output.ndim != target.ndim + 1:
+        return
+    classes = int(output.shape[1] if output.ndim == 2 else output.shape[-1])
+    labels = target[target != ignore_index]
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):
+        raise DataError(
+            f"data: labels in the first training batch range over [{int(labels.min())}, "
+            f"{int(labels.max())}] but the model has {classes} outputs; labels must be "
+            f"class indices in [0, {classes}) (or {ignore_index} to ignore)"
+        )
+
+
+def explain(err: Exception, batch: Any, state: TrainState) -> Exception:
+    """A torch error caused by the user's data or model as one clear line (``err`` itself
+    when it is not one of those)."""
+    if isinstance(err, GlassloopError):
+        return err
+    text = " ".join(str(err).split())
+    where = f"epoch {state.epoch + 1}, batch {state.batch_in_epoch + 1}"
+    if "out of bounds" in text and "arget" in text:
+        return DataError(
+            f"data: a label is outside the model's output range ({text}) at {where}; "
+            "labels must be in [0, num_outputs)"
+        )
+    if state.step == 0:
+        return ModelError(
+            f"model: the first batch {describe(batch)} was rejected by the model or loss: "
+            f"{type(err).__name__}: {text}"
+        )
+    return err
+
+
+class NonFinitePolicy:
+    """``"raise"``: stop at the first non-finite step, saying where and which parameter's
+    gradient went first; ``"skip"``: drop the step, count it, stop after ``max_skips`` in a
+    row."""
+
+    def __init__(self, policy: str = "raise", max_skips: int = 10) -> None:
+        if policy not in ("raise", "skip"):
+            raise GlassloopError(f"train.nonfinite must be 'raise' or 'skip', got {policy!r}")
+        self.policy = policy
+        self.max_skips = max_skips
+
+    def __call__(
+        self, model: nn.Module, loss: torch.Tensor, state: TrainState, num_batches: int
+    ) -> None:
+        first, last = state.batch_in_epoch + 1, state.batch_in_epoch + num_batches
+        batches = f"batch {last}" if first == last else f"batches {first}-{last}"
+        where = f"step {state.step + 1} (epoch {state.epoch + 1}, {batches})"
+        bad = next(
+            (
+                name
+                for name, p in model.named_parameters()
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+            ),
+            None,
+        )
+        culprit = f"; first non-finite gradient: '{bad}'" if bad else ""
+        value = loss.item()
+        what = (
+            f"loss is {value}"
+            if not math.isfinite(value)
+            else f"gradient is not finite (loss {value:.6g})"
+        )
+        if self.policy == "raise":
+            raise NonFiniteError(
+                f"train: {what} at {where}{culprit}. Lower the learning rate, "
+                "clip gradients (train.clip_grad_norm), check the data for NaN/inf, or set "
+                "train.nonfinite = 'skip'"
+            )
+        state.skipped_steps += 1
+        state.consecutive_nonfinite += 1
+        if state.consecutive_nonfinite >= self.max_skips:
+            raise NonFiniteError(
+                f"train: {state.consecutive_nonfinite} non-finite steps in a row, the last at "
+                f"{where}{culprit}; stopping (train.max_nonfinite_skips = {self.max_skips})"
+            )

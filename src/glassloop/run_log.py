@@ -1,0 +1,180 @@
+"""A run directory's own files: ``config.json``, ``run.json``, the metric rows
+(``metrics.csv``, ``metrics.jsonl``, TensorBoard) and the final ``model.safetensors``.
+
+:class:`RunLog` does nothing without a run directory or in a process other than rank 0, so the
+loop calls it without asking. Every write failure is a
+:class:`~glassloop.checkpoint.CheckpointWriteError` (exit code 3) naming the path and the OS's
+reason; checkpoints themselves are :mod:`glassloop.checkpointer`'s job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from glassloop.checkpoint import (
+    CheckpointError,
+    CheckpointWriteError,
+    clean_temporaries,
+    save_weights,
+    weights_metadata,
+    write_failure,
+    write_json,
+)
+from glassloop.distributed import SINGLE, World
+from glassloop.errors import GlassloopError
+from glassloop.run_lock import RunLock
+from glassloop.sinks import CSVSink, JSONLSink, TensorBoardSink, truncate_rows
+
+CSV_FIELDS = [
+    "kind", "epoch", "step", "samples", "train_loss", "loss", "lr", "grad_norm", "samples_per_s",
+    "seconds",
+]  # fmt: skip
+Sink = CSVSink | JSONLSink | TensorBoardSink
+
+
+class RunLog:
+    """Writes the run directory's files (rank 0 only; nothing without a run directory)."""
+
+    def __init__(
+        self, run_dir: Path | None, *, world: World = SINGLE, tensorboard: bool = False
+    ) -> None:
+        self.run_dir = run_dir
+        self.active = run_dir is not None and world.is_main
+        self.tensorboard = tensorboard
+        self._sinks: list[Sink] = []
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Create the run directory, hold its lock (one training process per directory) and
+        remove what an interrupted glassloop left in it, for the whole ``fit``."""
+        if not self.active:
+            yield
+            return
+        assert self.run_dir is not None
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise GlassloopError(f"run: '{self.run_dir}' is a file, not a run directory")
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            lock = RunLock(self.run_dir)
+            lock.acquire()
+        except OSError as err:
+            raise write_failure(self.run_dir, err) from err
+        try:
+            clean_temporaries(self.run_dir)
+            yield
+        finally:
+            lock.release()
+
+    def open(
+        self, *, step: int, has_val: bool, config: dict[str, Any], environment: dict[str, Any]
+    ) -> None:
+        """Write config.json and run.json ("running") and open the metric files; a resumed
+        run (``step`` > 0) keeps its rows up to ``step`` and appends."""
+        if not self.active:
+            return
+        assert self.run_dir is not None
+        fields = list(CSV_FIELDS)
+        if has_val:
+            fields[5:5] = ["val_loss", "val_accuracy"]
+        fresh = step == 0  # a new run replaces the metrics of one that never saved
+        try:
+            if not fresh:  # rows a killed process wrote after its last checkpoint go
+                truncate_rows(self.run_dir, step)
+            write_json(self.run_dir / "config.json", config)
+            write_json(self.run_dir / "run.json", {"status": "running", **environment})
+            self._sinks = [
+                CSVSink(self.run_dir / "metrics.csv", fields, fresh=fresh),
+                JSONLSink(self.run_dir / "metrics.jsonl", fresh=fresh),
+            ]
+        except OSError as err:
+            raise write_failure(self.run_dir, err) from err
+        if self.tensorboard:
+            self._sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
+
+    def write(self, row: dict[str, Any]) -> None:
+        """One metrics row to every sink; a full disk is a write failure (exit 3)."""
+        try:
+            for sink in self._sinks:
+                sink.write(row)
+        except OSError as err:
+            assert self.run_dir is not None  # sinks exist only with a run directory
+            raise write_failure(self.run_dir, err) from err
+
+    def check_exists(self) -> None:
+        """Refuse to write into a run directory that disappeared during the run (never
+        recreate it half-empty, without its config and metrics)."""
+        if self.active and self.run_dir is not None and not self.run_dir.is_dir():
+            raise CheckpointWriteError(
+                f"checkpoint: the run directory '{self.run_dir}' disappeared during the run "
+                "(deleted or unmounted?); not recreating it without its config and metrics"
+            )
+
+    def close(
+        self,
+        status: str,
+        *,
+        model: nn.Module,
+        model_spec: dict[str, Any] | None,
+        info: dict[str, Any],
+    ) -> None:
+        """Close the metric files; write the final weights (``status == "finished"``) and
+        run.json. While another error is already on its way out (``status`` "failed" or
+        "interrupted"), a failure here is only returned as a warning line, so that error is
+        the one the user sees."""
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
+        if not self.active:
+            return
+        try:
+            self.check_exists()
+            if status == "finished":
+                self.write_weights(model, model_spec)
+            self.write_status(status, info)
+        except (OSError, CheckpointError) as err:
+            assert self.run_dir is not None
+            failure = write_failure(self.run_dir, err)
+            if status == "finished":
+                raise failure from err
+            print(f"warning: {failure}")
+
+    def write_weights(self, model: nn.Module, model_spec: dict[str, Any] | None) -> None:
+        assert self.run_dir is not None
+        save_weights(model, self.run_dir / "model.safetensors", weights_metadata(model_spec))
+
+    def write_status(self, status: str, info: dict[str, Any]) -> None:
+        assert self.run_dir is not None
+        write_json(self.run_dir / "run.json", {"status": status, **info})
+
+    def complete(
+        self, *, model: nn.Module, model_spec: dict[str, Any] | None, info: dict[str, Any]
+    ) -> list[str]:
+        """For a finished run resumed: write the final files a kill left out; their names."""
+        if not self.active:
+            return []
+        assert self.run_dir is not None
+        missing = []
+        try:
+            if not (self.run_dir / "model.safetensors").is_file():
+                self.write_weights(model, model_spec)
+                missing.append("model.safetensors")
+            if _status(self.run_dir) != "finished":
+                self.write_status("finished", info)
+                missing.append("run.json")
+        except OSError as err:
+            raise write_failure(self.run_dir, err) from err
+        return missing
+
+
+def _status(run_dir: Path) -> str | None:
+    try:
+        info = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return info.get("status") if isinstance(info, dict) else None
