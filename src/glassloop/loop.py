@@ -449,12 +449,32 @@ class Trainer:
                     loss = loss * weight
                 detached = loss.detach()
                 window_loss = detached if window_loss is None else window_loss + detached
-                if self.scaler is not None:
-                    loss = self.scaler.scale(loss)  # fp16: keep small gradients representable
-                loss.backward()  # type: ignore[no-untyped-call]  # gradients add up in .grad
+                # fp16: scaled so small gradients stay representable (as is otherwise)
+                self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]  # adds up in .grad
         assert window_loss is not None
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # true gradients for clipping and the check
+        if not self._clip_and_check(window_loss):  # a NaN/inf loss or gradient: no step
+            self.nonfinite(self.model, window_loss, self.state, len(window))
+            self.scaler.update()  # closes this step's unscale_() (fp16: lowers the scale)
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        self.state.consecutive_nonfinite = 0
+        scale = self.scaler.get_scale()
+        self.scaler.step(self.optimizer)  # optimizer.step(); fp16: unless gradients overflowed
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)  # None frees memory; next backward writes
+        if self.scaler.get_scale() < scale:  # fp16: the scale drops only on a skipped step
+            self.state.skipped_steps += 1
+            return None
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
+        if self.scheduler is not None and self.scheduler_interval == "step":
+            self.scheduler.step()  # once per optimizer step, never for a skipped one
+        return window_loss
+
+    def _clip_and_check(self, window_loss: torch.Tensor) -> bool:
+        """Unscale (fp16) and clip the gradients; whether the loss and gradients are finite,
+        decided alike in every process."""
+        self.scaler.unscale_(self.optimizer)  # fp16: true gradients for clipping and the check
         # Read every step: parameters unfrozen after the Trainer was built are clipped too.
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.clip_grad_value:
@@ -464,7 +484,7 @@ class Trainer:
             # Returns the norm before clipping: what is logged as grad_norm.
             grad_size = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
             self.last_grad_norm = grad_size
-        elif self.scaler is None and params:  # (fp16: the scaler skips inf gradients itself)
+        elif not self.scaler.is_enabled() and params:  # (fp16: the scaler checks gradients)
             # Fused L2 norms (one kernel on GPU; 51 us/step on the tutorial MLP on this CPU;
             # the inf-norm would be 885 us): finite exactly when every gradient is.
             grads = [p.grad for p in params if p.grad is not None]
@@ -476,30 +496,7 @@ class Trainer:
         finite = math.isfinite(check.item())
         if self.world.distributed:  # every process takes the same decision
             finite = not all_reduce(torch.tensor([float(not finite)]), "max").item()
-        if not finite:
-            self.nonfinite(self.model, window_loss, self.state, len(window))
-            if self.scaler is not None:
-                self.scaler.update()  # closes this step's unscale_() (and lowers the scale)
-            self.optimizer.zero_grad(set_to_none=True)
-            return None
-        self.state.consecutive_nonfinite = 0
-        if self.scaler is not None:
-            scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # optimizer.step(), unless fp16 grads overflowed
-            self.scaler.update()
-            stepped = self.scaler.get_scale() >= scale  # the scale drops only on a skipped step
-        else:
-            self.optimizer.step()  # exactly torch's step: nothing wrapped, nothing skipped
-            stepped = True
-        self.optimizer.zero_grad(set_to_none=True)  # None frees memory; next backward writes
-        if not stepped:
-            self.state.skipped_steps += 1
-            return None
-        if self.ema is not None:
-            self.ema.update_parameters(self.model)
-        if self.scheduler is not None and self.scheduler_interval == "step":
-            self.scheduler.step()  # once per optimizer step, never for a skipped one
-        return window_loss
+        return finite
 
     def check_first_batch(self, inputs: Inputs, target: Any) -> None:
         """The first-batch guard (:func:`glassloop.guards.check_first_batch`): NaN/inf
@@ -586,7 +583,7 @@ class Trainer:
             "loop": self.state.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "ema": self.ema.state_dict() if self.ema is not None else None,
             # The current epoch's per-step losses, so its train_loss is exact after a resume.
             "epoch_losses": torch.stack(self._epoch_losses) if self._epoch_losses else None,
@@ -608,7 +605,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and state.get("scaler") is not None:
+        if self.scaler.is_enabled() and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])

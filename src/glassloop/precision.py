@@ -1,6 +1,6 @@
 """Mixed precision: ``"32"`` | ``"bf16"`` | ``"fp16"`` → an autocast context and a GradScaler.
 
-* ``"32"``: no autocast, no scaler (the hand-written loop, bit for bit).
+* ``"32"``: no autocast, a disabled scaler (the hand-written loop, bit for bit).
 * ``"bf16"``: ``torch.autocast(dtype=bfloat16)``; bf16 has fp32's range, so no loss scaling.
 * ``"fp16"``: ``torch.autocast(dtype=float16)`` plus ``torch.amp.GradScaler``: the loss is
   scaled before backward so small gradients survive fp16, gradients are unscaled before
@@ -57,8 +57,13 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
 
 
-def make_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
-    """A GradScaler for ``"fp16"``, else ``None`` (no scaling code runs at all)."""
-    if precision != "fp16":
-        return None
-    return torch.amp.GradScaler(device.type)
+def make_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
+    """A GradScaler, enabled for ``"fp16"`` only. Disabled, each of its calls returns at once
+    (``scale`` gives the loss back, ``step`` is ``optimizer.step()``): the step needs no
+    ``if scaler`` branch, as in nanoGPT.
+
+    >>> scaler = make_scaler("32", torch.device("cpu"))
+    >>> loss = torch.ones(()); scaler.scale(loss) is loss, scaler.is_enabled()
+    (True, False)
+    """
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
