@@ -34,8 +34,8 @@ from glassloop.distributed import (
     all_reduce,
     barrier,
     gather_objects,
+    init_from_env,
     local_device,
-    world_from_env,
     wrap,
 )
 from glassloop.errors import DataError, GlassloopError
@@ -151,9 +151,11 @@ class Trainer:
                 raise GlassloopError(f"Trainer: {what} expected")
         if seed is not None:
             seed_everything(seed)
-        # Several processes (torchrun): this one's rank, and its own device.
-        self.world = world if world is not None else world_from_env()
-        self.device = local_device(resolve_device(device), self.world)
+        # Several processes (torchrun): join their process group (a no-op in one process),
+        # this process's rank, and its own device.
+        resolved = resolve_device(device)
+        self.world = world if world is not None else init_from_env(resolved)
+        self.device = local_device(resolved, self.world)
         check_precision(precision, self.device)
         model = model.to(self.device)
         # torch.compile wraps the module (state_dict keys gain "_orig_mod."); checkpoints
