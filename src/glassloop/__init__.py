@@ -22,7 +22,7 @@ from glassloop._version import __version__
 # Each public name and the module that defines it.
 _EXPORTS = {
     "Callback": "glassloop.callbacks",
-    "CheckpointError": "glassloop.checkpoint",
+    "CheckpointError": "glassloop.errors",
     "Config": "glassloop.config",
     "ConfigError": "glassloop.errors",
     "DataError": "glassloop.errors",
@@ -69,9 +69,9 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from glassloop.assemble import Run, build
     from glassloop.callbacks import Callback
-    from glassloop.checkpoint import CheckpointError, load_weights, save_weights
+    from glassloop.checkpoint import load_weights, save_weights
     from glassloop.config import Config, load_config
-    from glassloop.errors import ConfigError, DataError, GlassloopError, ModelError
+    from glassloop.errors import CheckpointError, ConfigError, DataError, GlassloopError, ModelError
     from glassloop.evaluation import evaluate, predict
     from glassloop.export import export_model, load_model
     from glassloop.loop import Trainer

@@ -40,7 +40,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from glassloop.errors import GlassloopError
+from glassloop.errors import CheckpointError as CheckpointError  # re-exported: its old home
+from glassloop.errors import CheckpointWriteError as CheckpointWriteError
 from glassloop.rng import check_rng_state
 from glassloop.serialization import UnserializableError, flatten, unflatten
 
@@ -68,14 +69,6 @@ SAFETENSORS_DTYPES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
     "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
 }  # fmt: skip
-
-
-class CheckpointError(GlassloopError):
-    """A checkpoint that cannot be read, does not fit, or cannot be written."""
-
-
-class CheckpointWriteError(CheckpointError):
-    """Writing a checkpoint failed (disk full, quota, permissions); earlier ones are intact."""
 
 
 def write_failure(path: Path, err: BaseException, last_good: str = "") -> CheckpointWriteError:

@@ -26,3 +26,12 @@ class ModelError(GlassloopError):
 
 class NonFiniteError(GlassloopError):
     """Training produced a NaN/inf loss (``train.nonfinite = "raise"``, or too many skips)."""
+
+
+class CheckpointError(GlassloopError):
+    """A checkpoint that cannot be read, does not fit, or cannot be written."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint or another run file failed (disk full, quota, permissions);
+    earlier checkpoints are intact. The CLI's exit code 3."""

@@ -107,8 +107,9 @@ def test_the_loop_does_not_read_the_config() -> None:
 
 def test_the_command_starts_without_torch_or_sklearn() -> None:
     probe = (
-        "import sys; from glassloop.cli.main import main\n"
-        "for argv in (['--help'], ['--version'], ['train', '--help']):\n"
+        "import sys, tempfile; from glassloop.cli.main import main\n"
+        "empty = tempfile.mkdtemp()\n"
+        "for argv in (['--help'], ['--version'], ['train', '--help'], ['runs', empty]):\n"
         "    try: main(argv)\n"
         "    except SystemExit: pass\n"
         "heavy = sorted(m for m in ('torch', 'sklearn', 'numpy') if m in sys.modules)\n"

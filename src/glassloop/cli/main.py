@@ -389,8 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_command(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run the command, map errors to exit codes (module docstring)."""
     args = make_parser().parse_args(argv)
-    from glassloop.checkpoint import CheckpointWriteError
-    from glassloop.errors import GlassloopError, NonFiniteError
+    from glassloop.errors import CheckpointWriteError, GlassloopError, NonFiniteError
     from glassloop.preemption import Preempted
 
     commands = {
