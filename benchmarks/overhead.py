@@ -15,12 +15,14 @@ import argparse
 import copy
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from glassloop import Trainer
+from glassloop.data import make_loader
 from glassloop.models import mlp
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -33,7 +35,7 @@ def make_batches(num_samples: int, batch_size: int) -> Batches:
     return list(zip(x.split(batch_size), y.split(batch_size), strict=True))
 
 
-def hand_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches) -> None:
+def hand_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Any) -> None:
     loss_fn = nn.CrossEntropyLoss()
     model.train()
     for x, y in batches:
@@ -43,9 +45,23 @@ def hand_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batc
         optimizer.zero_grad()
 
 
-def trainer_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches) -> None:
+def trainer_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Any) -> None:
     trainer = Trainer(model, optimizer, nn.CrossEntropyLoss(), device="cpu", progress="none")
     trainer.fit(batches, epochs=1)
+
+
+class Indexed:
+    """The hand loop's in-memory batches: ``x[idx]``, ``y[idx]`` from a seeded permutation,
+    what glassloop's fast loader (``make_loader`` on tensors) does per epoch."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> None:
+        self.x, self.y, self.batch_size = x, y, batch_size
+        self.generator = torch.Generator().manual_seed(0)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = torch.randperm(len(self.x), generator=self.generator)
+        for idx in order.split(self.batch_size):
+            yield self.x[idx], self.y[idx]
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -71,7 +87,13 @@ def alternate(
     return statistics.median(ratios), statistics.median(times_a), statistics.median(times_b)
 
 
-def measure(name: str, build: Callable[[], nn.Module], batches: Batches, reps: int) -> float:
+def measure(
+    name: str,
+    build: Callable[[], nn.Module],
+    batches: Any,
+    reps: int,
+    glassloop_batches: Any = None,
+) -> float:
     torch.manual_seed(0)
     model_a = build()
     model_b = copy.deepcopy(model_a)
@@ -80,9 +102,10 @@ def measure(name: str, build: Callable[[], nn.Module], batches: Batches, reps: i
     opt_b = torch.optim.SGD(model_b.parameters(), lr=1e-3)
     opt_c = torch.optim.SGD(model_c.parameters(), lr=1e-3)
     hand_epoch(model_a, opt_a, batches)  # warm-up: allocator, kernels, caches
-    trainer_epoch(model_b, opt_b, batches)
+    theirs = glassloop_batches if glassloop_batches is not None else batches
+    trainer_epoch(model_b, opt_b, theirs)
     hand_epoch(model_c, opt_c, batches)
-    steps = len(batches)
+    steps = len(theirs)
     # A/A: the hand loop against itself shows how much of any ratio is the machine's noise.
     noise, _, _ = alternate(
         lambda: hand_epoch(model_a, opt_a, batches),
@@ -91,7 +114,7 @@ def measure(name: str, build: Callable[[], nn.Module], batches: Batches, reps: i
     )
     ratio, t_hand, t_trainer = alternate(
         lambda: hand_epoch(model_a, opt_a, batches),
-        lambda: trainer_epoch(model_b, opt_b, batches),
+        lambda: trainer_epoch(model_b, opt_b, theirs),
         reps,
     )
     print(
@@ -116,6 +139,13 @@ def main() -> None:
         "tutorial MLP 784-512-512-10", lambda: mlp((1, 28, 28), 10, [512, 512]), batches, args.reps
     )
     measure("Linear(784, 10)", lambda: mlp((1, 28, 28), 10, []), batches, args.reps)
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    fast = make_loader((x, y), batch_size=args.batch_size, shuffle=True, seed=0)
+    hand = Indexed(x, y, args.batch_size)
+    linear = lambda: mlp((1, 28, 28), 10, [])  # noqa: E731
+    measure("Linear, in-memory loaders", linear, hand, args.reps, fast)
+    measure("Linear, 75-step fits", linear, batches[:75], args.reps)  # per-fit costs show
 
 
 if __name__ == "__main__":
