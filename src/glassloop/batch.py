@@ -76,12 +76,12 @@ def batch_size_of(target: Any, inputs: Inputs) -> int:
     raise DataError("data: cannot tell the batch size: no tensor with a batch dimension")
 
 
-def describe(batch: Any) -> str:
+def describe_batch(batch: Any) -> str:
     """Shapes and dtypes of a batch, for error messages: ``(64, 1, 28, 28) float32``."""
     if isinstance(batch, torch.Tensor):
         return f"{tuple(batch.shape)} {str(batch.dtype).removeprefix('torch.')}"
     if isinstance(batch, (tuple, list)):
-        return "(" + ", ".join(describe(item) for item in batch) + ")"
+        return "(" + ", ".join(describe_batch(item) for item in batch) + ")"
     if isinstance(batch, dict):
-        return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in batch.items()) + "}"
+        return "{" + ", ".join(f"{k}: {describe_batch(v)}" for k, v in batch.items()) + "}"
     return type(batch).__name__

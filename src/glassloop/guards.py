@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from glassloop.batch import Inputs, describe
+from glassloop.batch import Inputs, describe_batch
 from glassloop.errors import DataError, GlassloopError, ModelError, NonFiniteError
 from glassloop.precision import autocast
 from glassloop.state import TrainState
@@ -78,7 +78,7 @@ def explain(err: Exception, batch: Any, state: TrainState) -> Exception:
         )
     if state.step == 0:
         return ModelError(
-            f"model: the first batch {describe(batch)} was rejected by the model or loss: "
+            f"model: the first batch {describe_batch(batch)} was rejected by the model or loss: "
             f"{type(err).__name__}: {text}"
         )
     return err

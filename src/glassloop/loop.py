@@ -53,7 +53,7 @@ from glassloop.rng import (
 )
 from glassloop.run_log import RunLog
 from glassloop.serialization import stable_repr
-from glassloop.sinks import ConsoleSink
+from glassloop.sinks import ProgressReporter
 from glassloop.state import TrainState
 
 
@@ -200,7 +200,7 @@ class Trainer:
         # How to rebuild the model from its weights file alone (glassloop.load_model).
         self.model_spec = dict(model_spec) if model_spec is not None else None
         # Only rank 0 talks: the other processes print nothing at all.
-        self.console = ConsoleSink(progress, silent=not self.world.is_main)
+        self.console = ProgressReporter(progress, silent=not self.world.is_main)
         self.state = TrainState()
         self.history: list[dict[str, Any]] = []
         self.last_eval: dict[str, Any] | None = None

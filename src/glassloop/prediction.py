@@ -201,7 +201,7 @@ def write_predictions(predictions: list[Prediction], path: Path) -> None:
                 writer.writerow([p.source, rank, name, prob])
 
 
-def describe(predictions: list[Prediction]) -> str:
+def format_predictions(predictions: list[Prediction]) -> str:
     return "\n".join(
         f"{p.source}: "
         + ", ".join(f"{c} {100 * q:.2f}%" for c, q in zip(p.classes, p.probabilities, strict=True))
@@ -209,4 +209,4 @@ def describe(predictions: list[Prediction]) -> str:
     )
 
 
-__all__ = ["Prediction", "Predictor", "describe", "write_predictions"]
+__all__ = ["Prediction", "Predictor", "format_predictions", "write_predictions"]

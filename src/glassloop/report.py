@@ -10,18 +10,7 @@ from typing import Any
 
 from glassloop.errors import GlassloopError
 from glassloop.metrics import format_report
-
-
-def read_epochs(run_dir: Path) -> list[dict[str, Any]]:
-    rows = []
-    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if row.get("kind") == "epoch":
-            rows.append(row)
-    return rows
+from glassloop.runs import read_epochs
 
 
 def write_report(

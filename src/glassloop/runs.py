@@ -27,16 +27,7 @@ def summarise(run_dir: Path) -> RunSummary | None:
         info = {"status": "unreadable run.json"}
     if not isinstance(info, dict):
         info = {"status": "unreadable run.json"}
-    rows = []
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file():
-        for line in metrics.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by a kill
-            if isinstance(row, dict) and row.get("kind") == "epoch":
-                rows.append(row)
+    rows = read_epochs(run_dir)
     status = str(info.get("status", "unknown"))
     if status == "running":
         status = "running or killed"  # a clean exit always rewrites run.json
@@ -53,6 +44,23 @@ def summarise(run_dir: Path) -> RunSummary | None:
 def _count(value: Any) -> int:
     """A step or epoch from a file that may have been edited or cut: 0 unless a count."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def read_epochs(run_dir: Path) -> list[dict[str, Any]]:
+    """The epoch rows of ``RUN_DIR/metrics.jsonl`` (none if it is missing); a line cut
+    short by a kill, or one that is not a row, is skipped."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(row, dict) and row.get("kind") == "epoch":
+            rows.append(row)
+    return rows
 
 
 def best_metric(rows: list[dict[str, Any]]) -> str:

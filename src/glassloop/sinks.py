@@ -27,7 +27,7 @@ def resolve_progress(mode: str, stream: IO[str] | None = None) -> str:
     return "bar" if stream.isatty() else "lines"
 
 
-class ConsoleSink:
+class ProgressReporter:
     """Per-epoch progress (bar with loss, samples/s and ETA; or the tutorial's plain lines)
     and a one-line epoch summary."""
 

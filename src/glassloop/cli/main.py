@@ -313,14 +313,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     from glassloop.errors import GlassloopError
-    from glassloop.prediction import Predictor, describe, write_predictions
+    from glassloop.prediction import Predictor, format_predictions, write_predictions
 
     if args.top_k < 1:
         raise GlassloopError("predict: --top-k must be >= 1")
     predictor = Predictor.from_path(args.source, trust_code=args.trust_code)
     sources, probs = predictor.predict_files(args.inputs)
     predictions = predictor.top_k(sources, probs, args.top_k)
-    print(describe(predictions))
+    print(format_predictions(predictions))
     if args.output:
         write_predictions(predictions, Path(args.output))
         print(f"wrote {args.output}")
