@@ -24,7 +24,7 @@ from glassloop.data import Splits, load_splits, make_loader, make_loaders, pad_c
 from glassloop.data.loaders import InMemoryLoader, ResumableLoader
 from glassloop.data.text import TextData, load_text
 from glassloop.device import resolve_device
-from glassloop.distributed import init_from_env, local_device
+from glassloop.distributed import SINGLE, World, init_from_env, local_device
 from glassloop.errors import ConfigError
 from glassloop.loop import Trainer
 from glassloop.models import build_model
@@ -106,12 +106,25 @@ def model_spec(cfg: Config, data: Splits | TextData) -> dict[str, Any]:
     return spec
 
 
-def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
-    """Seed, load the data, build model/optimizer/scheduler, and return a :class:`Run`."""
+@dataclass
+class Parts:
+    """What a config describes before any training: the data and its loaders, the model and
+    the loss (no optimizer, no Trainer, no process group): what ``glassloop eval`` and
+    ``report`` need."""
+
+    config: Config
+    data: Splits | TextData
+    train_loader: InMemoryLoader | ResumableLoader
+    val_loader: InMemoryLoader | ResumableLoader
+    model: nn.Module
+    loss_fn: nn.Module
+    device: torch.device
+
+
+def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
+    """Seed, load the data, make the loaders, build the model and the loss."""
     cfg = copy.deepcopy(cfg)
-    device = resolve_device(cfg.train.device)
-    world = init_from_env(device, strategy=cfg.train.strategy, timeout_s=cfg.train.dist_timeout_s)
-    device = local_device(device, world)
+    device = local_device(resolve_device(cfg.train.device), world)
     seed_everything(cfg.train.seed)  # before building the model: reproducible initial weights
     data: Splits | TextData
     if cfg.data.name == "text-csv":
@@ -148,6 +161,18 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
             augment=cfg.data.augment,
             world=world,
         )
+    loss_fn = nn.CrossEntropyLoss(ignore_index=cfg.train.ignore_index)
+    return Parts(cfg, data, train_loader, val_loader, model, loss_fn, device)
+
+
+def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
+    """Join torchrun's process group (if any), build the parts (:func:`build_parts`), the
+    optimizer and scheduler, and return a :class:`Run` with its Trainer."""
+    device = resolve_device(cfg.train.device)
+    world = init_from_env(device, strategy=cfg.train.strategy, timeout_s=cfg.train.dist_timeout_s)
+    parts = build_parts(cfg, world=world)
+    cfg, data, model, device = parts.config, parts.data, parts.model, parts.device
+    train_loader, val_loader = parts.train_loader, parts.val_loader
     optimizer = build_optimizer(cfg, model)
     # Optimizer steps per epoch: one per window of grad_accum_steps batches (the last may be
     # shorter).
@@ -165,7 +190,7 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
     trainer = Trainer(
         model,
         optimizer,
-        nn.CrossEntropyLoss(ignore_index=cfg.train.ignore_index),
+        parts.loss_fn,
         scheduler=scheduler,
         scheduler_interval=cfg.scheduler.interval,
         device=device,

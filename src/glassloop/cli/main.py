@@ -273,13 +273,15 @@ def launch_torchrun(nproc: int) -> int:
 def evaluate_weights(
     source: Path, overrides: list[str], trust_code: bool
 ) -> tuple[Any, Any, dict[str, Any]]:
-    """Rebuild the run that made ``source`` from its recorded config and evaluate its weights
-    (the EMA weights for an EMA run) on its validation data; returns the run, the weights
-    and the evaluation."""
-    from glassloop.assemble import build
+    """Rebuild the data and model of the run that made ``source`` from its recorded config
+    (no optimizer, no Trainer, no process group) and evaluate its weights (the EMA weights
+    for an EMA run) on its validation data; returns the parts, the weights and the result."""
+    from glassloop.assemble import build_parts
     from glassloop.config import apply_override, from_dict
     from glassloop.errors import GlassloopError
+    from glassloop.evaluation import evaluate
     from glassloop.export import check_fits, read_weights, require_trust
+    from glassloop.precision import autocast
 
     weights = read_weights(source)
     config = weights.config
@@ -290,24 +292,26 @@ def evaluate_weights(
     require_trust(config, source, trust_code)
     for item in overrides:
         apply_override(config, item)
-    run = build(from_dict(config))
-    model = run.trainer.eval_model  # what training evaluated: the EMA copy when enabled
-    check_fits(model, weights)
-    model.load_state_dict(weights.tensors, strict=True)
-    return run, weights, run.trainer.evaluate(run.val_loader)
+    parts = build_parts(from_dict(config))
+    check_fits(parts.model, weights)
+    parts.model.load_state_dict(weights.tensors, strict=True)
+    model = parts.model.to(parts.device)
+    with autocast(parts.config.train.precision, parts.device):  # as training evaluated
+        result = evaluate(model, parts.val_loader, parts.loss_fn, device=parts.device)
+    return parts, weights, result
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from glassloop.metrics import format_report
 
-    run, weights, result = evaluate_weights(Path(args.source), args.overrides, args.trust_code)
+    parts, weights, result = evaluate_weights(Path(args.source), args.overrides, args.trust_code)
     print(f"weights: {weights.path}")
-    print(f"validation samples: {len(run.splits.y_val)}")
+    print(f"validation samples: {len(parts.data.y_val)}")
     print(f"loss: {result['loss']:.6f}")
     if "accuracy" in result:
         print(f"accuracy: {100 * result['accuracy']:.2f}%")
         print()
-        print(format_report(result["report"], result["accuracy"], run.splits.class_names))
+        print(format_report(result["report"], result["accuracy"], parts.data.class_names))
     return EXIT_OK
 
 
@@ -354,8 +358,8 @@ def report_for(run_dir: Path, *, trust_code: bool = False) -> Path:
 
     if not (run_dir / "config.json").is_file():
         raise GlassloopError(f"report: '{run_dir}' is not a run directory (no config.json)")
-    run, _, evaluation = evaluate_weights(run_dir, [], trust_code)
-    return write_report(run_dir, evaluation=evaluation, class_names=run.splits.class_names)
+    parts, _, evaluation = evaluate_weights(run_dir, [], trust_code)
+    return write_report(run_dir, evaluation=evaluation, class_names=parts.data.class_names)
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
