@@ -19,17 +19,16 @@ import torch
 from torch import nn
 
 from glassloop.callbacks import Callback, EarlyStopping
-from glassloop.config import Config, optimizer_class, scheduler_class, to_dict
+from glassloop.config import Config, to_dict
 from glassloop.data import Splits, load_splits, make_loader, make_loaders, pad_collate
 from glassloop.data.loaders import InMemoryLoader, ResumableLoader
 from glassloop.data.text import TextData, load_text
 from glassloop.device import resolve_device
 from glassloop.distributed import SINGLE, World, init_from_env, local_device
-from glassloop.errors import ConfigError
 from glassloop.loop import Trainer
 from glassloop.models import build_model
+from glassloop.optimizers import build_optimizer, build_scheduler, schedule_span
 from glassloop.rng import seed_everything
-from glassloop.schedules import warmup_cosine
 
 
 @dataclass
@@ -41,55 +40,6 @@ class Run:
     train_loader: InMemoryLoader | ResumableLoader
     val_loader: InMemoryLoader | ResumableLoader
     trainer: Trainer
-
-
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two groups: weights of dimension >= 2 with ``weight_decay``; biases and normalisation
-    weights (1-D) without, since decaying them only hurts. Frozen parameters are included
-    (the optimizer skips them while they have no gradient), so unfreezing them later trains
-    them, as with ``optimizer(model.parameters())``."""
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for param in model.parameters():
-        (decay if param.ndim >= 2 else no_decay).append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
-    cls: Any = optimizer_class(cfg.optim.name)  # a concrete subclass: it takes lr
-    params: Any = model.parameters()
-    if cfg.optim.no_decay_bias_norm:
-        params = parameter_groups(model, float(cfg.optim.kwargs.get("weight_decay", 0.0)))
-    try:
-        optimizer: torch.optim.Optimizer = cls(params, lr=cfg.optim.lr, **cfg.optim.kwargs)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"config: optim: {cls.__name__} rejected its arguments: {err}") from err
-    return optimizer
-
-
-def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> Any:
-    name = cfg.scheduler.name
-    if name.lower() == "none":
-        return None
-    kwargs = dict(cfg.scheduler.kwargs)
-    if name == "warmup_cosine":
-        if "total_steps" not in kwargs:  # span the whole run (recorded in the config)
-            kwargs["total_steps"] = cfg.train.epochs * steps_per_epoch
-            cfg.scheduler.kwargs = kwargs
-        return warmup_cosine(optimizer, **kwargs)
-    if name == "CosineAnnealingLR" and "T_max" not in kwargs:
-        # Span the whole run: epochs, or optimizer steps when stepped per step.
-        per = steps_per_epoch if cfg.scheduler.interval == "step" else 1
-        kwargs["T_max"] = cfg.train.epochs * per
-        cfg.scheduler.kwargs = kwargs  # recorded in the resolved config
-    cls = scheduler_class(name)
-    try:
-        return cls(optimizer, **kwargs)
-    except (TypeError, ValueError, ArithmeticError) as err:
-        raise ConfigError(f"config: scheduler: {name} rejected its arguments: {err}") from err
 
 
 def model_spec(cfg: Config, data: Splits | TextData) -> dict[str, Any]:
@@ -173,11 +123,15 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
     parts = build_parts(cfg, world=world)
     cfg, data, model, device = parts.config, parts.data, parts.model, parts.device
     train_loader, val_loader = parts.train_loader, parts.val_loader
-    optimizer = build_optimizer(cfg, model)
+    optimizer = build_optimizer(model, cfg.optim)
     # Optimizer steps per epoch: one per window of grad_accum_steps batches (the last may be
     # shorter).
     steps_per_epoch = -(-len(train_loader) // cfg.train.grad_accum_steps)
-    scheduler = build_scheduler(cfg, optimizer, steps_per_epoch)
+    span = schedule_span(cfg.scheduler, cfg.train.epochs, steps_per_epoch)
+    scheduler = build_scheduler(optimizer, cfg.scheduler, span)
+    # The resolved config records the length the schedule got (the caller's config is not
+    # changed: parts.config is a copy).
+    cfg.scheduler.kwargs = {**cfg.scheduler.kwargs, **span}
     callbacks: list[Callback] = []
     stop = cfg.early_stopping
     if stop.monitor:

@@ -20,46 +20,30 @@ Sections and keys (every key has a default; see the README's config reference)::
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import json
-import math
 import sys
-import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from glassloop.checkpointer import CheckpointConfig
 from glassloop.errors import ConfigError
+from glassloop.optimizers import optimizer_kwargs, scheduler_kwargs
+from glassloop.validation import (
+    AT_LEAST_0,
+    AT_LEAST_1,
+    FRACTION,
+    Range,
+    check_range,
+    check_type,
+    unknown_key,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
-
-# Names people type for our keys; difflib cannot guess these from spelling alone.
-ALIASES = {
-    "learning_rate": "lr",
-    "learningrate": "lr",
-    "optimizer": "optim",
-    "optimiser": "optim",
-    "lr_scheduler": "scheduler",
-    "schedule": "scheduler",
-    "num_epochs": "epochs",
-    "epoch": "epochs",
-    "n_epochs": "epochs",
-    "batchsize": "batch_size",
-    "bs": "batch_size",
-    "wd": "weight_decay",
-    "hidden_sizes": "hidden",
-    "hidden_size": "hidden",
-    "workers": "num_workers",
-    "dataset": "data",
-}
 
 
 @dataclass
@@ -187,8 +171,6 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "early_stopping": EarlyStoppingConfig,
 }
-# Optimizer arguments that choose a kernel, not the mathematics; not recorded as defaults.
-IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 # Sections whose unknown keys are keyword arguments of the class they name.
 OPEN_SECTIONS = {"optim", "scheduler"}
 CHOICES = {
@@ -223,31 +205,6 @@ CHOICES = {
 }  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric key accepts: ``low``/``high`` (``None``: unbounded), each
-    inclusive unless ``open_low``/``open_high``."""
-
-    low: float | None = None
-    high: float | None = None
-    open_low: bool = False
-    open_high: bool = False
-
-    def __contains__(self, value: float) -> bool:
-        low_ok = self.low is None or (value > self.low if self.open_low else value >= self.low)
-        high_ok = self.high is None or (value < self.high if self.open_high else value <= self.high)
-        return low_ok and high_ok
-
-    def __str__(self) -> str:
-        if self.high is None:
-            return f"{'>' if self.open_low else '>='} {self.low:g}"
-        low = "(" if self.open_low else "["
-        high = ")" if self.open_high else "]"
-        return f"in {low}{self.low:g}, {self.high:g}{high}"
-
-
-AT_LEAST_0, AT_LEAST_1 = Range(0), Range(1)
-FRACTION = Range(0.0, 1.0, open_high=True)
 # Every numeric key's accepted values, checked once, where the config is read. A value
 # outside them would crash later with a traceback (num_workers = -1, T_max = 0), allocate
 # without bound (hidden = [10**12]) or train silently wrong (hidden = [0]).
@@ -284,16 +241,6 @@ RANGES: dict[tuple[str, str], Range] = {
     ("early_stopping", "patience"): AT_LEAST_1,
     ("early_stopping", "min_delta"): AT_LEAST_0,
 }
-# Scheduler arguments that are lengths or periods: 0 divides by zero inside torch.
-SCHEDULER_LENGTHS = ("T_max", "T_0", "T_mult", "step_size", "total_iters", "total_steps")
-
-
-def check_range(key: str, value: Any, accepted: Range) -> None:
-    """Raise ConfigError unless ``value`` (or each item of a list) is in ``accepted``."""
-    for i, item in enumerate(value if isinstance(value, list) else [value]):
-        if item not in accepted:
-            name = f"{key}[{i}]" if isinstance(value, list) else key
-            raise ConfigError(f"config: {name} must be {accepted}, got {item!r}")
 
 
 def load_config(
@@ -358,36 +305,6 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     node[leaf] = parse_value(text.strip())
 
 
-def suggest(name: str, candidates: list[str]) -> str | None:
-    """The candidate a user most likely meant (alias, case, spelling, prefix), or ``None``.
-
-    >>> suggest("learning_rate", ["lr", "name"]), suggest("adamw", ["Adam", "AdamW"])
-    ('lr', 'AdamW')
-    """
-    alias = ALIASES.get(name.lower())
-    if alias in candidates:
-        return alias
-    lower = {c.lower(): c for c in candidates}
-    if name.lower() in lower:
-        return lower[name.lower()]
-    close = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.6)
-    if close:
-        return lower[close[0]]
-    starts = [c for c in candidates if c.lower().startswith(name.lower())]
-    return starts[0] if len(name) >= 3 and len(starts) == 1 else None
-
-
-def unknown_key(prefix: str, name: str, candidates: list[str], owner: str = "") -> ConfigError:
-    full = f"{prefix}.{name}" if prefix else name
-    guess = suggest(name, candidates)
-    if guess:
-        hint = f" (did you mean '{prefix + '.' if prefix else ''}{guess}'?)"
-    else:
-        what = f"{owner} accepts" if owner else "known keys"
-        hint = f" ({what}: {', '.join(sorted(candidates))})"
-    return ConfigError(f"config: unknown key '{full}'{hint}")
-
-
 def from_dict(raw: dict[str, Any]) -> Config:
     """Validate a nested dict (TOML-shaped) into a :class:`Config`."""
     for section in raw:
@@ -434,146 +351,6 @@ def from_dict(raw: dict[str, Any]) -> Config:
                 "scheduler.interval = 'step'"
             )
     return cfg
-
-
-def check_type(key: str, value: Any, hint: Any) -> Any:
-    """Return ``value`` (ints widened to float) if it fits ``hint``, else raise ConfigError."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        for option in options:
-            try:
-                return check_type(key, value, option)
-            except ConfigError:
-                continue
-        raise ConfigError(f"config: {key} has the wrong type: got {value!r}")
-    if hint is bool:
-        ok, want = isinstance(value, bool), "true or false"
-    elif hint is int:
-        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
-    elif hint is float:
-        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-        if ok and not math.isfinite(value):  # nan/inf: never what a user meant
-            ok, want = False, "a finite number"
-        value = float(value) if ok else value
-    elif hint is str:
-        ok, want = isinstance(value, str), "a string"
-    elif origin is list:
-        (item,) = typing.get_args(hint)
-        if not isinstance(value, list):
-            raise ConfigError(f"config: {key} must be a list, got {value!r}")
-        return [check_type(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
-    elif origin is dict:
-        ok, want = isinstance(value, dict), "a table"
-    else:  # pragma: no cover - only the hints above are used
-        raise AssertionError(f"unsupported config type {hint!r}")
-    if not ok:
-        raise ConfigError(f"config: {key} must be {want}, got {value!r}")
-    return value
-
-
-def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    cls = getattr(torch.optim, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        names = [
-            n
-            for n in dir(torch.optim)
-            if isinstance(getattr(torch.optim, n), type)
-            and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
-            and n != "Optimizer"
-        ]
-        guess = suggest(name, names)
-        hint = f" (did you mean '{guess}'?)" if guess else ""
-        raise ConfigError(f"config: optim.name {name!r} is not a torch.optim optimizer{hint}")
-    return cls
-
-
-def scheduler_class(name: str) -> type:
-    sched = torch.optim.lr_scheduler
-    cls = getattr(sched, name, None)
-    base = (sched.LRScheduler, sched.ReduceLROnPlateau)
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        names = [
-            n
-            for n in dir(sched)
-            if isinstance(getattr(sched, n), type) and issubclass(getattr(sched, n), base)
-        ]
-        guess = suggest(name, names)
-        hint = f" (did you mean '{guess}'?)" if guess else ""
-        raise ConfigError(
-            f"config: scheduler.name {name!r} is not a torch.optim.lr_scheduler class{hint} "
-            "(use 'none' for no scheduler)"
-        )
-    return cls
-
-
-def checked_kwargs(
-    section: str, cls: type, kwargs: dict[str, Any], reserved: tuple[str, ...]
-) -> dict[str, Any]:
-    """Check ``kwargs`` against ``cls.__init__``'s signature: names and basic types."""
-    params = inspect.signature(cls).parameters
-    allowed = [p for p in params if p not in ("self", *reserved) and not p.startswith("_")]
-    own = [f.name for f in fields(OptimConfig if section == "optim" else SchedulerConfig)]
-    out: dict[str, Any] = {}
-    for key, value in kwargs.items():
-        if key not in allowed:
-            raise unknown_key(
-                section, key, allowed + [k for k in own if k != "kwargs"], cls.__name__
-            )
-        default = params[key].default
-        if isinstance(default, bool):
-            value = check_type(f"{section}.{key}", value, bool)
-        elif isinstance(default, (int, float)):  # SGD's momentum defaults to int 0
-            value = check_type(f"{section}.{key}", value, float)
-            value = int(value) if isinstance(default, int) and value.is_integer() else value
-        if key in SCHEDULER_LENGTHS:
-            check_range(f"{section}.{key}", check_type(f"{section}.{key}", value, int), AT_LEAST_1)
-        elif isinstance(default, tuple):
-            if not isinstance(value, list):
-                raise ConfigError(f"config: {section}.{key} must be a list, got {value!r}")
-            value = tuple(value)
-        out[key] = value
-    return out
-
-
-def optimizer_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The checked keyword arguments, with the optimizer's own numeric defaults filled in so
-    that the resolved config records e.g. AdamW's ``weight_decay = 0.01`` explicitly."""
-    cls = optimizer_class(name)
-    checked = checked_kwargs("optim", cls, kwargs, ("params", "lr"))
-    defaults = {
-        key: param.default
-        for key, param in inspect.signature(cls).parameters.items()
-        if key not in ("self", "params", "lr", *IMPLEMENTATION_FLAGS)
-        and isinstance(param.default, (bool, int, float, tuple))
-    }
-    return {**defaults, **checked}
-
-
-WARMUP_COSINE_KEYS = {"warmup_steps": int, "min_lr_ratio": float, "total_steps": int}
-
-
-def scheduler_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    if name == "warmup_cosine":
-        out = {"warmup_steps": 0, "min_lr_ratio": 0.0}
-        for key, value in kwargs.items():
-            if key not in WARMUP_COSINE_KEYS:
-                raise unknown_key(
-                    "scheduler", key, [*WARMUP_COSINE_KEYS, "name", "interval"], "warmup_cosine"
-                )
-            out[key] = check_type(f"scheduler.{key}", value, WARMUP_COSINE_KEYS[key])
-        check_range("scheduler.warmup_steps", out["warmup_steps"], AT_LEAST_0)
-        check_range("scheduler.min_lr_ratio", out["min_lr_ratio"], Range(0.0, 1.0))
-        if "total_steps" in out:
-            check_range("scheduler.total_steps", out["total_steps"], AT_LEAST_1)
-        return out
-    if name.lower() == "none":
-        if kwargs:
-            raise ConfigError(
-                f"config: scheduler.name is 'none' but scheduler.{next(iter(kwargs))} is set"
-            )
-        return {}
-    return checked_kwargs("scheduler", scheduler_class(name), kwargs, ("optimizer",))
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -18,9 +18,10 @@ from torch import nn
 
 from glassloop.assemble import Run, build
 from glassloop.batch import split_batch
-from glassloop.config import Config, optimizer_class
+from glassloop.config import Config
 from glassloop.data.splits import Splits
 from glassloop.device import move_to_device
+from glassloop.optimizers import optimizer_class
 
 
 @dataclass

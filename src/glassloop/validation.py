@@ -1,0 +1,134 @@
+"""Checking one value of a config: its type, its range, and a suggestion for a mistyped
+name. Shared by the config reader and the optimizer/scheduler lookup."""
+
+from __future__ import annotations
+
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from glassloop.errors import ConfigError
+
+# Names people type for our keys; difflib cannot guess these from spelling alone.
+ALIASES = {
+    "learning_rate": "lr",
+    "learningrate": "lr",
+    "optimizer": "optim",
+    "optimiser": "optim",
+    "lr_scheduler": "scheduler",
+    "schedule": "scheduler",
+    "num_epochs": "epochs",
+    "epoch": "epochs",
+    "n_epochs": "epochs",
+    "batchsize": "batch_size",
+    "bs": "batch_size",
+    "wd": "weight_decay",
+    "hidden_sizes": "hidden",
+    "hidden_size": "hidden",
+    "workers": "num_workers",
+    "dataset": "data",
+}
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key accepts: ``low``/``high`` (``None``: unbounded), each
+    inclusive unless ``open_low``/``open_high``."""
+
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        low_ok = self.low is None or (value > self.low if self.open_low else value >= self.low)
+        high_ok = self.high is None or (value < self.high if self.open_high else value <= self.high)
+        return low_ok and high_ok
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.open_low else '>='} {self.low:g}"
+        low = "(" if self.open_low else "["
+        high = ")" if self.open_high else "]"
+        return f"in {low}{self.low:g}, {self.high:g}{high}"
+
+
+AT_LEAST_0, AT_LEAST_1 = Range(0), Range(1)
+FRACTION = Range(0.0, 1.0, open_high=True)
+
+
+def check_range(key: str, value: Any, accepted: Range) -> None:
+    """Raise ConfigError unless ``value`` (or each item of a list) is in ``accepted``."""
+    for i, item in enumerate(value if isinstance(value, list) else [value]):
+        if item not in accepted:
+            name = f"{key}[{i}]" if isinstance(value, list) else key
+            raise ConfigError(f"config: {name} must be {accepted}, got {item!r}")
+
+
+def check_type(key: str, value: Any, hint: Any) -> Any:
+    """Return ``value`` (ints widened to float) if it fits ``hint``, else raise ConfigError."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        for option in options:
+            try:
+                return check_type(key, value, option)
+            except ConfigError:
+                continue
+        raise ConfigError(f"config: {key} has the wrong type: got {value!r}")
+    if hint is bool:
+        ok, want = isinstance(value, bool), "true or false"
+    elif hint is int:
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif hint is float:
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        if ok and not math.isfinite(value):  # nan/inf: never what a user meant
+            ok, want = False, "a finite number"
+        value = float(value) if ok else value
+    elif hint is str:
+        ok, want = isinstance(value, str), "a string"
+    elif origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"config: {key} must be a list, got {value!r}")
+        return [check_type(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    elif origin is dict:
+        ok, want = isinstance(value, dict), "a table"
+    else:  # pragma: no cover - only the hints above are used
+        raise AssertionError(f"unsupported config type {hint!r}")
+    if not ok:
+        raise ConfigError(f"config: {key} must be {want}, got {value!r}")
+    return value
+
+
+def suggest(name: str, candidates: list[str]) -> str | None:
+    """The candidate a user most likely meant (alias, case, spelling, prefix), or ``None``.
+
+    >>> suggest("learning_rate", ["lr", "name"]), suggest("adamw", ["Adam", "AdamW"])
+    ('lr', 'AdamW')
+    """
+    alias = ALIASES.get(name.lower())
+    if alias in candidates:
+        return alias
+    lower = {c.lower(): c for c in candidates}
+    if name.lower() in lower:
+        return lower[name.lower()]
+    close = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.6)
+    if close:
+        return lower[close[0]]
+    starts = [c for c in candidates if c.lower().startswith(name.lower())]
+    return starts[0] if len(name) >= 3 and len(starts) == 1 else None
+
+
+def unknown_key(prefix: str, name: str, candidates: list[str], owner: str = "") -> ConfigError:
+    full = f"{prefix}.{name}" if prefix else name
+    guess = suggest(name, candidates)
+    if guess:
+        hint = f" (did you mean '{prefix + '.' if prefix else ''}{guess}'?)"
+    else:
+        what = f"{owner} accepts" if owner else "known keys"
+        hint = f" ({what}: {', '.join(sorted(candidates))})"
+    return ConfigError(f"config: unknown key '{full}'{hint}")
