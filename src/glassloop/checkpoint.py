@@ -43,7 +43,7 @@ from torch import nn
 from glassloop.errors import CheckpointError as CheckpointError  # re-exported: its old home
 from glassloop.errors import CheckpointWriteError as CheckpointWriteError
 from glassloop.rng import check_rng_state
-from glassloop.serialization import UnserializableError, flatten, unflatten
+from glassloop.serialization import UnserializableError, flatten, stable_repr, unflatten
 
 FORMAT_VERSION = 1
 CREATOR = "glassloop"
@@ -139,13 +139,7 @@ def atomic_path(target: Path) -> Iterator[Path]:
 def write_json(path: Path, data: Any) -> None:
     """Write JSON atomically (floats round-trip exactly: Python writes their shortest repr)."""
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=1, default=_jsonable) + "\n", encoding="utf-8")
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return list(value)
-    return repr(value)
+        tmp.write_text(json.dumps(data, indent=1, default=stable_repr) + "\n", encoding="utf-8")
 
 
 def sha256_of(path: Path) -> str:
@@ -524,7 +518,7 @@ def write_checkpoint_dir(
         write_safetensors(tensors, tmp / "state.safetensors", None)
         (tmp / "state.json").write_text(json.dumps(tree, allow_nan=False), encoding="utf-8")
         (tmp / "meta.json").write_text(
-            json.dumps(finite_json(meta), indent=1, default=_jsonable, allow_nan=False) + "\n",
+            json.dumps(finite_json(meta), indent=1, default=stable_repr, allow_nan=False) + "\n",
             encoding="utf-8",
         )
         files = {}

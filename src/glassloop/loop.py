@@ -10,10 +10,9 @@ the loop itself, in the order it runs: ``fit`` → ``_train`` → ``_run_epoch``
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -47,12 +46,11 @@ from glassloop.provenance import environment
 from glassloop.rng import (
     capture_loader_rng,
     capture_rng_state,
-    restore_loader_rng,
+    replay_epoch,
     restore_rng_state,
     seed_everything,
 )
-from glassloop.run_log import RunLog
-from glassloop.serialization import stable_repr
+from glassloop.run_log import RunLog, python_config
 from glassloop.sinks import ProgressReporter
 from glassloop.state import TrainState
 
@@ -269,7 +267,7 @@ class Trainer:
             )
         self.run_log.open(
             step=self.state.step, has_val=val_loader is not None,
-            config=self.config or self.python_config(), environment=self._environment,
+            config=self.config or python_config(self), environment=self._environment,
         )  # fmt: skip
         status = "failed"
         try:
@@ -309,7 +307,7 @@ class Trainer:
         batches: Iterable[Any] = train_loader
         if not hasattr(train_loader, "load_state_dict"):
             if state.batch_in_epoch:  # resumed inside this epoch
-                batches = self._replay(train_loader, state.batch_in_epoch)
+                batches = replay_epoch(train_loader, self._epoch_rng, state.batch_in_epoch)
             else:  # what the loader's order will be drawn from (kept in checkpoints)
                 self._epoch_rng = capture_loader_rng(train_loader)
         batch: Any = None
@@ -355,21 +353,6 @@ class Trainer:
         row["seconds"] = time.perf_counter() - start
         row["samples_per_s"] = epoch_samples / row["seconds"] if row["seconds"] > 0 else None
         return row
-
-    def _replay(self, loader: Iterable[Any], num_batches: int) -> Iterator[Any]:
-        """Continue a loader without ``state_dict`` inside an epoch: with the RNG it drew the
-        epoch's order from put back (global and its own generator: a ``DataLoader`` draws
-        its shuffle and worker seeds from them), load and drop the batches already trained
-        on, then put back the RNG of the checkpoint. Exact for a ``DataLoader`` and for any
-        loader whose order depends on nothing else."""
-        now = capture_loader_rng(loader)
-        if self._epoch_rng is not None:
-            restore_loader_rng(loader, self._epoch_rng)
-        iterator = iter(loader)
-        for _ in itertools.islice(iterator, num_batches):
-            pass
-        restore_loader_rng(loader, now)
-        return iterator
 
     def _step_window(self, micro: list[tuple[Inputs, Any]]) -> None:
         """One optimizer step on ``micro`` and the bookkeeping around it."""
@@ -634,7 +617,7 @@ class Trainer:
             "format": FORMAT_VERSION, "world_size": self.world.size, "step": self.state.step,
             "epoch": self.state.epoch, "batch_in_epoch": self.state.batch_in_epoch,
             "finished": finished, "metrics": self.history[-1] if self.history else None,
-            "config": self.config or self.python_config(), "model_spec": self.model_spec,
+            "config": self.config or python_config(self), "model_spec": self.model_spec,
             "versions": self._environment, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }  # fmt: skip
 
@@ -642,7 +625,7 @@ class Trainer:
         checkpoint = self.checkpointer.find(resume, self.console.message)
         if checkpoint is None:
             return
-        config = self.config or self.python_config()
+        config = self.config or python_config(self)
         self.checkpointer.check_compatible(checkpoint, config, allow_config_change)
         load_weights(self.model, checkpoint.weights)
         try:
@@ -700,28 +683,6 @@ class Trainer:
         with autocast(self.precision, self.device):
             return predict(self.eval_model, data, batch_size=batch_size, device=self.device)
 
-    def python_config(self) -> dict[str, Any]:
-        """The configuration of a run built in Python (no config file): what a resume compares."""
-        return {
-            "model": type(unwrap_model(self.model)).__name__,
-            "num_parameters": sum(p.numel() for p in self.model.parameters()),
-            "optimizer": type(self.optimizer).__name__,
-            "optimizer_defaults": {
-                k: _jsonable(v) for k, v in sorted(self.optimizer.defaults.items())
-            },
-            "loss_fn": stable_repr(self.loss_fn),
-            "scheduler": type(self.scheduler).__name__ if self.scheduler is not None else None,
-            "scheduler_interval": self.scheduler_interval,
-            "precision": self.precision,
-            "grad_accum_steps": self.grad_accum_steps,
-            "loss_weighting": self.loss_weighting,
-            "clip_grad_norm": self.clip_grad_norm,
-            "clip_grad_value": self.clip_grad_value,
-            "ema_decay": self.ema_decay,
-            "compile": self.model is not unwrap_model(self.model),
-            "device": str(self.device),
-        }
-
 
 def _num_samples(loader: Iterable[Any]) -> int | None:
     dataset = getattr(loader, "dataset", None)
@@ -733,11 +694,3 @@ def _num_samples(loader: Iterable[Any]) -> int | None:
 
 def _is_scalar(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return stable_repr(value)

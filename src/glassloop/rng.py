@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -99,3 +101,28 @@ def restore_loader_rng(loader: Any, state: dict[str, Any]) -> None:
     restore_rng_state(state["global"])
     for generator, saved in zip(loader_generators(loader), state["generators"], strict=False):
         generator.set_state(saved)
+
+
+def replay_epoch(
+    loader: Iterable[Any], epoch_rng: dict[str, Any] | None, num_batches: int
+) -> Iterator[Any]:
+    """Continue a loader without ``state_dict`` inside an epoch: with the RNG it drew the
+    epoch's order from put back (``epoch_rng``, from :func:`capture_loader_rng` at the
+    epoch's start: a ``DataLoader`` draws its shuffle and worker seeds from it), load and
+    drop the ``num_batches`` already trained on, then put back the RNG as it was. Exact for a
+    ``DataLoader`` and for any loader whose order depends on nothing else.
+
+    >>> from torch.utils.data import DataLoader
+    >>> loader = DataLoader(list(range(8)), batch_size=2, shuffle=True)
+    >>> start = capture_loader_rng(loader); epoch = [b.tolist() for b in loader]
+    >>> [b.tolist() for b in replay_epoch(loader, start, 3)] == epoch[3:]
+    True
+    """
+    now = capture_loader_rng(loader)
+    if epoch_rng is not None:
+        restore_loader_rng(loader, epoch_rng)
+    iterator = iter(loader)
+    for _ in itertools.islice(iterator, num_batches):
+        pass
+    restore_loader_rng(loader, now)
+    return iterator

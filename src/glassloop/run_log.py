@@ -13,7 +13,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -22,6 +22,7 @@ from glassloop.checkpoint import (
     CheckpointWriteError,
     clean_temporaries,
     save_weights,
+    unwrap_model,
     weights_metadata,
     write_failure,
     write_json,
@@ -29,7 +30,11 @@ from glassloop.checkpoint import (
 from glassloop.distributed import SINGLE, World
 from glassloop.errors import GlassloopError
 from glassloop.run_lock import RunLock
+from glassloop.serialization import stable_repr
 from glassloop.sinks import CSVSink, JSONLSink, TensorBoardSink, truncate_rows
+
+if TYPE_CHECKING:
+    from glassloop.loop import Trainer
 
 CSV_FIELDS = [
     "kind", "epoch", "step", "samples", "train_loss", "loss", "lr", "grad_norm", "samples_per_s",
@@ -178,3 +183,34 @@ def _status(run_dir: Path) -> str | None:
     except (OSError, ValueError):
         return None
     return info.get("status") if isinstance(info, dict) else None
+
+
+def python_config(trainer: Trainer) -> dict[str, Any]:
+    """The configuration of a run built in Python (no config file): what a resume compares."""
+    return {
+        "model": type(unwrap_model(trainer.model)).__name__,
+        "num_parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "optimizer": type(trainer.optimizer).__name__,
+        "optimizer_defaults": {
+            k: _jsonable(v) for k, v in sorted(trainer.optimizer.defaults.items())
+        },
+        "loss_fn": stable_repr(trainer.loss_fn),
+        "scheduler": type(trainer.scheduler).__name__ if trainer.scheduler is not None else None,
+        "scheduler_interval": trainer.scheduler_interval,
+        "precision": trainer.precision,
+        "grad_accum_steps": trainer.grad_accum_steps,
+        "loss_weighting": trainer.loss_weighting,
+        "clip_grad_norm": trainer.clip_grad_norm,
+        "clip_grad_value": trainer.clip_grad_value,
+        "ema_decay": trainer.ema_decay,
+        "compile": trainer.model is not unwrap_model(trainer.model),
+        "device": str(trainer.device),
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return stable_repr(value)
