@@ -2,15 +2,19 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-# The CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
-TORCH  ?= torch==2.13.0
+# The torch requirement and where pip looks for it. The default pin is served as a CPU
+# build on glassloop's development machines; on a standard Linux box the same pin pulls the
+# multi-GB CUDA build from PyPI. For the CPU-only build elsewhere:
+#   make demo PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH    ?= torch==2.13.0
+PIP_ARGS ?=
 
 .PHONY: demo test lint typecheck unit venv clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet $(PIP_ARGS) $(TORCH)
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 

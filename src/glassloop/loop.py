@@ -210,7 +210,7 @@ class Trainer:
         self._epoch_losses: list[torch.Tensor] = []
         self._epoch_sizes: list[int] = []
         # A loader without state_dict (a DataLoader, a list): the RNG it drew this epoch's
-        # order from, so a resume can replay the epoch exactly (see _replay).
+        # order from, so a resume can replay the epoch exactly (rng.replay_epoch).
         self._epoch_rng: dict[str, Any] | None = None
         self._last_log = (time.perf_counter(), 0)
         self._checked_first_batch = False
