@@ -139,14 +139,18 @@ class Trainer:
     ) -> None:
         # Values are validated where the config is read (config.py); these checks guard
         # the Python API, where no config is read.
-        for ok, what in [
-            (scheduler_interval in ("epoch", "step"), "scheduler_interval: 'epoch' or 'step'"),
-            (log_every >= 1 and grad_accum_steps >= 1, "log_every, grad_accum_steps: >= 1"),
-            (loss_weighting in ("samples", "tokens"), "loss_weighting: 'samples' or 'tokens'"),
-            (ema_decay is None or 0.0 <= ema_decay < 1.0, "ema_decay: in [0, 1)"),
-        ]:
-            if not ok:
-                raise GlassloopError(f"Trainer: {what} expected")
+        choices = {
+            "scheduler_interval": (scheduler_interval, ("epoch", "step")),
+            "loss_weighting": (loss_weighting, ("samples", "tokens")),
+        }
+        for name, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise GlassloopError(f"Trainer: {name} must be one of {allowed}, got {value!r}")
+        for name, number in (("log_every", log_every), ("grad_accum_steps", grad_accum_steps)):
+            if number < 1:
+                raise GlassloopError(f"Trainer: {name} must be >= 1, got {number}")
+        if ema_decay is not None and not 0.0 <= ema_decay < 1.0:
+            raise GlassloopError(f"Trainer: ema_decay must be in [0, 1), got {ema_decay}")
         if seed is not None:
             seed_everything(seed)
         # Several processes (torchrun): join their process group (a no-op in one process),

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from glassloop import Callback, DataError, ModelError, Trainer
+from glassloop import Callback, DataError, GlassloopError, ModelError, Trainer
 
 
 def make_trainer(**kwargs: Any) -> Trainer:
@@ -176,3 +176,24 @@ def test_run_dir_files(tmp_path: Path) -> None:
 
     weights = load_file(run / "model.safetensors")
     assert torch.equal(weights["1.weight"], trainer.model.state_dict()["1.weight"])
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"log_every": 0}, "Trainer: log_every must be >= 1, got 0"),
+        ({"grad_accum_steps": 0}, "Trainer: grad_accum_steps must be >= 1, got 0"),
+        (
+            {"scheduler_interval": "batch"},
+            "Trainer: scheduler_interval must be one of ('epoch', 'step'), got 'batch'",
+        ),
+        ({"ema_decay": 1.0}, "Trainer: ema_decay must be in [0, 1), got 1.0"),
+        ({"nonfinite": "ignore"}, "train.nonfinite must be 'raise' or 'skip', got 'ignore'"),
+    ],
+)
+def test_python_api_arguments_are_checked_with_one_line(
+    options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(GlassloopError) as err:
+        make_trainer(**options)
+    assert str(err.value) == message
