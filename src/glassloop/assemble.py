@@ -20,7 +20,7 @@ from torch import nn
 
 from glassloop.callbacks import Callback, EarlyStopping
 from glassloop.config import Config, to_dict
-from glassloop.data import Splits, load_splits, make_loader, make_loaders, pad_collate
+from glassloop.data import Splits, load_splits, loaders_for_splits, make_loader, pad_collate
 from glassloop.data.loaders import InMemoryLoader, ResumableLoader
 from glassloop.data.text import TextData, load_text
 from glassloop.device import resolve_device
@@ -100,7 +100,7 @@ def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
     else:
         data = load_splits(cfg.data)
         model = build_model(cfg.model, data.input_shape, data.num_classes)
-        train_loader, val_loader = make_loaders(
+        train_loader, val_loader = loaders_for_splits(
             data,
             batch_size=cfg.data.batch_size,
             eval_batch_size=cfg.data.eval_batch_size or None,

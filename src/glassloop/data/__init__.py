@@ -6,8 +6,8 @@ from glassloop.data.loaders import (
     BucketBatchSampler,
     InMemoryLoader,
     ResumableLoader,
+    loaders_for_splits,
     make_loader,
-    make_loaders,
 )
 from glassloop.data.splits import Splits
 
@@ -17,7 +17,7 @@ __all__ = [
     "ResumableLoader",
     "Splits",
     "load_splits",
+    "loaders_for_splits",
     "make_loader",
-    "make_loaders",
     "pad_collate",
 ]

@@ -404,7 +404,7 @@ def make_loader(
     )
 
 
-def make_loaders(
+def loaders_for_splits(
     splits: Splits,
     *,
     batch_size: int,
@@ -421,7 +421,7 @@ def make_loaders(
 
     >>> from glassloop.config import DataConfig
     >>> from glassloop.data import load_splits
-    >>> train, val = make_loaders(load_splits(DataConfig(name="synthetic")), batch_size=32)
+    >>> train, val = loaders_for_splits(load_splits(DataConfig(name="synthetic")), batch_size=32)
     >>> next(iter(train))[0].shape
     torch.Size([32, 32])
     """
