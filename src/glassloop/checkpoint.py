@@ -212,21 +212,20 @@ def _canonical_header(path: Path) -> None:
         handle.write(raw + b" " * (length - len(raw)))
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file whose header :func:`read_safetensors_header`
-    accepts; anything safetensors itself still refuses becomes a :class:`CheckpointError`."""
-    read_safetensors_header(path)
+def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and the metadata of a safetensors file, its header checked first (one
+    read of it: :func:`read_safetensors_header`)."""
+    header = read_safetensors_header(path)
+    return _load_checked(path), dict(header.get("__metadata__") or {})
+
+
+def _load_checked(path: Path) -> dict[str, torch.Tensor]:
+    """``load_file`` of a file whose header was checked; anything safetensors itself still
+    refuses becomes a :class:`CheckpointError`."""
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"checkpoint: cannot read '{path}': {err}") from err
-
-
-def read_metadata(path: Path) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors file (checked to be strings only)."""
-    header = read_safetensors_header(path)
-    metadata: dict[str, str] = header.get("__metadata__") or {}
-    return dict(metadata)
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
@@ -320,9 +319,12 @@ def _no_constant(name: str) -> Any:
 def check_weights_fit(model: nn.Module, path: Path) -> None:
     """List every missing, unexpected, shape- or dtype-mismatched key of a weights file,
     from its header alone (torch would cast dtypes silently; we refuse)."""
-    header = read_safetensors_header(path)
-    stored = {k: (list(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"}
-    check_fit(model, stored, path)
+    check_fit(model, header_shapes(read_safetensors_header(path)), path)
+
+
+def header_shapes(header: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
+    """Each tensor's shape and dtype, from a checked header."""
+    return {k: (list(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"}
 
 
 def check_fit(model: nn.Module, stored: dict[str, tuple[list[int], str]], source: Path) -> None:
@@ -351,6 +353,13 @@ def check_fit(model: nn.Module, stored: dict[str, tuple[list[int], str]], source
         )
 
 
+def load_checked(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:
+    """Load tensors already in memory into ``model`` (unwrapped) after :func:`check_fit`."""
+    shapes = {k: (list(t.shape), safetensors_dtype(t.dtype)) for k, t in tensors.items()}
+    check_fit(model, shapes, source)
+    unwrap_model(model).load_state_dict(tensors, strict=True)
+
+
 def safetensors_dtype(dtype: torch.dtype) -> str:
     names = {
         torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -371,9 +380,10 @@ def load_weights(model: nn.Module, path: Path) -> dict[str, str]:
             f"checkpoint: '{path}' is not a .safetensors file; glassloop never unpickles "
             "(.pt/.pth/.ckpt); convert it with safetensors.torch.save_file"
         )
-    check_weights_fit(model, path)
-    unwrap_model(model).load_state_dict(read_tensors(path), strict=True)
-    return read_metadata(path)
+    header = read_safetensors_header(path)
+    check_fit(model, header_shapes(header), path)  # before anything is allocated
+    unwrap_model(model).load_state_dict(_load_checked(path), strict=True)
+    return dict(header.get("__metadata__") or {})
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -384,6 +394,8 @@ class Checkpoint:
     path: Path
     meta: dict[str, Any]
     state: dict[str, Any]
+    model_tensors: dict[str, torch.Tensor]  # model.safetensors, already read and checked
+    model_metadata: dict[str, str]
 
     @property
     def step(self) -> int:
@@ -662,21 +674,23 @@ def read_checkpoint(path: Path) -> Checkpoint:
             )
     meta = _read_json(path / "meta.json", path)
     tree = _read_json(path / "state.json", path)
-    for name in ("model.safetensors", "state.safetensors"):
-        bad = [k for k, t in read_tensors(path / name).items() if not _finite(t)]
+    model_tensors, model_metadata = read_safetensors(path / "model.safetensors")
+    state_tensors, _ = read_safetensors(path / "state.safetensors")
+    for name, tensors in (("model", model_tensors), ("state", state_tensors)):
+        bad = [k for k, t in tensors.items() if not _finite(t)]
         if bad:
             raise CheckpointError(
-                f"checkpoint: '{path}': {name} holds NaN/inf values (in '{bad[0]}'); not "
-                "resuming from it"
+                f"checkpoint: '{path}': {name}.safetensors holds NaN/inf values (in "
+                f"'{bad[0]}'); not resuming from it"
             )
     try:
-        state = unflatten(tree, read_tensors(path / "state.safetensors"))
+        state = unflatten(tree, state_tensors)
         check_training_state(meta, state)
     except (KeyError, IndexError, ValueError, TypeError, OverflowError, RuntimeError) as err:
         raise CheckpointError(
             f"checkpoint: '{path}': the training state is malformed ({type(err).__name__}: {err})"
         ) from err
-    return Checkpoint(path, meta, state)
+    return Checkpoint(path, meta, state, model_tensors, model_metadata)
 
 
 def _finite(tensor: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ The Trainer hands it the model and one dict of every stateful part's ``state_dic
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,7 @@ class Checkpointer:
                 "resume='auto' (--resume) to continue that run, or choose another run_dir"
             )
 
-    def find(self, resume: str | Path, warn: Any) -> Checkpoint | None:
+    def find(self, resume: str | Path, warn: Callable[[str], None]) -> Checkpoint | None:
         """The checkpoint to resume from: ``"auto"`` is the newest valid one in ``run_dir``
         (``None`` when there is none; an error when there are some and none is valid, so
         nothing a user may want to repair is overwritten); a path is read as is."""

@@ -28,11 +28,10 @@ from glassloop.checkpoint import (
     atomic_path,
     check_fit,
     find_resumable,
+    load_checked,
     read_checkpoint,
-    read_metadata,
-    read_tensors,
+    read_safetensors,
     safetensors_dtype,
-    unwrap_model,
     write_safetensors,
 )
 from glassloop.config import ModelConfig, from_dict
@@ -59,9 +58,8 @@ def read_weights(source: str | Path) -> Weights:
     the raw ones."""
     source = Path(source)
     if source.is_file():
-        metadata = read_metadata(source)
-        config = _json_field(metadata, "glassloop.config", source)
-        return Weights(source, read_tensors(source), metadata, config)
+        tensors, metadata = read_safetensors(source)
+        return Weights(source, tensors, metadata, _json_field(metadata, "glassloop.config", source))
     if (source / "manifest.json").is_file():
         checkpoint = read_checkpoint(source)
         config = checkpoint.meta.get("config")
@@ -69,7 +67,7 @@ def read_weights(source: str | Path) -> Weights:
         config = _json_file(source / "config.json")
         if (source / "model.safetensors").is_file():
             final = source / "model.safetensors"
-            return Weights(final, read_tensors(final), read_metadata(final), config)
+            return Weights(final, *read_safetensors(final), config)
         found, problems = find_resumable(source)
         if found is None:
             detail = f": {'; '.join(problems)}" if problems else " (no checkpoint)"
@@ -79,13 +77,13 @@ def read_weights(source: str | Path) -> Weights:
         raise CheckpointError(
             f"checkpoint: '{source}' is not a run directory, a checkpoint or a .safetensors file"
         )
-    tensors = read_tensors(checkpoint.weights)
+    tensors = checkpoint.model_tensors  # read and verified with the checkpoint
     ema = checkpoint.state.get("ema")
     if isinstance(ema, dict):  # AveragedModel's state: "module.<key>" plus "n_averaged"
         tensors = {k[len("module.") :]: v for k, v in ema.items() if k.startswith("module.")}
     if not isinstance(config, dict):
         config = None
-    return Weights(checkpoint.path, tensors, read_metadata(checkpoint.weights), config)
+    return Weights(checkpoint.path, tensors, checkpoint.model_metadata, config)
 
 
 def _json_file(path: Path) -> dict[str, Any]:
@@ -212,8 +210,7 @@ def model_from(
             with torch.device("meta"):
                 check_fits(build_model(cfg, **build), weights)
         model = build_model(cfg, **build)
-    check_fits(model, weights)
-    unwrap_model(model).load_state_dict(weights.tensors, strict=True)
+    load_checked(model, weights.tensors, weights.path)
     return model.eval()
 
 

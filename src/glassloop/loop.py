@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from glassloop.batch import Inputs, batch_size_of, split_batch
 from glassloop.callbacks import Callback
-from glassloop.checkpoint import FORMAT_VERSION, CheckpointError, load_weights, unwrap_model
+from glassloop.checkpoint import FORMAT_VERSION, CheckpointError, load_checked, unwrap_model
 from glassloop.checkpointer import CheckpointConfig, Checkpointer
 from glassloop.device import move_to_device, resolve_device
 from glassloop.distributed import (
@@ -631,7 +631,7 @@ class Trainer:
             return
         config = self.config or python_config(self)
         self.checkpointer.check_compatible(checkpoint, config, allow_config_change)
-        load_weights(self.model, checkpoint.weights)
+        load_checked(self.model, checkpoint.model_tensors, checkpoint.weights)  # read once
         try:
             self.load_state_dict(checkpoint.state)
         except (KeyError, ValueError, TypeError, RuntimeError) as err:

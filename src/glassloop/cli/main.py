@@ -277,10 +277,11 @@ def evaluate_weights(
     (no optimizer, no Trainer, no process group) and evaluate its weights (the EMA weights
     for an EMA run) on its validation data; returns the parts, the weights and the result."""
     from glassloop.assemble import build_parts
+    from glassloop.checkpoint import load_checked
     from glassloop.config import apply_override, from_dict
     from glassloop.errors import GlassloopError
     from glassloop.evaluation import evaluate
-    from glassloop.export import check_fits, read_weights, require_trust
+    from glassloop.export import read_weights, require_trust
     from glassloop.precision import autocast
 
     weights = read_weights(source)
@@ -293,8 +294,7 @@ def evaluate_weights(
     for item in overrides:
         apply_override(config, item)
     parts = build_parts(from_dict(config))
-    check_fits(parts.model, weights)
-    parts.model.load_state_dict(weights.tensors, strict=True)
+    load_checked(parts.model, weights.tensors, weights.path)
     model = parts.model.to(parts.device)
     with autocast(parts.config.train.precision, parts.device):  # as training evaluated
         result = evaluate(model, parts.val_loader, parts.loss_fn, device=parts.device)
