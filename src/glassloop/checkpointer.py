@@ -35,7 +35,7 @@ from glassloop.checkpoint import (
 )
 from glassloop.distributed import SINGLE, World, all_reduce
 from glassloop.errors import ConfigError, GlassloopError
-from glassloop.metrics import improves, monitor_mode
+from glassloop.metrics import improves, is_number, monitor_mode
 from glassloop.serialization import stable_repr
 
 
@@ -81,7 +81,7 @@ class Checkpointer:
         if not monitor:
             return None
         if monitor not in row:
-            names = sorted(k for k, v in row.items() if _is_number(v) and k != "epoch")
+            names = sorted(k for k, v in row.items() if is_number(v) and k != "epoch")
             raise ConfigError(
                 f"config: checkpoint.monitor {monitor!r} is not a metric of this run "
                 f"(available: {', '.join(names)})"
@@ -165,10 +165,6 @@ class Checkpointer:
                 f"{'; '.join(changes)}. Resuming would not continue the same run; pass "
                 "--allow-config-change (allow_config_change=True) to resume anyway"
             )
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # Keys a resumed run may change without changing what it computes.

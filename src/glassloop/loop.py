@@ -40,6 +40,7 @@ from glassloop.distributed import (
 from glassloop.errors import DataError, GlassloopError
 from glassloop.evaluation import LossFn, evaluate, predict
 from glassloop.guards import NonFinitePolicy, check_first_batch, explain
+from glassloop.metrics import is_number
 from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import STOP_SIGNALS, Preempted, StopSignals
 from glassloop.provenance import environment
@@ -340,7 +341,7 @@ class Trainer:
         row["train_loss"], epoch_samples = self._epoch_train_loss()
         if val_loader is not None:
             self.last_eval = self.evaluate(val_loader)
-            row.update({f"val_{k}": v for k, v in self.last_eval.items() if _is_scalar(v)})
+            row.update({f"val_{k}": v for k, v in self.last_eval.items() if is_number(v)})
         row["lr"] = self.optimizer.param_groups[0]["lr"]
         if self.scheduler is not None and self.scheduler_interval == "epoch":
             if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -364,11 +365,12 @@ class Trainer:
         if not self._checked_first_batch:
             self._checked_first_batch = True
             self.check_first_batch(*micro[0])
-        window, signum = self._window(micro)
+        sizes = [batch_size_of(target, inputs) for inputs, target in micro]  # this process's
+        window, signum = self._window(micro, sizes)
         loss = self.train_step(window)
         state.samples_seen += window.samples
         state.batch_in_epoch += len(micro)
-        local = sum(batch_size_of(target, inputs) for inputs, target in micro)
+        local = sum(sizes)
         self.console.advance(local)
         if loss is not None:  # None: skipped, nothing learned, no step counted
             self._epoch_losses.append(loss)  # kept on the device: no host sync per step
@@ -380,7 +382,9 @@ class Trainer:
                 self.save_checkpoint()
         self._stop_if_signalled(signum)
 
-    def _window(self, micro: list[tuple[Inputs, Any]]) -> tuple[Window, int | None]:
+    def _window(
+        self, micro: list[tuple[Inputs, Any]], sizes: list[int]
+    ) -> tuple[Window, int | None]:
         """The step's :class:`Window` and, under DDP, the stop signal the processes agree on.
 
         Each micro-batch's weight is ``None`` for a window of one in one process (the loss is
@@ -389,13 +393,13 @@ class Trainer:
         this turns that average into the sample-weighted one). Under DDP one collective
         carries the counts and "did any process get SIGTERM/SIGINT" (acted on after the step).
         """
-        samples = sum(batch_size_of(target, inputs) for inputs, target in micro)
+        samples = sum(sizes)
         if len(micro) == 1 and not self.world.distributed:
             return Window(micro, [None], samples), None
         if self.loss_weighting == "tokens":
             counts = [int((target != self.ignore_index).sum()) for _, target in micro]
         else:
-            counts = [batch_size_of(target, inputs) for inputs, target in micro]
+            counts = sizes
         total, signum = sum(counts), None
         if self.world.distributed:
             # A sum: counts add up, and one flag per stop signal says if any process got it.
@@ -694,7 +698,3 @@ def _num_samples(loader: Iterable[Any]) -> int | None:
         return len(dataset) if dataset is not None else None
     except TypeError:
         return None
-
-
-def _is_scalar(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -172,6 +172,11 @@ def format_report(
     return "\n".join(lines)
 
 
+def is_number(value: Any) -> bool:
+    """A metric value: an int or float, not a bool (a row also holds strings and lists)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def monitor_mode(monitor: str, mode: str = "auto") -> str:
     """``"max"`` or ``"min"``: which way ``monitor`` improves. ``"auto"`` maximises metrics
     named like accuracy or F1 and minimises the rest (losses).
