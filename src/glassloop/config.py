@@ -34,7 +34,9 @@ from glassloop.validation import (
     AT_LEAST_0,
     AT_LEAST_1,
     FRACTION,
+    TRAINER_RULES,
     Range,
+    check_choice,
     check_range,
     check_type,
     unknown_key,
@@ -173,8 +175,7 @@ SECTIONS: dict[str, type] = {
 }
 # Sections whose unknown keys are keyword arguments of the class they name.
 OPEN_SECTIONS = {"optim", "scheduler"}
-CHOICES = {
-    ("scheduler", "interval"): ("epoch", "step"),
+CHOICES: dict[tuple[str, str], tuple[Any, ...]] = {
     ("train", "progress"): ("auto", "bar", "lines", "none"),
     ("data", "name"): (
         "mnist-5k",
@@ -196,13 +197,17 @@ CHOICES = {
     ("checkpoint", "monitor"): ("", "train_loss", "val_loss", "val_accuracy"),
     ("early_stopping", "monitor"): ("", "train_loss", "val_loss", "val_accuracy"),
     ("early_stopping", "mode"): ("auto", "min", "max"),
-    ("train", "precision"): ("32", "bf16", "fp16"),
-    ("train", "loss_weighting"): ("samples", "tokens"),
     ("train", "nonfinite"): ("raise", "skip"),
     ("train", "compile_mode"): (
         "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs",
     ),
 }  # fmt: skip
+# The [train] keys the Trainer checks too: one table for both (validation.TRAINER_RULES).
+_TRAINER_KEYS = {
+    ("scheduler", "interval") if name == "scheduler_interval" else ("train", name): rule
+    for name, rule in TRAINER_RULES.items()
+}
+CHOICES.update({key: rule for key, rule in _TRAINER_KEYS.items() if isinstance(rule, tuple)})
 
 
 # Every numeric key's accepted values, checked once, where the config is read. A value
@@ -228,18 +233,13 @@ RANGES: dict[tuple[str, str], Range] = {
     ("optim", "lr"): AT_LEAST_0,
     ("train", "epochs"): AT_LEAST_1,
     ("train", "seed"): Range(0, 2**63 - 1),
-    ("train", "log_every"): AT_LEAST_1,
-    ("train", "grad_accum_steps"): AT_LEAST_1,
-    ("train", "clip_grad_norm"): AT_LEAST_0,
-    ("train", "clip_grad_value"): AT_LEAST_0,
-    ("train", "max_nonfinite_skips"): AT_LEAST_1,
-    ("train", "ema_decay"): FRACTION,
     ("train", "dist_timeout_s"): Range(0, open_low=True),
     ("checkpoint", "every_n_steps"): AT_LEAST_0,
     ("checkpoint", "every_n_epochs"): AT_LEAST_0,
     ("checkpoint", "keep_last"): AT_LEAST_0,
     ("early_stopping", "patience"): AT_LEAST_1,
     ("early_stopping", "min_delta"): AT_LEAST_0,
+    **{key: rule for key, rule in _TRAINER_KEYS.items() if isinstance(rule, Range)},
 }
 
 
@@ -327,11 +327,8 @@ def from_dict(raw: dict[str, Any]) -> Config:
             else:
                 raise unknown_key(section, key, names)
         for (sec, key), choices in CHOICES.items():
-            if sec == section and key in typed and typed[key] not in choices:
-                raise ConfigError(
-                    f"config: {section}.{key} must be one of {', '.join(map(str, choices))}; "
-                    f"got {typed[key]!r}"
-                )
+            if sec == section and key in typed:
+                check_choice(f"{section}.{key}", typed[key], choices)
         for key, value in typed.items():
             if (section, key) in RANGES:
                 check_range(f"{section}.{key}", value, RANGES[section, key])

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from glassloop.assemble import Run, build
+from glassloop.assemble import Parts, build_parts
 from glassloop.batch import split_batch
 from glassloop.config import Config
 from glassloop.data.splits import Splits
@@ -34,8 +34,8 @@ class Check:
         return f"{self.status:<5} {self.name:<22} {self.message}"
 
 
-def labels_of(run: Run) -> torch.Tensor:
-    data = run.splits
+def labels_of(run: Parts) -> torch.Tensor:
+    data = run.data
     return data.y_train if isinstance(data, Splits) else data.train.labels
 
 
@@ -44,7 +44,7 @@ def forward(model: nn.Module, batch: Any, device: torch.device) -> tuple[torch.T
     return model(*args, **kwargs), target
 
 
-def check_labels(run: Run, outputs: int) -> Check:
+def check_labels(run: Parts, outputs: int) -> Check:
     y = labels_of(run)
     low, high = int(y.min()), int(y.max())
     if low < 0 or high >= outputs:
@@ -58,7 +58,7 @@ def check_labels(run: Run, outputs: int) -> Check:
     return Check("labels", "PASS", f"all {len(y)} training labels are in [0, {outputs}).")
 
 
-def check_balance(run: Run, outputs: int) -> Check:
+def check_balance(run: Parts, outputs: int) -> Check:
     counts = torch.bincount(labels_of(run).clamp(min=0), minlength=outputs)[:outputs]
     empty = (counts == 0).nonzero().flatten().tolist()
     if empty:
@@ -79,8 +79,8 @@ def check_balance(run: Run, outputs: int) -> Check:
     return Check("class balance", "PASS", f"largest/smallest class = {ratio:.1f}.")
 
 
-def check_inputs(run: Run) -> list[Check]:
-    data = run.splits
+def check_inputs(run: Parts) -> list[Check]:
+    data = run.data
     if not isinstance(data, Splits) or not data.x_train.is_floating_point():
         return [Check("inputs", "PASS", "token ids: nothing to normalise.")]
     x = data.x_train
@@ -205,20 +205,20 @@ def check_modes(model: nn.Module, batch: Any, device: torch.device) -> Check:
     )
 
 
-def check_overfit(run: Run, batch: Any, device: torch.device, steps: int) -> Check:
-    model = copy.deepcopy(run.trainer.eval_model).to(device).train()
+def check_overfit(run: Parts, batch: Any, device: torch.device, steps: int) -> Check:
+    model = copy.deepcopy(run.model).to(device).train()
     optimizer = torch.optim.Adam(
         [p for p in model.parameters() if p.requires_grad] or [torch.zeros(1, requires_grad=True)],
         lr=1e-3,
     )
-    loss_fn = run.trainer.loss_fn
+    loss_fn = run.loss_fn
     first = last = float("nan")
     for step in range(steps):
         logits, target = forward(model, batch, device)
         loss = loss_fn(logits, target)
         if step == 0:
             first = loss.item()
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         last = loss.item()
@@ -240,10 +240,10 @@ def check_overfit(run: Run, batch: Any, device: torch.device, steps: int) -> Che
     )
 
 
-def lr_range_test(run: Run, cfg: Config, device: torch.device, output: Path | None) -> Check:
+def lr_range_test(run: Parts, cfg: Config, device: torch.device, output: Path | None) -> Check:
     """Exponentially growing LR over up to 100 steps; suggests the LR a tenth of the one where
     the (smoothed) loss was lowest. Draws the curve as a PNG when ``output`` is set."""
-    model = copy.deepcopy(run.trainer.eval_model).to(device).train()
+    model = copy.deepcopy(run.model).to(device).train()
     cls: Any = optimizer_class(cfg.optim.name)
     optimizer = cls(model.parameters(), lr=1e-7, **cfg.optim.kwargs)
     lrs, losses = [], []
@@ -254,8 +254,8 @@ def lr_range_test(run: Run, cfg: Config, device: torch.device, output: Path | No
         for group in optimizer.param_groups:
             group["lr"] = lr
         logits, target = forward(model, next(batches), device)
-        loss = run.trainer.loss_fn(logits, target)
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss = run.loss_fn(logits, target)
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         value = loss.item()
@@ -303,9 +303,9 @@ def _cycle(loader: Any) -> Any:
 
 def run_doctor(cfg: Config, *, output: Path | None = None, overfit_steps: int = 300) -> list[Check]:
     """Run every check on the configured model and data; returns the results in order."""
-    run = build(cfg)
-    device = run.trainer.device
-    model = run.trainer.eval_model
+    run = build_parts(cfg)  # the model, loss and data: no optimizer, Trainer or processes
+    device = run.device
+    model = run.model.to(run.device)
     batch = next(iter(run.train_loader))
     model.eval()
     with torch.no_grad():
@@ -317,7 +317,7 @@ def run_doctor(cfg: Config, *, output: Path | None = None, overfit_steps: int = 
     model.train()
     logits, target = forward(model, batch, device)
     if labels_ok:
-        loss = run.trainer.loss_fn(logits, target)
+        loss = run.loss_fn(logits, target)
         checks.append(check_initial_loss(float(loss.detach()), classes))
         checks.append(check_gradients(model, loss))
         checks.append(check_overfit(run, batch, device, overfit_steps))

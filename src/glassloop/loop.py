@@ -21,7 +21,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.data import DataLoader
 
 from glassloop.batch import Inputs, batch_size_of, split_batch
 from glassloop.callbacks import Callback
@@ -47,13 +46,15 @@ from glassloop.provenance import environment
 from glassloop.rng import (
     capture_loader_rng,
     capture_rng_state,
+    replay_caveat,
     replay_epoch,
     restore_rng_state,
     seed_everything,
 )
 from glassloop.run_log import RunLog, python_config
 from glassloop.sinks import ProgressReporter
-from glassloop.state import TrainState
+from glassloop.state import EpochRecord, TrainState
+from glassloop.validation import check_trainer_options
 
 
 @dataclass
@@ -138,20 +139,12 @@ class Trainer:
         config: Mapping[str, Any] | None = None,
         model_spec: Mapping[str, Any] | None = None,
     ) -> None:
-        # Values are validated where the config is read (config.py); these checks guard
-        # the Python API, where no config is read.
-        choices = {
-            "scheduler_interval": (scheduler_interval, ("epoch", "step")),
-            "loss_weighting": (loss_weighting, ("samples", "tokens")),
-        }
-        for name, (value, allowed) in choices.items():
-            if value not in allowed:
-                raise GlassloopError(f"Trainer: {name} must be one of {allowed}, got {value!r}")
-        for name, number in (("log_every", log_every), ("grad_accum_steps", grad_accum_steps)):
-            if number < 1:
-                raise GlassloopError(f"Trainer: {name} must be >= 1, got {number}")
-        if ema_decay is not None and not 0.0 <= ema_decay < 1.0:
-            raise GlassloopError(f"Trainer: ema_decay must be in [0, 1), got {ema_decay}")
+        check_trainer_options({  # the rules the config reader applies too, one table
+            "scheduler_interval": scheduler_interval, "loss_weighting": loss_weighting,
+            "log_every": log_every, "grad_accum_steps": grad_accum_steps, "ema_decay": ema_decay,
+            "clip_grad_norm": clip_grad_norm, "clip_grad_value": clip_grad_value,
+            "max_nonfinite_skips": max_nonfinite_skips, "precision": precision,
+        })  # fmt: skip
         if seed is not None:
             seed_everything(seed)
         # Several processes (torchrun): join their process group (a no-op in one process),
@@ -205,19 +198,13 @@ class Trainer:
         # Only rank 0 talks: the other processes print nothing at all.
         self.console = ProgressReporter(progress, silent=not self.world.is_main)
         self.state = TrainState()
-        self.history: list[dict[str, Any]] = []
+        self.record = EpochRecord()
         self.last_eval: dict[str, Any] | None = None
         self.last_grad_norm: torch.Tensor | None = None
         self.should_stop = False  # callbacks set it to end the run after this epoch
         self._signals = StopSignals()
         self._train_loader: Iterable[Any] = ()
         self._environment: dict[str, Any] = {}
-        self._epoch_losses: list[torch.Tensor] = []
-        self._epoch_sizes: list[int] = []
-        # A loader without state_dict (a DataLoader, a list): the RNG it drew this epoch's
-        # order from, so a resume can replay the epoch exactly (rng.replay_epoch).
-        self._epoch_rng: dict[str, Any] | None = None
-        self._last_log = (time.perf_counter(), 0)
         self._checked_first_batch = False
         self._failure: str | None = None  # the error a failed fit ended with, for run.json
 
@@ -307,14 +294,12 @@ class Trainer:
         start = time.perf_counter()
         self.console.epoch_start(epoch, epochs, _num_samples(train_loader))
         self.model.train()  # dropout on, batch-norm updates its running statistics
-        if state.batch_in_epoch == 0:  # a fresh epoch (a resumed one keeps its sums)
-            self._epoch_losses, self._epoch_sizes = [], []
         batches: Iterable[Any] = train_loader
         if not hasattr(train_loader, "load_state_dict"):
             if state.batch_in_epoch:  # resumed inside this epoch
-                batches = replay_epoch(train_loader, self._epoch_rng, state.batch_in_epoch)
+                batches = replay_epoch(train_loader, self.record.epoch_rng, state.batch_in_epoch)
             else:  # what the loader's order will be drawn from (kept in checkpoints)
-                self._epoch_rng = capture_loader_rng(train_loader)
+                self.record.epoch_rng = capture_loader_rng(train_loader)
         batch: Any = None
         micro: list[tuple[Inputs, Any]] = []
         try:
@@ -338,7 +323,7 @@ class Trainer:
         row: dict[str, Any] = {
             "kind": "epoch", "epoch": epoch, "step": state.step, "samples": state.samples_seen,
         }  # fmt: skip
-        row["train_loss"], epoch_samples = self._epoch_train_loss()
+        row["train_loss"], epoch_samples = self.record.train_loss(self.world, self.device)
         if val_loader is not None:
             self.last_eval = self.evaluate(val_loader)
             row.update({f"val_{k}": v for k, v in self.last_eval.items() if is_number(v)})
@@ -350,7 +335,6 @@ class Trainer:
                 self.scheduler.step()
         state.epoch = epoch
         state.batch_in_epoch = 0
-        self._epoch_losses, self._epoch_sizes = [], []
         if self.last_grad_norm is not None:
             row["grad_norm"] = float(self.last_grad_norm)  # of the epoch's last step
         if self.device.type == "cuda":  # peak memory of this process's GPU
@@ -373,11 +357,10 @@ class Trainer:
         local = sum(sizes)
         self.console.advance(local)
         if loss is not None:  # None: skipped, nothing learned, no step counted
-            self._epoch_losses.append(loss)  # kept on the device: no host sync per step
-            self._epoch_sizes.append(local)
+            self.record.add_step(loss, local)  # kept on the device: no host sync per step
             state.step += 1
-            if (len(self._epoch_losses) - 1) % self.log_every == 0:  # the tutorial's "% 100"
-                self._log_step(loss, sum(self._epoch_sizes))
+            if (len(self.record.losses) - 1) % self.log_every == 0:  # the tutorial's "% 100"
+                self._log_step(loss)
             if self.checkpointer.due_after_step(state.step):
                 self.save_checkpoint()
         self._stop_if_signalled(signum)
@@ -503,22 +486,9 @@ class Trainer:
             device=self.device, ignore_index=self.ignore_index,
         )  # fmt: skip
 
-    def _epoch_train_loss(self) -> tuple[float, int]:
-        """The epoch's mean training loss over every process's samples, and their number."""
-        losses, sizes = self._epoch_losses, self._epoch_sizes
-        if not losses:
-            return float("nan"), sum(sizes)  # every step of the epoch was skipped
-        weights = torch.tensor(sizes, dtype=torch.float64, device=self.device)
-        loss_sum = torch.stack(losses).to(torch.float64) @ weights
-        if self.world.distributed:  # the mean over every process's samples
-            sums = all_reduce(torch.stack([loss_sum, weights.sum()]).cpu())
-            loss_sum, weights = sums[0], sums[1:]
-        samples = int(weights.sum())
-        return float(loss_sum) / samples, samples
-
     def _end_epoch(self, row: dict[str, Any], epochs: int) -> None:
         """Record the epoch, let callbacks see it, track the best, checkpoint per policy."""
-        self.history.append(row)
+        self.record.end_epoch(row)
         self.run_log.write(row)
         self.console.epoch_end(row, epochs)
         for callback in self.callbacks:
@@ -537,20 +507,15 @@ class Trainer:
             self.save_checkpoint()
         self._stop_if_signalled()
 
-    def _log_step(self, loss: torch.Tensor, seen_in_epoch: int) -> None:
+    def _log_step(self, loss: torch.Tensor) -> None:
         value = loss.item()  # a host sync, only every log_every steps
-        self.console.log_step(value, seen_in_epoch)
-        now, samples = time.perf_counter(), self.state.samples_seen
-        last_time, last_samples = self._last_log
-        self._last_log = (now, samples)
+        self.console.log_step(value, sum(self.record.sizes))
         norm = self.last_grad_norm
-        row = {
-            "kind": "step", "epoch": self.state.epoch + 1, "step": self.state.step,
-            "samples": samples, "loss": value, "lr": self.optimizer.param_groups[0]["lr"],
-            "grad_norm": float(norm) if norm is not None else None,
-            "samples_per_s": (samples - last_samples) / (now - last_time) if last_samples else None,
-        }  # fmt: skip
-        self.run_log.write(row)
+        self.run_log.write_step(
+            epoch=self.state.epoch + 1, step=self.state.step, samples=self.state.samples_seen,
+            loss=value, lr=self.optimizer.param_groups[0]["lr"],
+            grad_norm=float(norm) if norm is not None else None,
+        )  # fmt: skip
 
     def _stop_if_signalled(self, agreed: int | None = None) -> None:
         """Stop after this step if a SIGTERM/SIGINT arrived (in any process: all processes
@@ -572,47 +537,42 @@ class Trainer:
         self.run_log.check_exists()
         return self.checkpointer.save(self.model, state, self.checkpoint_meta(finished=finished))
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything but the weights that an exact resume needs (see :mod:`checkpoint`)."""
+    def stateful(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the weights, by name: objects with ``state_dict()``
+        and ``load_state_dict()`` (``None``: not part of this run). A subclass that keeps
+        state across steps (an RNN's hidden state, a curriculum) adds its own and it is saved
+        and resumed with the rest: ``return {**super().stateful(), "carry": self.carry}``."""
         loader = self._train_loader
         return {
-            "loop": self.state.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-            "ema": self.ema.state_dict() if self.ema is not None else None,
-            # The current epoch's per-step losses, so its train_loss is exact after a resume.
-            "epoch_losses": torch.stack(self._epoch_losses) if self._epoch_losses else None,
-            "epoch_sizes": list(self._epoch_sizes),
-            "epoch_rng": self._epoch_rng,
-            "history": self.history,
-            "rng": capture_rng_state(),
-            # Every process's RNG (dropout masks differ per process); a collective call.
-            "rng_per_rank": gather_objects(capture_rng_state()) if self.world.distributed else None,
-            "data": loader.state_dict() if hasattr(loader, "state_dict") else None,
+            "loop": self.state,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "scaler": self.scaler if self.scaler.is_enabled() else None,
+            "ema": self.ema,
+            "data": loader if hasattr(loader, "state_dict") else None,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the weights that an exact resume needs (see :mod:`checkpoint`)."""
+        parts = self.stateful().items()
+        return {
+            **{name: part.state_dict() if part is not None else None for name, part in parts},
+            **self.record.state_dict(),  # the epoch's losses so far, its RNG, the history
             "callbacks": [
                 cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.callbacks
             ],
+            "rng": capture_rng_state(),
+            # Every process's RNG (dropout masks differ per process); a collective call.
+            "rng_per_rank": gather_objects(capture_rng_state()) if self.world.distributed else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the global RNGs last, right before training goes on."""
-        self.state.load_state_dict(state["loop"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler.is_enabled() and state.get("scaler") is not None:
-            self.scaler.load_state_dict(state["scaler"])
-        if self.ema is not None and state.get("ema") is not None:
-            self.ema.load_state_dict(state["ema"])
-        losses = state["epoch_losses"]
-        self._epoch_losses = list(losses.to(self.device).unbind()) if losses is not None else []
-        self._epoch_sizes = [int(n) for n in state["epoch_sizes"]]
-        self._epoch_rng = state.get("epoch_rng")
-        self.history = list(state["history"])
-        loader = self._train_loader
-        if state["data"] is not None and hasattr(loader, "load_state_dict"):
-            loader.load_state_dict(state["data"])
+        for name, part in self.stateful().items():
+            saved = state[name]  # missing: a KeyError, reported as "does not fit"
+            if part is not None and saved is not None:
+                part.load_state_dict(saved)
+        self.record.load_state_dict(state, self.device)
         for callback, saved in zip(self.callbacks, state["callbacks"], strict=False):
             if saved is not None and hasattr(callback, "load_state_dict"):
                 callback.load_state_dict(saved)
@@ -643,16 +603,9 @@ class Trainer:
                 f"checkpoint: '{checkpoint.path}' does not fit this trainer: "
                 f"{type(err).__name__}: {err}"
             ) from err
-        loader = self._train_loader
-        exact = hasattr(loader, "load_state_dict") or isinstance(loader, (DataLoader, list, tuple))
-        if self.state.batch_in_epoch and not exact:
-            self.console.message(
-                f"warning: the training loader ({type(loader).__name__}) has no "
-                f"load_state_dict(); resuming replays the first {self.state.batch_in_epoch} "
-                "batches of the epoch with the RNG of the epoch's start, exact only if its "
-                "order depends on nothing else (glassloop.data loaders, DataLoader and "
-                "lists resume exactly)"
-            )
+        caveat = replay_caveat(self._train_loader, self.state.batch_in_epoch)
+        if caveat:
+            self.console.message(caveat)
         self.console.message(
             f"resumed from '{checkpoint.path}' at step {self.state.step} (epoch "
             f"{self.state.epoch + 1}, batch {self.state.batch_in_epoch})"
@@ -671,6 +624,11 @@ class Trainer:
         self.console.message(
             f"run {why} at step {state.step} (epoch {state.epoch}/{epochs}); nothing to do{done}"
         )
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """One dict per finished epoch (what ``fit`` returns)."""
+        return self.record.history
 
     # ------------------------------------------------------------------------ eval / predict
     @property

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 
 def seed_everything(seed: int) -> None:
@@ -126,3 +127,17 @@ def replay_epoch(
         pass
     restore_loader_rng(loader, now)
     return iterator
+
+
+def replay_caveat(loader: Iterable[Any], batches: int) -> str | None:
+    """A warning when resuming ``batches`` into an epoch of a loader whose order glassloop
+    cannot restore exactly (``None`` when it can)."""
+    exact = hasattr(loader, "load_state_dict") or isinstance(loader, (DataLoader, list, tuple))
+    if not batches or exact:
+        return None
+    return (
+        f"warning: the training loader ({type(loader).__name__}) has no load_state_dict(); "
+        f"resuming replays the first {batches} batches of the epoch with the RNG of the "
+        "epoch's start, exact only if its order depends on nothing else (glassloop.data "
+        "loaders, DataLoader and lists resume exactly)"
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,7 @@ class RunLog:
         self.active = run_dir is not None and world.is_main
         self.tensorboard = tensorboard
         self._sinks: list[Sink] = []
+        self._last_step = (time.perf_counter(), 0)  # when the last step row was, its samples
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
@@ -110,6 +112,26 @@ class RunLog:
         except OSError as err:
             assert self.run_dir is not None  # sinks exist only with a run directory
             raise write_failure(self.run_dir, err) from err
+
+    def write_step(
+        self,
+        *,
+        epoch: int,
+        step: int,
+        samples: int,
+        loss: float,
+        lr: float,
+        grad_norm: float | None,
+    ) -> None:
+        """A ``"kind": "step"`` row, with the samples per second since the previous one."""
+        now = time.perf_counter()
+        last_time, last_samples = self._last_step
+        self._last_step = (now, samples)
+        rate = (samples - last_samples) / (now - last_time) if last_samples else None
+        self.write({
+            "kind": "step", "epoch": epoch, "step": step, "samples": samples, "loss": loss,
+            "lr": lr, "grad_norm": grad_norm, "samples_per_s": rate,
+        })  # fmt: skip
 
     def check_exists(self) -> None:
         """Refuse to write into a run directory that disappeared during the run (never

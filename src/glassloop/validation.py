@@ -60,12 +60,47 @@ AT_LEAST_0, AT_LEAST_1 = Range(0), Range(1)
 FRACTION = Range(0.0, 1.0, open_high=True)
 
 
-def check_range(key: str, value: Any, accepted: Range) -> None:
+# The Trainer's options with a rule beyond their type. Trainer checks its arguments and the
+# config reader its [train] keys (and scheduler.interval) against this one table.
+TRAINER_RULES: dict[str, Range | tuple[str, ...]] = {
+    "log_every": AT_LEAST_1,
+    "grad_accum_steps": AT_LEAST_1,
+    "clip_grad_norm": AT_LEAST_0,
+    "clip_grad_value": AT_LEAST_0,
+    "max_nonfinite_skips": AT_LEAST_1,
+    "ema_decay": FRACTION,
+    "scheduler_interval": ("epoch", "step"),
+    "loss_weighting": ("samples", "tokens"),
+    "precision": ("32", "bf16", "fp16"),
+}
+
+
+def check_range(key: str, value: Any, accepted: Range, *, where: str = "config") -> None:
     """Raise ConfigError unless ``value`` (or each item of a list) is in ``accepted``."""
     for i, item in enumerate(value if isinstance(value, list) else [value]):
         if item not in accepted:
             name = f"{key}[{i}]" if isinstance(value, list) else key
-            raise ConfigError(f"config: {name} must be {accepted}, got {item!r}")
+            raise ConfigError(f"{where}: {name} must be {accepted}, got {item!r}")
+
+
+def check_choice(key: str, value: Any, choices: tuple[Any, ...], *, where: str = "config") -> None:
+    """Raise ConfigError unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ConfigError(
+            f"{where}: {key} must be one of {', '.join(map(str, choices))}; got {value!r}"
+        )
+
+
+def check_trainer_options(options: dict[str, Any]) -> None:
+    """Check the Trainer's arguments (``None``: unset) against :data:`TRAINER_RULES`."""
+    for name, value in options.items():
+        rule = TRAINER_RULES[name]
+        if value is None:
+            continue
+        if isinstance(rule, Range):
+            check_range(name, value, rule, where="Trainer")
+        else:
+            check_choice(name, value, rule, where="Trainer")
 
 
 def check_type(key: str, value: Any, hint: Any) -> Any:

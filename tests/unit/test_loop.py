@@ -185,7 +185,7 @@ def test_run_dir_files(tmp_path: Path) -> None:
         ({"grad_accum_steps": 0}, "Trainer: grad_accum_steps must be >= 1, got 0"),
         (
             {"scheduler_interval": "batch"},
-            "Trainer: scheduler_interval must be one of ('epoch', 'step'), got 'batch'",
+            "Trainer: scheduler_interval must be one of epoch, step; got 'batch'",
         ),
         ({"ema_decay": 1.0}, "Trainer: ema_decay must be in [0, 1), got 1.0"),
         ({"nonfinite": "ignore"}, "train.nonfinite must be 'raise' or 'skip', got 'ignore'"),
