@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -72,6 +72,9 @@ class Window(Sequence[tuple[Inputs, Any]]):
 
     def __getitem__(self, index: Any) -> Any:
         return self.batches[index]
+
+    def __iter__(self) -> Iterator[tuple[Inputs, Any]]:  # (Sequence's own calls __getitem__)
+        return iter(self.batches)
 
 
 class Trainer:
@@ -458,20 +461,20 @@ class Trainer:
         params = [p for p in self._parameters if p.grad is not None]
         if self.clip_grad_value:
             torch.nn.utils.clip_grad_value_(params, self.clip_grad_value)
-        grad_size = None
+        checked = [window_loss]  # what one host sync reads: the loss and gradient norms
         if self.clip_grad_norm:
             # Returns the norm before clipping: what is logged as grad_norm.
-            grad_size = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-            self.last_grad_norm = grad_size
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+            checked.append(self.last_grad_norm)
         elif not self.scaler.is_enabled() and params:  # (fp16: the scaler checks gradients)
             # Fused L2 norms (one kernel on GPU; 51 us/step on the tutorial MLP on this CPU;
             # the inf-norm would be 885 us): finite exactly when every gradient is.
-            grads = [p.grad for p in params if p.grad is not None]
-            grad_size = torch.stack(torch._foreach_norm(grads)).sum()
-        # One host sync checks the loss and the gradients (a sum is finite only if both are;
-        # item() is ~25x cheaper than torch.isfinite on a CPU scalar): the price of never
-        # stepping on a NaN, also one with a finite loss.
-        check = window_loss if grad_size is None else window_loss + grad_size
+            checked.extend(torch._foreach_norm([cast(torch.Tensor, p.grad) for p in params]))
+        # One host sync checks the loss and the gradients (a sum is finite only if all its
+        # terms are; item() is ~25x cheaper than torch.isfinite on a CPU scalar): the price
+        # of never stepping on a NaN, also one with a finite loss.
+        # (Summed in float32: half-precision norms that are each finite can overflow.)
+        check = torch.stack(checked).sum(dtype=torch.float32) if len(checked) > 1 else window_loss
         finite = math.isfinite(check.item())
         if self.world.distributed:  # every process takes the same decision
             finite = not all_reduce(torch.tensor([float(not finite)]), "max").item()

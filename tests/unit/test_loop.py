@@ -197,3 +197,23 @@ def test_python_api_arguments_are_checked_with_one_line(
     with pytest.raises(GlassloopError) as err:
         make_trainer(**options)
     assert str(err.value) == message
+
+
+def test_half_precision_gradient_norms_that_are_finite_do_not_count_as_overflow() -> None:
+    # Each gradient norm (40,000) fits in float16 (max 65,504); their sum does not. The step
+    # is finite and must be taken, not refused as non-finite.
+    model = nn.Linear(1, 1).half()
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+        model.bias.fill_(0.0)
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return 10_000.0 * output.sum()  # d(loss)/d(output) = 10,000 per sample
+
+    x = torch.ones(4, 1, dtype=torch.float16)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=1e-9), loss_fn,
+                      device="cpu", progress="none")  # fmt: skip
+    trainer.check_first_batch = lambda inputs, target: None  # type: ignore[method-assign]
+    trainer.fit([(x, torch.zeros(4))], epochs=1)
+    assert trainer.state.step == 1
+    assert trainer.state.skipped_steps == 0
