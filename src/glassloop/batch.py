@@ -6,14 +6,18 @@ The convention (documented in the README):
   the last element is always the target;
 * a dict calls ``model(**rest)`` with every key except the target key, which is the first of
   ``"labels"``, ``"label"``, ``"targets"``, ``"target"``, ``"y"`` present;
-* a bare tensor is inputs only (for ``predict``).
+* a bare tensor is inputs only (for ``predict``);
+* when the model computes its own loss (``loss_fn=None``), the target is also passed to it as
+  ``labels=`` (what Hugging Face models expect).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
+from torch import nn
 
 from glassloop.errors import DataError
 
@@ -22,13 +26,24 @@ TARGET_KEYS = ("labels", "label", "targets", "target", "y")
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
 
-def split_batch(batch: Any) -> tuple[Inputs, Any]:
-    """Return ``((args, kwargs), target)`` for a training or evaluation batch.
+def split_batch(batch: Any, *, labels_to_model: bool = False) -> tuple[Inputs, Any]:
+    """Return ``((args, kwargs), target)`` for a training or evaluation batch;
+    ``labels_to_model``: the model also gets the target as ``labels=`` (its own loss).
+
+    >>> split_batch((torch.zeros(2), torch.ones(2)), labels_to_model=True)[0][1]["labels"]
+    tensor([1., 1.])
 
     >>> (args, kwargs), y = split_batch((torch.zeros(2, 3), torch.tensor([0, 1])))
     >>> args[0].shape, kwargs, y.tolist()
     (torch.Size([2, 3]), {}, [0, 1])
     """
+    (args, kwargs), target = _split(batch)
+    if labels_to_model:
+        kwargs = {**kwargs, "labels": target}
+    return (args, kwargs), target
+
+
+def _split(batch: Any) -> tuple[Inputs, Any]:
     if isinstance(batch, (tuple, list)):
         if len(batch) < 2:
             raise DataError(
@@ -51,18 +66,44 @@ def split_batch(batch: Any) -> tuple[Inputs, Any]:
     )
 
 
-def split_inputs(batch: Any) -> Inputs:
-    """Return ``(args, kwargs)`` for ``predict``: a bare tensor is all input, else as above.
+def split_inputs(batch: Any, required_inputs: int | None = None) -> Inputs:
+    """Return ``(args, kwargs)`` for ``predict``: a bare tensor is all input; a tuple with
+    exactly ``required_inputs`` elements (the model's required positional arguments, see
+    :func:`required_inputs`) is all input; otherwise as above (the last element, or the
+    target key, is the target and is dropped).
 
     >>> split_inputs(torch.zeros(1))[0][0].shape
     torch.Size([1])
+    >>> len(split_inputs((torch.zeros(1), torch.zeros(1)), required_inputs=2)[0])
+    2
     """
     if isinstance(batch, torch.Tensor):
         return (batch,), {}
     if isinstance(batch, dict) and not any(key in batch for key in TARGET_KEYS):
         return (), dict(batch)
+    if isinstance(batch, (tuple, list)) and len(batch) == required_inputs:
+        return tuple(batch), {}
     inputs, _ = split_batch(batch)
     return inputs
+
+
+def required_inputs(model: nn.Module) -> int | None:
+    """How many positional arguments ``model.forward`` requires (``None`` when it takes
+    ``*args`` or cannot be inspected)."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):  # DDP, EMA
+        model = model.module
+    model = getattr(model, "_orig_mod", model)  # torch.compile
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    count = 0
+    for p in parameters:
+        if p.kind is p.VAR_POSITIONAL:
+            return None
+        positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        count += positional and p.default is p.empty
+    return count
 
 
 def batch_size_of(target: Any, inputs: Inputs) -> int:

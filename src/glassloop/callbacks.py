@@ -1,8 +1,11 @@
 """Observer hooks. A callback watches the loop and may ask it to stop; it never runs it.
 
-Hooks are called at fit start, after every epoch (with the epoch's row of metrics) and at fit
-end. To stop training, set ``trainer.should_stop = True``; the loop finishes the epoch's
-bookkeeping and returns.
+Hooks are called at fit start, after every optimizer step (with the step and its loss),
+around every validation (with its metrics), after every epoch (with the epoch's row of
+metrics, before it is written: keys a callback adds reach history, the console, metrics.csv,
+metrics.jsonl, TensorBoard and ``checkpoint.monitor``) and at fit end. To stop training, set
+``trainer.should_stop = True``; the loop finishes the epoch's bookkeeping and returns. A
+callback with ``state_dict()``/``load_state_dict()`` is saved in checkpoints and resumed.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 from glassloop.metrics import improves, monitor_mode
 
 if TYPE_CHECKING:
+    import torch
+
     from glassloop.loop import Trainer
 
 
@@ -27,8 +32,22 @@ class Callback:
     def on_fit_start(self, trainer: Trainer) -> None:
         """Called once before the first epoch."""
 
+    def on_step_end(self, trainer: Trainer, step: int, loss: torch.Tensor) -> None:
+        """Called after each optimizer step (not after a skipped one) with the step number
+        and the step's loss, detached and still on the device (``loss.item()`` waits for the
+        device: do it only when you need the number)."""
+
+    def on_validation_start(self, trainer: Trainer) -> None:
+        """Called before each validation pass (end of epoch, or every
+        ``validate_every_n_steps`` steps)."""
+
+    def on_validation_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        """Called after each validation pass with its metrics (``loss``, ``accuracy``, ...);
+        keys added here reach the epoch row as ``val_<key>``."""
+
     def on_epoch_end(self, trainer: Trainer, row: dict[str, Any]) -> None:
-        """Called after each epoch's training and validation, with the epoch's metrics."""
+        """Called after each epoch's training and validation, with the epoch's metrics;
+        keys added to ``row`` are written with it."""
 
     def on_fit_end(self, trainer: Trainer) -> None:
         """Called once after the last epoch, also when a callback stopped the run early."""

@@ -1,30 +1,55 @@
-"""evaluate() and predict(): eval mode, no gradients, averages over samples."""
+"""evaluate() and predict(): eval mode, no gradients, averages over samples, for every task
+(:mod:`glassloop.tasks`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from glassloop.batch import split_batch, split_inputs
+from glassloop.batch import batch_size_of, required_inputs, split_batch, split_inputs
 from glassloop.device import move_to_device
 from glassloop.distributed import distributed_job
-from glassloop.metrics import ClassificationSums, is_class_labels
+from glassloop.errors import DataError
+from glassloop.metric_names import check_metric_name, make_metric
+from glassloop.metrics import ClassificationSums, MultilabelSums, RegressionSums
+from glassloop.tasks import activate, class_scores, model_loss, prediction_of, resolve_task
 
 LossFn = Callable[..., torch.Tensor]
+TaskSums = ClassificationSums | MultilabelSums | RegressionSums
+
+
+class Metric(Protocol):
+    """A streaming metric: a torchmetrics ``Metric`` or anything with the same three methods
+    (correct under DDP when ``compute`` adds up every process's state, as torchmetrics does).
+    ``update`` receives what :func:`metric_inputs` gives: probabilities for classification
+    and multilabel (tokens flattened), outputs for a regression, and the targets."""
+
+    def reset(self) -> None: ...
+    def update(self, prediction: torch.Tensor, target: Any) -> None: ...
+    def compute(self) -> Any: ...
+    def to(self, device: torch.device) -> Any: ...
 
 
 def evaluate(
     model: nn.Module,
     loader: Iterable[Any],
-    loss_fn: LossFn,
+    loss_fn: LossFn | None,
     *,
+    task: str = "auto",
     device: torch.device | None = None,
+    ignore_index: int = -100,
+    metrics: Mapping[str, Metric | str] | Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Return ``loss`` (mean over samples) and, for classifiers, ``accuracy``, ``confusion``
-    (rows true, columns predicted) and ``report`` (per-class precision/recall/F1/support).
+    """Return ``loss`` (mean over samples, or over labelled tokens) and the task's metrics
+    (:mod:`glassloop.tasks`): for classification ``accuracy``, ``confusion`` (rows true,
+    columns predicted) and ``report`` (per-class precision/recall/F1/support); for a
+    regression ``mae``, ``rmse``, ``r2``; ... plus every metric of ``metrics`` by its name:
+    names of :mod:`glassloop.metric_names` or ``{name: metric object}`` (:class:`Metric`).
+    ``loss_fn=None``: the model computes its own loss (it gets the target as ``labels=``).
 
     The tutorial averages batch means (``test_loss / num_batches``), which over-weights a
     short last batch; here every sample counts once. Inside a multi-process job each process
@@ -35,58 +60,203 @@ def evaluate(
     >>> sorted(evaluate(model, data, nn.CrossEntropyLoss()))
     ['accuracy', 'confusion', 'loss', 'report']
     """
+    task = resolve_task(task, loss_fn)
     device = device if device is not None else next(model.parameters()).device
+    own_loss = loss_fn is None
+    wanted = metric_table(metrics, task)
+    extra: dict[str, Metric] = {}
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    weight = torch.zeros((), dtype=torch.float64, device=device)
+    sums: TaskSums | None = None
     was_training = model.training
     model.eval()  # dropout off, batch-norm uses its running statistics
-    sums: ClassificationSums | None = None
     try:
         with torch.no_grad():
             for batch in loader:
-                (args, kwargs), target = split_batch(move_to_device(batch, device))
-                output = model(*args, **kwargs)
-                loss = loss_fn(output, target)
+                inputs, target = split_batch(
+                    move_to_device(batch, device), labels_to_model=own_loss
+                )
+                output = model(*inputs[0], **inputs[1])
+                loss = loss_fn(output, target) if loss_fn is not None else model_loss(output)
+                prediction = prediction_of(output, with_loss=own_loss)
+                labels = class_scores(prediction, target)
+                # A mean loss times what it is the mean over (samples, or labelled tokens:
+                # a padded batch's loss is their mean) is the batch's sum.
+                if labels is not None:
+                    n: Any = (labels[1] != ignore_index).sum()
+                else:
+                    n = batch_size_of(target, inputs)
+                loss_sum += loss.detach().to(torch.float64) * n
+                weight += n
                 if sums is None:
-                    classes = int(output.shape[1]) if is_class_labels(output, target) else None
-                    sums = ClassificationSums(classes, device)
-                sums.update(loss, output, target)
+                    sums = task_sums(task, prediction, target, device, ignore_index)
+                    extra = metric_objects(wanted, task, prediction, labels, device)
+                if sums is not None:
+                    update_sums(sums, prediction, target, labels)
+                if extra:
+                    metric_input = metric_inputs(task, prediction, target, labels)
+                    for metric in extra.values():
+                        metric.update(*metric_input)
     finally:
         model.train(was_training)
-    if sums is None:
-        return ClassificationSums(None, device).compute()  # raises: empty
-    if distributed_job():
-        sums.all_reduce()  # each process saw its shard; report the whole validation set
-    return sums.compute()
+    if distributed_job():  # each process saw its shard; report the whole validation set
+        from glassloop.distributed import all_reduce
+
+        totals = all_reduce(torch.stack([loss_sum, weight]).cpu())
+        loss_sum, weight = totals[0], totals[1]
+        if sums is not None:
+            sums.all_reduce()
+    if float(weight) == 0:
+        raise DataError("data: the evaluation set is empty")
+    result: dict[str, Any] = {"loss": float(loss_sum) / float(weight)}
+    if sums is not None:
+        result.update(sums.compute())
+    if task == "language-model":
+        result["perplexity"] = math.exp(min(result["loss"], 700.0))  # (exp overflows past 709)
+    for name, metric in extra.items():
+        value = metric.compute()
+        result[name] = (
+            float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+        )
+    return result
+
+
+def metric_table(
+    metrics: Mapping[str, Metric | str] | Sequence[str] | None, task: str
+) -> dict[str, Metric | str]:
+    """``{name: metric object or name}``; names are checked for ``task`` here, before any
+    batch is evaluated."""
+    if metrics is None:
+        return {}
+    table: dict[str, Metric | str] = (
+        dict(metrics) if isinstance(metrics, Mapping) else {name: name for name in metrics}
+    )
+    for metric in table.values():
+        if isinstance(metric, str):
+            check_metric_name(metric, task)
+    return table
+
+
+def metric_objects(
+    wanted: dict[str, Metric | str],
+    task: str,
+    prediction: torch.Tensor,
+    labels: tuple[torch.Tensor, torch.Tensor] | None,
+    device: torch.device,
+) -> dict[str, Metric]:
+    """Named metrics built for the first batch's number of classes or outputs; objects reset
+    (one object serves every evaluation of a run)."""
+    objects: dict[str, Metric] = {}
+    outputs = int(labels[0].shape[-1]) if labels is not None else max(1, prediction[0].numel())
+    for name, metric in wanted.items():
+        if isinstance(metric, str):
+            metric = make_metric(metric, task, outputs).to(device)
+        metric.reset()
+        objects[name] = metric
+    return objects
+
+
+def metric_inputs(
+    task: str,
+    prediction: torch.Tensor,
+    target: Any,
+    labels: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, Any]:
+    """What a :class:`Metric` is updated with: class probabilities ``(M, C)`` and labels
+    ``(M,)`` for classification (tokens flattened), label probabilities and 0/1 integer
+    targets for multilabel, outputs and targets (``(N,)`` for one output) otherwise."""
+    if labels is not None and task in ("classification", "language-model", "auto"):
+        return activate(task, labels[0]), labels[1]
+    if task == "multilabel" and isinstance(target, torch.Tensor):
+        return activate(task, prediction), target.round().long()
+    if task == "regression" and isinstance(target, torch.Tensor):
+        flat = prediction.float().reshape(prediction.shape[0], -1)
+        goal = target.float().reshape(target.shape[0], -1)
+        return (flat.squeeze(1), goal.squeeze(1)) if flat.shape[1] == 1 else (flat, goal)
+    return activate(task, prediction), target
+
+
+def task_sums(
+    task: str, prediction: torch.Tensor, target: Any, device: torch.device, ignore_index: int
+) -> TaskSums | None:
+    """The sums that give ``task``'s metrics, sized from the first batch (``None``: the
+    batch does not have the task's shape, only the loss is reported)."""
+    if not isinstance(target, torch.Tensor):
+        return None
+    if task in ("classification", "language-model", "auto"):
+        labels = class_scores(prediction, target)
+        if labels is None:
+            return None
+        return ClassificationSums(int(labels[0].shape[-1]), device, ignore_index)
+    if task == "multilabel" and prediction.ndim == 2 and prediction.shape == target.shape:
+        return MultilabelSums(int(prediction.shape[1]), device)
+    if task == "regression":
+        check_same_shape(prediction, target, "evaluate")
+        return RegressionSums(max(1, prediction[0].numel()), device)
+    return None
+
+
+def update_sums(
+    sums: TaskSums,
+    prediction: torch.Tensor,
+    target: Any,
+    labels: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    if isinstance(sums, ClassificationSums):
+        if labels is not None:
+            sums.update(*labels)
+    else:
+        sums.update(prediction, target)
+
+
+def check_same_shape(prediction: torch.Tensor, target: Any, where: str) -> None:
+    """A regression's outputs and targets must have one shape: torch broadcasts ``(N, 1)``
+    against ``(N,)`` to ``(N, N)`` and trains on the wrong loss without an error."""
+    if isinstance(target, torch.Tensor) and prediction.shape != target.shape:
+        raise DataError(
+            f"data: {where}: the model's output has shape {tuple(prediction.shape)} and the "
+            f"target {tuple(target.shape)}; a regression needs the same shape (torch would "
+            "broadcast them and compare every output with every target): reshape the target "
+            "(e.g. y.unsqueeze(1)) or the output (out.squeeze(1))"
+        )
 
 
 def predict(
     model: nn.Module,
     data: torch.Tensor | Iterable[Any],
     *,
+    task: str = "classification",
     batch_size: int = 256,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Class probabilities (softmax over the last dimension) on the CPU, in input order.
+    """What the task means by a prediction (:func:`glassloop.tasks.activate`): class
+    probabilities (softmax) for classification, label probabilities (sigmoid) for
+    multilabel, the outputs as they are for regression and custom tasks; on the CPU, in
+    input order, under ``torch.inference_mode``.
 
     ``data`` is a tensor of inputs (split into batches of ``batch_size``) or an iterable of
-    batches; a batch's target, if any, is ignored.
+    batches. A batch's target, if any, is dropped: a tuple with exactly as many elements as
+    the model's ``forward`` requires is all inputs, a longer one ends with the target.
 
     >>> probs = predict(nn.Linear(4, 3), torch.zeros(2, 4))
     >>> probs.shape, bool(torch.allclose(probs.sum(1), torch.ones(2)))
     (torch.Size([2, 3]), True)
     """
+    resolve_task(task, None)
     device = device if device is not None else next(model.parameters()).device
     batches: Iterable[Any] = (
         torch.split(data, batch_size) if isinstance(data, torch.Tensor) else data
     )
+    positional = required_inputs(model)
     was_training = model.training
     model.eval()
     outputs: list[torch.Tensor] = []
     try:
         with torch.inference_mode():
             for batch in batches:
-                args, kwargs = split_inputs(move_to_device(batch, device))
-                logits = model(*args, **kwargs)
-                outputs.append(torch.softmax(logits.float(), dim=-1).cpu())
+                args, kwargs = split_inputs(move_to_device(batch, device), positional)
+                output = model(*args, **kwargs)
+                outputs.append(activate(task, prediction_of(output)).cpu())
     finally:
         model.train(was_training)
     if not outputs:

@@ -1,9 +1,9 @@
 """The loop's guards: cheap checks on the first batch, torch errors caused by the user's data
 or model turned into one clear line, and the non-finite policy (raise, or skip and count).
 
-A Trainer subclass replaces a guard by overriding ``Trainer.check_first_batch`` (for
-example a stateful model that must not be called outside its step) or switches it off with
-``check_first_batch=False``.
+A Trainer subclass replaces the first-batch guard by overriding
+``Trainer.check_first_batch`` (for example a stateful model that must not be called outside
+its step), or switches it off with an override that does nothing.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from torch import nn
 
 from glassloop.batch import Inputs, describe_batch
 from glassloop.errors import DataError, GlassloopError, ModelError, NonFiniteError
+from glassloop.evaluation import check_same_shape
 from glassloop.precision import autocast
 from glassloop.state import TrainState
+from glassloop.tasks import class_scores, prediction_of
 
 
 def check_first_batch(
@@ -28,12 +30,14 @@ def check_first_batch(
     precision: str = "32",
     device: torch.device | None = None,
     ignore_index: int = -100,
+    task: str = "classification",
+    own_loss: bool = False,
 ) -> None:
-    """Inputs free of NaN/inf; integer class labels within the model's outputs.
+    """Inputs free of NaN/inf; integer class labels within the model's outputs; a
+    regression's outputs and targets of one shape (torch would broadcast them silently).
 
-    The labels are checked against an eval-mode, no-grad forward of ``model`` (pass the
-    unwrapped module): no dropout, no batch-norm update, no RNG draw, so training is not
-    changed by it.
+    The outputs come from an eval-mode, no-grad forward of ``model`` (pass the unwrapped
+    module): no dropout, no batch-norm update, no RNG draw, so training is not changed by it.
     """
     args, kwargs = inputs
     for name, value in [*enumerate(args), *kwargs.items()]:
@@ -43,23 +47,29 @@ def check_first_batch(
                 f"data: the first training batch has NaN or inf in input {name!r}; "
                 "clean or impute the data before training"
             )
-    if not isinstance(target, torch.Tensor) or target.is_floating_point():
-        return  # regression or soft targets: nothing to check here
+    if not isinstance(target, torch.Tensor) or task in ("custom", "multilabel"):
+        return  # nothing about the outputs to check
+    if task in ("classification", "language-model", "auto") and target.is_floating_point():
+        return  # soft targets (probabilities)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), autocast(precision, device or torch.device("cpu")):
-            output = model(*args, **kwargs)
+            prediction = prediction_of(model(*args, **kwargs), with_loss=own_loss)
     finally:
         model.train(was_training)
-    if not isinstance(output, torch.Tensor) or output.ndim != target.ndim + 1:
+    if task == "regression":
+        check_same_shape(prediction, target, "the first training batch")
         return
-    classes = int(output.shape[1] if output.ndim == 2 else output.shape[-1])
-    labels = target[target != ignore_index]
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):
+    labels = class_scores(prediction, target)
+    if labels is None:
+        return
+    classes = int(labels[0].shape[-1])
+    kept = labels[1][labels[1] != ignore_index]
+    if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= classes):
         raise DataError(
-            f"data: labels in the first training batch range over [{int(labels.min())}, "
-            f"{int(labels.max())}] but the model has {classes} outputs; labels must be "
+            f"data: labels in the first training batch range over [{int(kept.min())}, "
+            f"{int(kept.max())}] but the model has {classes} outputs; labels must be "
             f"class indices in [0, {classes}) (or {ignore_index} to ignore)"
         )
 

@@ -37,7 +37,7 @@ from glassloop.distributed import (
     wrap,
 )
 from glassloop.errors import DataError, GlassloopError
-from glassloop.evaluation import LossFn, evaluate, predict
+from glassloop.evaluation import LossFn, Metric, evaluate, metric_table, predict
 from glassloop.guards import NonFinitePolicy, check_first_batch, explain
 from glassloop.metrics import is_number
 from glassloop.precision import autocast, check_precision, make_scaler
@@ -54,6 +54,7 @@ from glassloop.rng import (
 from glassloop.run_log import RunLog, python_config
 from glassloop.sinks import ProgressReporter
 from glassloop.state import EpochRecord, TrainState
+from glassloop.tasks import model_loss, resolve_task
 from glassloop.validation import check_trainer_options
 
 
@@ -114,8 +115,11 @@ class Trainer:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None,
         *,
+        task: str = "auto",
+        metrics: Sequence[str] | Mapping[str, Metric | str] | None = None,
+        validate_every_n_steps: int = 0,
         scheduler: Any = None,
         scheduler_interval: str = "epoch",
         device: str | torch.device = "auto",
@@ -147,7 +151,13 @@ class Trainer:
             "log_every": log_every, "grad_accum_steps": grad_accum_steps, "ema_decay": ema_decay,
             "clip_grad_norm": clip_grad_norm, "clip_grad_value": clip_grad_value,
             "max_nonfinite_skips": max_nonfinite_skips, "precision": precision,
+            "validate_every_n_steps": validate_every_n_steps,
         })  # fmt: skip
+        # What the model is trained to do (glassloop.tasks): decides what predict returns,
+        # the metrics and the checks; loss_fn=None: the model computes its own loss.
+        self.task = resolve_task(task, loss_fn)
+        self.metrics = metric_table(metrics, self.task)
+        self.validate_every_n_steps = validate_every_n_steps
         if seed is not None:
             seed_everything(seed)
         # Several processes (torchrun): join their process group (a no-op in one process),
@@ -207,6 +217,7 @@ class Trainer:
         self.should_stop = False  # callbacks set it to end the run after this epoch
         self._signals = StopSignals()
         self._train_loader: Iterable[Any] = ()
+        self._val_loader: Iterable[Any] | None = None
         self._environment: dict[str, Any] = {}
         self._checked_first_batch = False
         self._failure: str | None = None  # the error a failed fit ended with, for run.json
@@ -235,7 +246,7 @@ class Trainer:
             raise GlassloopError(f"train.epochs must be a positive integer, got {epochs!r}")
         self.should_stop = False
         self._checked_first_batch = False
-        self._train_loader = train_loader
+        self._train_loader, self._val_loader = train_loader, val_loader
         # Versions and git SHA for run.json and checkpoint metadata (a git subprocess: only
         # worth it when something is written).
         self._environment = environment() if self.run_dir is not None else {}
@@ -305,9 +316,10 @@ class Trainer:
                 self.record.epoch_rng = capture_loader_rng(train_loader)
         batch: Any = None
         micro: list[tuple[Inputs, Any]] = []
+        own = self.loss_fn is None  # the model computes its loss: it also gets labels=target
         try:
             for batch in batches:
-                micro.append(split_batch(move_to_device(batch, self.device)))
+                micro.append(split_batch(move_to_device(batch, self.device), labels_to_model=own))
                 if len(micro) == self.grad_accum_steps:
                     self._step_window(micro)
                     micro = []
@@ -328,7 +340,7 @@ class Trainer:
         }  # fmt: skip
         row["train_loss"], epoch_samples = self.record.train_loss(self.world, self.device)
         if val_loader is not None:
-            self.last_eval = self.evaluate(val_loader)
+            self.last_eval = self._validate(val_loader)
             row.update({f"val_{k}": v for k, v in self.last_eval.items() if is_number(v)})
         row["lr"] = self.optimizer.param_groups[0]["lr"]
         if self.scheduler is not None and self.scheduler_interval == "epoch":
@@ -364,6 +376,11 @@ class Trainer:
             state.step += 1
             if (len(self.record.losses) - 1) % self.log_every == 0:  # the tutorial's "% 100"
                 self._log_step(loss)
+            for callback in self.callbacks:
+                callback.on_step_end(self, state.step, loss)
+            every = self.validate_every_n_steps
+            if every and state.step % every == 0 and self._val_loader is not None:
+                self._validate_now()
             if self.checkpointer.due_after_step(state.step):
                 self.save_checkpoint()
         self._stop_if_signalled(signum)
@@ -421,7 +438,10 @@ class Trainer:
             with sync:
                 with autocast(self.precision, self.device):
                     output = self.model(*args, **kwargs)  # forward
-                    loss = self.loss_fn(output, target)
+                    # The model's own loss (e.g. a Hugging Face model given labels) or ours.
+                    loss = (
+                        model_loss(output) if self.loss_fn is None else self.loss_fn(output, target)
+                    )
                 if weight is not None:
                     # This micro-batch's share of the window (its samples or tokens over the
                     # window's), so the summed gradients equal those of one big batch, also
@@ -486,16 +506,17 @@ class Trainer:
         ``pass`` to switch it off (e.g. for a model that keeps state between steps)."""
         check_first_batch(
             unwrap_model(self.model), inputs, target, precision=self.precision,
-            device=self.device, ignore_index=self.ignore_index,
+            device=self.device, ignore_index=self.ignore_index, task=self.task,
+            own_loss=self.loss_fn is None,
         )  # fmt: skip
 
     def _end_epoch(self, row: dict[str, Any], epochs: int) -> None:
         """Record the epoch, let callbacks see it, track the best, checkpoint per policy."""
+        for callback in self.callbacks:  # before the row is written: they may add to it
+            callback.on_epoch_end(self, row)
         self.record.end_epoch(row)
         self.run_log.write(row)
         self.console.epoch_end(row, epochs)
-        for callback in self.callbacks:
-            callback.on_epoch_end(self, row)
         self.state.stopped = self.should_stop  # a stopped run stays finished on resume
         best = self.checkpointer.better(row, self.state.best_metric)
         if best is not None:
@@ -643,14 +664,42 @@ class Trainer:
         return self.model.module if isinstance(self.model, DDP) else self.model
 
     def evaluate(self, loader: Iterable[Any]) -> dict[str, Any]:
-        """Loss (mean over samples), accuracy, confusion matrix and per-class report."""
+        """The loss (mean over samples) and the task's metrics (:func:`glassloop.evaluate`),
+        plus ``metrics``. Override it to add your own: returned numbers become ``val_*``."""
         with autocast(self.precision, self.device):
-            return evaluate(self.eval_model, loader, self.loss_fn, device=self.device)
+            return evaluate(
+                self.eval_model, loader, self.loss_fn, task=self.task, device=self.device,
+                ignore_index=self.ignore_index, metrics=self.metrics,
+            )  # fmt: skip
+
+    def _validate(self, loader: Iterable[Any]) -> dict[str, Any]:
+        """:meth:`evaluate` between the validation hooks of the callbacks."""
+        for callback in self.callbacks:
+            callback.on_validation_start(self)
+        metrics = self.evaluate(loader)
+        for callback in self.callbacks:
+            callback.on_validation_end(self, metrics)
+        return metrics
+
+    def _validate_now(self) -> None:
+        """Validation inside an epoch (``validate_every_n_steps``): a ``"kind": "val"`` row."""
+        assert self._val_loader is not None
+        self.last_eval = self._validate(self._val_loader)
+        row = {"kind": "val", "epoch": self.state.epoch + 1, "step": self.state.step}
+        row.update({f"val_{k}": v for k, v in self.last_eval.items() if is_number(v)})
+        self.run_log.write(row)
+        self.console.message(
+            f"step {self.state.step}: "
+            + ", ".join(f"{k} {v:.4g}" for k, v in row.items() if k.startswith("val_"))
+        )
 
     def predict(self, data: torch.Tensor | Iterable[Any], *, batch_size: int = 256) -> torch.Tensor:
-        """Softmax probabilities, on the CPU, under ``torch.inference_mode``."""
+        """What the task means by a prediction (softmax or sigmoid probabilities, or the
+        outputs as they are; :func:`glassloop.predict`), on the CPU, under inference mode."""
         with autocast(self.precision, self.device):
-            return predict(self.eval_model, data, batch_size=batch_size, device=self.device)
+            return predict(
+                self.eval_model, data, task=self.task, batch_size=batch_size, device=self.device
+            )
 
 
 def _num_samples(loader: Iterable[Any]) -> int | None:

@@ -1,9 +1,11 @@
-"""Streaming evaluation sums: sample-weighted loss, a confusion matrix, the class report.
+"""Streaming evaluation sums per task: a confusion matrix and the class report
+(classification), per-label counts (multilabel), error sums (regression).
 
-Why hand-written instead of torchmetrics: the whole state is two sums and one ``C x C``
-count matrix that stay on the device (no host sync per batch) and reduce across ranks with
-one ``all_reduce``; precision, recall, F1 and accuracy are exact functions of that matrix.
-The tests check every number against ``sklearn.metrics.classification_report``.
+Why hand-written instead of torchmetrics for these defaults: each state is a few sums that stay
+on the device (no host sync per batch), reduce across processes with one ``all_reduce`` each,
+and the metrics are exact functions of them; the tests check every number against
+scikit-learn (``classification_report``, ``f1_score``, ``r2_score``, ...). Any other metric
+is a torchmetrics object (:mod:`glassloop.metric_names`).
 """
 
 from __future__ import annotations
@@ -14,94 +16,154 @@ import torch
 
 from glassloop.errors import DataError
 
+# Above this many classes (a language model's vocabulary) no C x C confusion matrix is kept
+# (50,000 classes would take 20 GB); accuracy is counted directly.
+CONFUSION_MAX_CLASSES = 1024
 
-class ClassificationSums:
-    """Running loss sum, sample count and confusion matrix (rows: true, columns: predicted).
 
-    >>> sums = ClassificationSums(num_classes=3, device=torch.device("cpu"))
-    >>> sums.update(torch.tensor(0.5), torch.eye(3), torch.tensor([0, 1, 1]))
+class Sums:
+    """Named float64 tensors that add up over batches and across processes (float64: 10^6
+    float32 values still add up to 1e-9)."""
+
+    def __init__(self, device: torch.device, **shapes: tuple[int, ...]) -> None:
+        self.sums = {
+            name: torch.zeros(shape, dtype=torch.float64, device=device)
+            for name, shape in shapes.items()
+        }
+
+    def all_reduce(self) -> None:
+        """Add every process's sums (each evaluated its own shard): the result equals one
+        process evaluating all the data."""
+        from glassloop.distributed import all_reduce
+
+        for name, value in self.sums.items():
+            self.sums[name] = all_reduce(value.cpu()).to(value.device)
+
+
+class ClassificationSums(Sums):
+    """Class scores ``[M, C]`` against labels ``[M]``: a confusion matrix (rows: true, columns:
+    predicted; up to :data:`CONFUSION_MAX_CLASSES` classes) and the correct count. Labels
+    equal to ``ignore_index`` (padding tokens) are left out.
+
+    >>> sums = ClassificationSums(3, torch.device("cpu"))
+    >>> sums.update(torch.eye(3), torch.tensor([0, 1, 1]))
     >>> sums.compute()["accuracy"]
     0.6666666666666666
     """
 
-    def __init__(self, num_classes: int | None, device: torch.device) -> None:
+    def __init__(self, num_classes: int, device: torch.device, ignore_index: int = -100) -> None:
         self.num_classes = num_classes
-        self.device = device
-        # float64 so that 10^6 samples of float32 losses still average to 1e-9.
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.num_samples = 0
-        self.num_invalid = torch.zeros((), dtype=torch.int64, device=device)
-        self.confusion: torch.Tensor | None = None
-        if num_classes is not None:
-            self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)
+        self.ignore_index = ignore_index
+        self.keep_confusion = num_classes <= CONFUSION_MAX_CLASSES
+        # One extra cell collects the left-out labels, so nothing is indexed by a mask (a
+        # boolean index waits for the GPU to count it).
+        cells = num_classes * num_classes + 1 if self.keep_confusion else 1
+        super().__init__(device, confusion=(cells,), correct=(), counted=(), invalid=())
 
-    def update(self, mean_loss: torch.Tensor, output: torch.Tensor, target: Any) -> None:
-        """Add a batch: its mean loss (weighted by its size), logits ``[N, C]``, labels ``[N]``."""
-        n = int(target.shape[0]) if isinstance(target, torch.Tensor) else int(output.shape[0])
-        # The loss is a per-sample mean, so mean * n is the batch's sum: the epoch average is
-        # then over samples, not the mean of batch means (which over-weights a short last batch).
-        self.loss_sum += mean_loss.detach().to(torch.float64) * n
-        self.num_samples += n
-        if self.confusion is None or not is_class_labels(output, target):
-            return
+    def update(self, scores: torch.Tensor, labels: torch.Tensor) -> None:
         c = self.num_classes
-        assert c is not None
-        pred = output.argmax(dim=1)
-        valid = (target >= 0) & (target < c)
-        # Counted on the device and checked once at the end: no host sync per batch.
-        self.num_invalid += (~valid).sum()
-        index = target[valid] * c + pred[valid]
-        self.confusion += torch.bincount(index, minlength=c * c).view(c, c)
-
-    def all_reduce(self) -> None:
-        """Sum the counts of every process (each evaluated its own shard): the result equals
-        one process evaluating all the data. A no-op in a single process."""
-        from glassloop.distributed import all_reduce
-
-        sums = torch.stack([
-            self.loss_sum.cpu(), torch.tensor(float(self.num_samples), dtype=torch.float64),
-            self.num_invalid.cpu().to(torch.float64),
-        ])  # fmt: skip
-        all_reduce(sums)
-        self.loss_sum = sums[0].to(self.device)
-        self.num_samples = int(sums[1])
-        self.num_invalid = sums[2].to(torch.int64).to(self.device)
-        if self.confusion is not None:
-            self.confusion = all_reduce(self.confusion.cpu()).to(self.device)
+        predicted = scores.argmax(dim=-1)
+        kept = labels != self.ignore_index
+        valid = kept & (labels >= 0) & (labels < c)
+        self.sums["invalid"] += (kept & ~valid).sum()  # checked once, at the end
+        self.sums["counted"] += valid.sum()
+        self.sums["correct"] += (valid & (predicted == labels)).sum()
+        if self.keep_confusion:
+            cell = torch.where(valid, labels * c + predicted, c * c)
+            ones = torch.ones_like(cell, dtype=torch.float64)
+            self.sums["confusion"].index_add_(0, cell, ones)
 
     def compute(self) -> dict[str, Any]:
-        """Return ``loss`` (mean over samples), ``accuracy``, ``confusion`` and ``report``."""
-        if self.num_samples == 0:
-            raise DataError("data: the evaluation set is empty")
-        result: dict[str, Any] = {"loss": float(self.loss_sum) / self.num_samples}
-        if self.confusion is None:
-            return result
-        invalid = int(self.num_invalid)
+        """``accuracy`` and, up to :data:`CONFUSION_MAX_CLASSES` classes, ``confusion`` and
+        ``report`` (per-class precision/recall/F1/support)."""
+        invalid = int(self.sums["invalid"])
+        c = self.num_classes
         if invalid:
             raise DataError(
-                f"data: {invalid} evaluation label(s) outside [0, {self.num_classes}) for a "
-                f"model with {self.num_classes} outputs; check the labels or the model's "
-                "output size"
+                f"data: {invalid} evaluation label(s) outside [0, {c}) for a model with {c} "
+                "outputs; check the labels or the model's output size"
             )
-        confusion = self.confusion.cpu()
-        total = int(confusion.sum())
-        if total == 0:
-            return result
-        result["accuracy"] = int(confusion.diag().sum()) / total
-        result["confusion"] = confusion.tolist()
-        result["report"] = classification_report(confusion)
+        counted = int(self.sums["counted"])
+        if counted == 0:
+            return {}
+        result: dict[str, Any] = {"accuracy": int(self.sums["correct"]) / counted}
+        if self.keep_confusion:
+            confusion = self.sums["confusion"][:-1].view(c, c).to(torch.int64).cpu()
+            result["confusion"] = confusion.tolist()
+            result["report"] = classification_report(confusion)
         return result
 
 
-def is_class_labels(output: torch.Tensor, target: Any) -> bool:
-    """True for classification: logits ``[N, C]`` and integer labels ``[N]``."""
-    return (
-        isinstance(target, torch.Tensor)
-        and output.ndim == 2
-        and target.ndim == 1
-        and not target.dtype.is_floating_point
-        and target.dtype != torch.bool
-    )
+class MultilabelSums(Sums):
+    """Logits ``[N, L]`` against 0/1 targets ``[N, L]``, each label decided at probability
+    0.5: per-label true/false positives/negatives and whole-sample matches.
+
+    ``accuracy`` is over all label decisions (scikit-learn's ``1 - hamming_loss``),
+    ``exact_match`` the share of samples with every label right (``accuracy_score``),
+    ``f1_micro`` / ``f1_macro`` as ``f1_score(average=...)`` with ``zero_division=0``.
+    """
+
+    def __init__(self, num_labels: int, device: torch.device) -> None:
+        shape = (num_labels,)
+        super().__init__(device, tp=shape, fp=shape, fn=shape, tn=shape, exact=(), samples=())
+
+    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
+        predicted = logits > 0  # sigmoid(logit) > 0.5
+        truth = target > 0.5
+        self.sums["tp"] += (predicted & truth).sum(0)
+        self.sums["fp"] += (predicted & ~truth).sum(0)
+        self.sums["fn"] += (~predicted & truth).sum(0)
+        self.sums["tn"] += (~predicted & ~truth).sum(0)
+        self.sums["exact"] += (predicted == truth).all(dim=1).sum()
+        self.sums["samples"] += predicted.shape[0]
+
+    def compute(self) -> dict[str, Any]:
+        tp, fp, fn, tn = (self.sums[k].cpu() for k in ("tp", "fp", "fn", "tn"))
+        samples = float(self.sums["samples"])
+        if samples == 0:
+            return {}
+        per_label = 2 * tp + fp + fn
+        f1 = torch.where(per_label > 0, 2 * tp / per_label.clamp(min=1), 0.0)
+        micro = float(2 * tp.sum() + fp.sum() + fn.sum())
+        return {
+            "accuracy": float((tp + tn).sum() / (tp + fp + fn + tn).sum()),
+            "exact_match": float(self.sums["exact"]) / samples,
+            "f1_micro": float(2 * tp.sum()) / micro if micro else 0.0,
+            "f1_macro": float(f1.mean()),
+        }
+
+
+class RegressionSums(Sums):
+    """Predictions against targets of the same shape ``[N, ...]``: ``mae``, ``rmse`` and
+    ``r2`` (per output, averaged over outputs: scikit-learn's ``uniform_average``)."""
+
+    def __init__(self, num_outputs: int, device: torch.device) -> None:
+        shape = (num_outputs,)
+        super().__init__(device, abs=shape, sq=shape, y=shape, y2=shape, n=())
+
+    def update(self, prediction: torch.Tensor, target: torch.Tensor) -> None:
+        p = prediction.detach().reshape(prediction.shape[0], -1).double()
+        y = target.reshape(target.shape[0], -1).double()
+        error = p - y
+        self.sums["abs"] += error.abs().sum(0)
+        self.sums["sq"] += error.square().sum(0)
+        self.sums["y"] += y.sum(0)
+        self.sums["y2"] += y.square().sum(0)
+        self.sums["n"] += p.shape[0]
+
+    def compute(self) -> dict[str, Any]:
+        n = float(self.sums["n"])
+        if n == 0:
+            return {}
+        sq, y, y2 = (self.sums[k].cpu() for k in ("sq", "y", "y2"))
+        total = y2 - y.square() / n  # sum of squares around the mean
+        # sklearn: a constant target gives r2 = 1 for a perfect fit, else 0.
+        r2 = torch.where(total > 0, 1 - sq / total.clamp(min=1e-300), (sq == 0).double())
+        return {
+            "mae": float(self.sums["abs"].sum()) / (n * len(y)),
+            "rmse": float(torch.sqrt(sq / n).mean()),
+            "r2": float(r2.mean()),
+        }
 
 
 def classification_report(confusion: torch.Tensor) -> dict[str, dict[str, float]]:
@@ -177,6 +239,11 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# Words in a metric's name that mean "higher is better"; every other metric (losses, mae,
+# rmse, perplexity) is minimised.
+HIGHER_IS_BETTER = ("accuracy", "f1", "r2", "exact_match", "auroc", "precision", "recall")
+
+
 def monitor_mode(monitor: str, mode: str = "auto") -> str:
     """``"max"`` or ``"min"``: which way ``monitor`` improves. ``"auto"`` maximises metrics
     named like accuracy or F1 and minimises the rest (losses).
@@ -185,7 +252,7 @@ def monitor_mode(monitor: str, mode: str = "auto") -> str:
     ('max', 'min', 'max')
     """
     if mode == "auto":
-        return "max" if "accuracy" in monitor or "f1" in monitor else "min"
+        return "max" if any(word in monitor for word in HIGHER_IS_BETTER) else "min"
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min', 'max' or 'auto', got {mode!r}")
     return mode

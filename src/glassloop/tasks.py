@@ -1,0 +1,156 @@
+"""What a model is trained to do, and what that means for its outputs and predictions.
+
+- ``classification`` (from CrossEntropyLoss, NLLLoss): ``predict`` gives softmax
+  probabilities; metrics accuracy, confusion, per-class report.
+- ``multilabel`` (from BCEWithLogitsLoss): sigmoid probabilities per label; accuracy (per
+  label decision), exact_match, f1_micro, f1_macro.
+- ``regression`` (from MSELoss, L1Loss, HuberLoss, SmoothL1Loss): the outputs as they are;
+  mae, rmse, r2.
+- ``language-model`` (set it; a per-token CrossEntropyLoss): softmax over the vocabulary;
+  accuracy over labelled tokens, perplexity.
+- ``custom`` (any other loss, or the model's own): the outputs as they are; the loss only.
+
+The task is inferred from the loss when that is unambiguous (the loss classes above and
+their functional forms, ``F.cross_entropy`` & co.) and can always be set
+(``Trainer(task="regression")``, ``train.task`` in a config). With any other loss, or the
+model's own, the task stays ``"auto"``: evaluation reports classification metrics when the
+targets are integer labels that fit the outputs (and only the loss otherwise), and
+``predict`` returns softmax probabilities; set the task for anything else.
+
+**Which part of a model's output is the prediction** (one rule, for training, evaluation and
+``predict``): a tensor is the prediction; a dict or a Hugging Face ``ModelOutput`` gives its
+``"logits"`` (else its first tensor that is not ``"loss"``); an object gives its ``.logits``;
+a tuple or list gives its first element — except when the model computed its own loss in that
+call, where it is ``(loss, prediction, ...)`` as Hugging Face models return with
+``return_dict=False``.
+
+**The model's own loss** (``loss_fn=None``): the batch's target is passed to the model as
+``labels=`` (what Hugging Face models expect) and the loss is the output's ``"loss"`` /
+``.loss`` / first element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from glassloop.errors import ConfigError, ModelError
+
+TASKS = ("classification", "multilabel", "regression", "language-model", "custom")
+LOSS_TASKS = {
+    nn.CrossEntropyLoss: "classification",
+    nn.NLLLoss: "classification",
+    nn.BCEWithLogitsLoss: "multilabel",
+    nn.MSELoss: "regression",
+    nn.L1Loss: "regression",
+    nn.HuberLoss: "regression",
+    nn.SmoothL1Loss: "regression",
+}
+FUNCTION_TASKS = {
+    F.cross_entropy: "classification",
+    F.nll_loss: "classification",
+    F.binary_cross_entropy_with_logits: "multilabel",
+    F.mse_loss: "regression",
+    F.l1_loss: "regression",
+    F.huber_loss: "regression",
+    F.smooth_l1_loss: "regression",
+}
+
+
+def resolve_task(task: str, loss_fn: Any) -> str:
+    """``task`` checked, or for ``"auto"`` the task ``loss_fn`` implies (``"auto"`` when it
+    implies none: see this module's docstring).
+
+    >>> resolve_task("auto", nn.MSELoss()), resolve_task("auto", F.cross_entropy)
+    ('regression', 'classification')
+    """
+    if task == "auto":
+        by_function = (t for function, t in FUNCTION_TASKS.items() if loss_fn is function)
+        return LOSS_TASKS.get(type(loss_fn)) or next(by_function, "auto")
+    if task not in TASKS:
+        raise ConfigError(f"task must be 'auto' or one of {', '.join(TASKS)}; got {task!r}")
+    return task
+
+
+def prediction_of(output: Any, *, with_loss: bool = False) -> torch.Tensor:
+    """The prediction part of a model's ``output`` (the rule in this module's docstring);
+    ``with_loss``: the model computed its own loss in this call.
+
+    >>> prediction_of({"loss": torch.tensor(1.0), "logits": torch.zeros(2, 3)}).shape
+    torch.Size([2, 3])
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    found: Any = None
+    if isinstance(output, Mapping):
+        if "logits" in output:
+            found = output["logits"]
+        else:
+            found = next(
+                (v for k, v in output.items() if k != "loss" and isinstance(v, torch.Tensor)),
+                None,
+            )
+    elif isinstance(output, (tuple, list)):
+        index = 1 if with_loss else 0
+        found = output[index] if len(output) > index else None
+    elif hasattr(output, "logits"):
+        found = output.logits
+    if not isinstance(found, torch.Tensor):
+        raise ModelError(
+            f"model: cannot find the prediction in an output of type {type(output).__name__}: "
+            "return a tensor, a dict with 'logits', or a tuple whose first element is the "
+            "prediction"
+        )
+    return found
+
+
+def model_loss(output: Any) -> torch.Tensor:
+    """The loss a model computed itself (``loss_fn=None``): ``output["loss"]``,
+    ``output.loss`` or ``output[0]``."""
+    loss: Any = None
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    elif isinstance(output, (tuple, list)) and output:
+        loss = output[0]
+    else:
+        loss = getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        raise ModelError(
+            f"model: loss_fn is None, so the model must compute its loss, but its output "
+            f"({type(output).__name__}) has no scalar 'loss' (pass the target as labels= "
+            "and return {'loss': ..., 'logits': ...}, or give a loss_fn)"
+        )
+    return loss
+
+
+def activate(task: str, prediction: torch.Tensor) -> torch.Tensor:
+    """What ``predict`` returns for ``task``: class probabilities (softmax over the last
+    dimension), label probabilities (sigmoid), or the outputs as they are; in float32."""
+    prediction = prediction.float()
+    if task in ("classification", "language-model", "auto"):
+        return torch.softmax(prediction, dim=-1)
+    if task == "multilabel":
+        return torch.sigmoid(prediction)
+    return prediction
+
+
+def class_scores(prediction: torch.Tensor, target: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Class scores as ``(M, C)`` and labels as ``(M,)`` for a classification batch, per
+    sample (``(N, C)`` with ``(N,)``) or per token (``(N, T, C)`` with ``(N, T)``, or torch's
+    ``(N, C, T)``); ``None`` when the target is not integer labels that fit."""
+    if not isinstance(target, torch.Tensor) or target.is_floating_point():
+        return None
+    if target.dtype == torch.bool or prediction.ndim != target.ndim + 1 or prediction.ndim < 2:
+        return None
+    if prediction.ndim == 2:
+        return prediction, target
+    if prediction.shape[:-1] == target.shape:  # classes last: (N, T, C)
+        return prediction.reshape(-1, prediction.shape[-1]), target.reshape(-1)
+    if prediction.shape[0] == target.shape[0] and prediction.shape[2:] == target.shape[1:]:
+        moved = prediction.movedim(1, -1)  # torch's (N, C, d1, ...) layout
+        return moved.reshape(-1, moved.shape[-1]), target.reshape(-1)
+    return None
