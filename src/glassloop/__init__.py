@@ -40,6 +40,7 @@ _EXPORTS = {
     "load_config": "glassloop.config",
     "load_model": "glassloop.export",
     "load_weights": "glassloop.checkpoint",
+    "lr_find": "glassloop.lr_finder",
     "predict": "glassloop.evaluation",
     "save_weights": "glassloop.checkpoint",
     "seed_everything": "glassloop.rng",
@@ -49,7 +50,7 @@ __all__ = [
     "Callback", "CheckpointError", "Config", "ConfigError", "DataError", "GlassloopError",
     "ModelError", "Predictor", "Preempted", "Run", "TrainState", "Trainer", "__version__",
     "build", "evaluate", "export_model", "format_report", "load_config", "load_model",
-    "load_weights", "predict", "save_weights", "seed_everything",
+    "load_weights", "lr_find", "predict", "save_weights", "seed_everything",
 ]  # fmt: skip
 
 
@@ -75,6 +76,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from glassloop.evaluation import evaluate, predict
     from glassloop.export import export_model, load_model
     from glassloop.loop import Trainer
+    from glassloop.lr_finder import lr_find
     from glassloop.metrics import format_report
     from glassloop.prediction import Predictor
     from glassloop.preemption import Preempted

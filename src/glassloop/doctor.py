@@ -21,6 +21,7 @@ from glassloop.batch import split_batch
 from glassloop.config import Config
 from glassloop.data.splits import Splits
 from glassloop.device import move_to_device
+from glassloop.lr_finder import range_test
 from glassloop.optimizers import optimizer_class
 
 
@@ -241,64 +242,20 @@ def check_overfit(run: Parts, batch: Any, device: torch.device, steps: int) -> C
 
 
 def lr_range_test(run: Parts, cfg: Config, device: torch.device, output: Path | None) -> Check:
-    """Exponentially growing LR over up to 100 steps; suggests the LR a tenth of the one where
-    the (smoothed) loss was lowest. Draws the curve as a PNG when ``output`` is set."""
+    """The LR range test (:func:`glassloop.lr_finder.range_test`) on a copy of the model with
+    the configured optimizer; draws the curve as a PNG when ``output`` is set."""
     model = copy.deepcopy(run.model).to(device).train()
     cls: Any = optimizer_class(cfg.optim.name)
     optimizer = cls(model.parameters(), lr=1e-7, **cfg.optim.kwargs)
-    lrs, losses = [], []
-    smooth, best = 0.0, float("inf")
-    batches = iter(_cycle(run.train_loader))
-    for i in range(100):
-        lr = 1e-7 * (1e7 ** (i / 99))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        logits, target = forward(model, next(batches), device)
-        loss = run.loss_fn(logits, target)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.item()
-        if not math.isfinite(value):
-            break
-        smooth = value if i == 0 else 0.9 * smooth + 0.1 * value
-        lrs.append(lr)
-        losses.append(smooth)
-        best = min(best, smooth)
-        if smooth > 4 * best and i > 10:
-            break
-    suggestion = lrs[losses.index(min(losses))] / 10 if losses else cfg.optim.lr
+    found = range_test(model, optimizer, run.loss_fn, run.train_loader, device=device)
     where = ""
-    if output is not None and losses:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        from matplotlib import pyplot as plt
-
-        output.mkdir(parents=True, exist_ok=True)
-        figure, axis = plt.subplots(figsize=(6, 4))
-        axis.plot(lrs, losses)
-        axis.axvline(suggestion, linestyle="--", color="gray")
-        axis.set(
-            xscale="log",
-            xlabel="learning rate",
-            ylabel="loss (smoothed)",
-            title=f"LR range test: suggested {suggestion:.1e}",
-        )
-        figure.tight_layout()
-        figure.savefig(output / "lr_range.png", dpi=100)
-        plt.close(figure)
-        where = f"; curve in {output / 'lr_range.png'}"
+    if output is not None:
+        where = f"; curve in {found.plot(output / 'lr_range.png')}"
     return Check(
         "learning rate",
         "PASS",
-        f"range test suggests lr ~ {suggestion:.1e} (configured {cfg.optim.lr:.1e}){where}.",
+        f"range test suggests lr ~ {found.suggestion:.1e} (configured {cfg.optim.lr:.1e}){where}.",
     )
-
-
-def _cycle(loader: Any) -> Any:
-    while True:
-        yield from loader
 
 
 def run_doctor(cfg: Config, *, output: Path | None = None, overfit_steps: int = 300) -> list[Check]:

@@ -61,7 +61,7 @@ def evaluate(
     ['accuracy', 'confusion', 'loss', 'report']
     """
     task = resolve_task(task, loss_fn)
-    device = device if device is not None else next(model.parameters()).device
+    device = device if device is not None else model_device(model)
     own_loss = loss_fn is None
     wanted = metric_table(metrics, task)
     extra: dict[str, Metric] = {}
@@ -209,6 +209,13 @@ def update_sums(
         sums.update(prediction, target)
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model's parameters (or buffers) are; the CPU for a model without any."""
+    tensor = next(model.parameters(), None)
+    tensor = tensor if tensor is not None else next(model.buffers(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
 def check_same_shape(prediction: torch.Tensor, target: Any, where: str) -> None:
     """A regression's outputs and targets must have one shape: torch broadcasts ``(N, 1)``
     against ``(N,)`` to ``(N, N)`` and trains on the wrong loss without an error."""
@@ -243,7 +250,7 @@ def predict(
     (torch.Size([2, 3]), True)
     """
     resolve_task(task, None)
-    device = device if device is not None else next(model.parameters()).device
+    device = device if device is not None else model_device(model)
     batches: Iterable[Any] = (
         torch.split(data, batch_size) if isinstance(data, torch.Tensor) else data
     )

@@ -217,6 +217,7 @@ def python_config(trainer: Trainer) -> dict[str, Any]:
             k: _jsonable(v) for k, v in sorted(trainer.optimizer.defaults.items())
         },
         "loss_fn": stable_repr(trainer.loss_fn),
+        "task": trainer.task,
         "scheduler": type(trainer.scheduler).__name__ if trainer.scheduler is not None else None,
         "scheduler_interval": trainer.scheduler_interval,
         "precision": trainer.precision,

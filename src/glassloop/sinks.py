@@ -123,22 +123,52 @@ class JSONLSink:
 
 
 class CSVSink:
-    """A CSV with a fixed header chosen at the start; a row leaves absent columns empty."""
+    """A CSV whose header grows with the metrics: a row with a new column (a metric a
+    callback or an ``evaluate`` override adds) rewrites the file once with the wider header,
+    earlier rows leaving it empty. A resumed run keeps the header it finds."""
 
     def __init__(self, path: Path, fields: list[str], *, fresh: bool = True) -> None:
+        self.path = path
         new = fresh or not path.exists() or path.stat().st_size == 0
-        self._file = path.open("w" if new else "a", encoding="utf-8", newline="")
-        self._writer = csv.DictWriter(self._file, fieldnames=fields, extrasaction="ignore")
-        if new:
-            self._writer.writeheader()
-            self._file.flush()
+        self.fields, found = list(fields), list(fields)
+        if not new:
+            with path.open(encoding="utf-8", newline="") as handle:
+                found = next(csv.reader(handle), [])
+            self.fields = found + [f for f in fields if f not in found]
+        self._open(rewrite=new or self.fields != found)
+
+    def _open(self, rewrite: bool) -> None:
+        """Open for appending; with ``rewrite``, first write the file anew under the current
+        header (the rows it holds kept)."""
+        if rewrite:
+            rows: list[dict[str, str]] = []
+            if self.path.exists() and self.path.stat().st_size:
+                with self.path.open(encoding="utf-8", newline="") as handle:
+                    rows = list(csv.DictReader(handle))
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            with tmp.open("w", encoding="utf-8", newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=self.fields, extrasaction="ignore")
+                writer.writeheader()
+                writer.writerows(rows)
+            tmp.replace(self.path)
+        self._file = self.path.open("a", encoding="utf-8", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=self.fields, extrasaction="ignore")
 
     def write(self, row: dict[str, Any]) -> None:
+        new = [k for k, v in row.items() if k not in self.fields and _is_scalar(v)]
+        if new:
+            self._file.close()
+            self.fields += new
+            self._open(rewrite=True)
         self._writer.writerow(row)
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))
 
 
 class TensorBoardSink:

@@ -16,12 +16,12 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset
 
 from glassloop.data.augment import BatchAugment
 from glassloop.data.splits import Splits
 from glassloop.distributed import SINGLE, World
-from glassloop.errors import ConfigError
+from glassloop.errors import ConfigError, DataError
 from glassloop.preemption import ignore_stop_signals
 
 
@@ -368,6 +368,13 @@ def make_loader(
     >>> type(loader).__name__, len(loader)
     ('InMemoryLoader', 3)
     """
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise DataError(
+            f"data: make_loader needs a dataset with a length and indexing (map-style) to "
+            f"shuffle, shard and resume it; {type(dataset).__name__} has no length. Pass "
+            "DataLoader(dataset, batch_size=...) to fit instead (a resume then replays the "
+            "epoch's batches, exact when the dataset yields the same items in the same order)"
+        )
     tensors: Sequence[torch.Tensor] | None = None
     if isinstance(dataset, TensorDataset):
         tensors = dataset.tensors

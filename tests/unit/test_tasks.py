@@ -1,0 +1,382 @@
+"""Any model, any task: regression, multilabel, language models, dict/tuple/ModelOutput
+outputs, a model's own loss, multi-input predict, custom metrics, step hooks, lr_find."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sklearn import metrics as skm
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import IterableDataset
+
+import glassloop
+from glassloop import Callback, DataError, Trainer
+from glassloop.data import make_loader
+
+
+def regression_data(n: int = 256, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 5, generator=g)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [0.0], [3.0]]) + 0.1 * torch.randn(
+        n, 1, generator=g
+    )
+    return x, y
+
+
+def trainer_for(model: nn.Module, loss_fn: Any, lr: float = 0.05, **kwargs: Any) -> Trainer:
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    return Trainer(model, optimizer, loss_fn, device="cpu", progress="none", **kwargs)
+
+
+# ----------------------------------------------------------------------------- regression
+def test_regression_predicts_raw_values_and_reports_sklearn_metrics() -> None:
+    torch.manual_seed(0)
+    x, y = regression_data()
+    model = nn.Linear(5, 1)
+    trainer = trainer_for(model, nn.MSELoss())
+    assert trainer.task == "regression"
+    loader = make_loader((x, y), batch_size=32, shuffle=True)
+    history = trainer.fit(loader, make_loader((x, y), batch_size=50), epochs=3)
+    prediction = trainer.predict(x)
+    assert prediction.shape == (256, 1)
+    assert not torch.allclose(prediction, torch.ones_like(prediction))  # not a softmax
+    expected = model(x).detach()
+    assert torch.allclose(prediction, expected, atol=1e-6)
+    row = history[-1]
+    p, t = expected.numpy(), y.numpy()
+    assert row["val_mae"] == pytest.approx(skm.mean_absolute_error(t, p), rel=1e-5)
+    assert row["val_rmse"] == pytest.approx(skm.root_mean_squared_error(t, p), rel=1e-5)
+    assert row["val_r2"] == pytest.approx(skm.r2_score(t, p), rel=1e-5)
+    assert "val_accuracy" not in row
+
+
+def test_regression_r2_and_rmse_average_over_outputs_like_sklearn() -> None:
+    g = torch.Generator().manual_seed(1)
+    p = torch.randn(40, 3, generator=g, dtype=torch.float64)
+    t = torch.randn(40, 3, generator=g, dtype=torch.float64)
+    result = glassloop.evaluate(nn.Identity(), [(p[:25], t[:25]), (p[25:], t[25:])], nn.MSELoss())
+    assert result["r2"] == pytest.approx(skm.r2_score(t.numpy(), p.numpy()), rel=1e-9)
+    assert result["rmse"] == pytest.approx(skm.root_mean_squared_error(t, p), rel=1e-9)
+    assert result["mae"] == pytest.approx(skm.mean_absolute_error(t, p), rel=1e-9)
+
+
+def test_regression_target_shape_that_would_broadcast_is_a_clear_error() -> None:
+    x, y = regression_data()
+    trainer = trainer_for(nn.Linear(5, 1), nn.MSELoss())
+    with pytest.raises(DataError, match=r"output has shape \(32, 1\) and the target \(32,\)"):
+        trainer.fit(make_loader((x, y.squeeze(1)), batch_size=32), epochs=1)
+
+
+# ----------------------------------------------------------------------------- multilabel
+def test_multilabel_sigmoid_predictions_and_metrics_equal_sklearn() -> None:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 8, generator=g)
+    y = (x[:, :4] + 0.3 * torch.randn(300, 4, generator=g) > 0).float()
+    model = nn.Linear(8, 4)
+    trainer = trainer_for(model, nn.BCEWithLogitsLoss(), lr=1.0, metrics=["auroc", "f1_weighted"])
+    assert trainer.task == "multilabel"
+    history = trainer.fit(
+        make_loader((x, y), batch_size=32), make_loader((x, y), batch_size=64), epochs=5
+    )
+    probs = trainer.predict(x)
+    assert torch.allclose(probs, torch.sigmoid(model(x)).detach(), atol=1e-6)
+    predicted = (probs > 0.5).int().numpy()
+    truth = y.int().numpy()
+    row = history[-1]
+    assert row["val_accuracy"] == pytest.approx(1 - skm.hamming_loss(truth, predicted))
+    assert row["val_exact_match"] == pytest.approx(skm.accuracy_score(truth, predicted))
+    assert row["val_f1_micro"] == pytest.approx(skm.f1_score(truth, predicted, average="micro"))
+    assert row["val_f1_macro"] == pytest.approx(skm.f1_score(truth, predicted, average="macro"))
+    assert row["val_f1_weighted"] == pytest.approx(
+        skm.f1_score(truth, predicted, average="weighted"), rel=1e-5
+    )
+    assert row["val_auroc"] == pytest.approx(
+        skm.roc_auc_score(truth, probs.numpy(), average="macro"), rel=1e-4
+    )
+    assert row["val_accuracy"] > 0.8
+
+
+# ------------------------------------------------------------------- classification extras
+def test_named_classification_metrics_equal_sklearn() -> None:
+    g = torch.Generator().manual_seed(2)
+    logits, labels = torch.randn(200, 5, generator=g), torch.randint(0, 5, (200,), generator=g)
+    result = glassloop.evaluate(
+        nn.Identity(), [(logits[:120], labels[:120]), (logits[120:], labels[120:])],
+        nn.CrossEntropyLoss(), metrics=["top2_accuracy", "f1_macro", "balanced_accuracy"],
+    )  # fmt: skip
+    top2 = (logits.topk(2, dim=1).indices == labels[:, None]).any(1).float().mean()
+    predicted = logits.argmax(1).numpy()
+    assert result["top2_accuracy"] == pytest.approx(float(top2))
+    assert result["f1_macro"] == pytest.approx(skm.f1_score(labels, predicted, average="macro"))
+    assert result["balanced_accuracy"] == pytest.approx(
+        skm.balanced_accuracy_score(labels, predicted)
+    )
+    assert result["accuracy"] == pytest.approx(skm.accuracy_score(labels, predicted))
+
+
+def test_unknown_metric_name_is_refused_before_training() -> None:
+    with pytest.raises(glassloop.ConfigError, match="no metric 'r2' for a classification task"):
+        trainer_for(nn.Linear(2, 2), nn.CrossEntropyLoss(), metrics=["r2"])
+    from glassloop.metric_names import make_metric
+
+    with pytest.raises(glassloop.ConfigError, match="no metric"):
+        make_metric("auroc", "regression", 1)
+
+
+# ------------------------------------------------------------------------- language model
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 12, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.rnn = nn.GRU(dim, dim, batch_first=True)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.rnn(self.embed(tokens))
+        return self.head(hidden)  # (N, T, vocab)
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def lm_corpus(n: int = 64, length: int = 10, vocab: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counting sequences mod vocab: each next token is predictable from the last."""
+    start = torch.randint(0, vocab, (n, 1), generator=torch.Generator().manual_seed(0))
+    seq = (start + torch.arange(length + 1)) % vocab
+    target = seq[:, 1:].clone()
+    target[:, -2:][: n // 2] = -100  # padding on half the rows: ignored
+    return seq[:, :-1], target
+
+
+def test_language_model_perplexity_and_token_accuracy_ignore_padding() -> None:
+    torch.manual_seed(0)
+    x, y = lm_corpus()
+    trainer = trainer_for(TinyLM(), lm_loss, task="language-model")
+    trainer.optimizer = torch.optim.Adam(trainer.model.parameters(), lr=0.02)
+    history = trainer.fit(
+        make_loader((x, y), batch_size=16), make_loader((x, y), batch_size=16), epochs=6
+    )
+    row = history[-1]
+    assert row["val_perplexity"] == pytest.approx(math.exp(row["val_loss"]))
+    with torch.no_grad():
+        logits = trainer.model(x)
+    kept = y != -100
+    token_accuracy = (logits.argmax(-1)[kept] == y[kept]).float().mean()
+    assert row["val_accuracy"] == pytest.approx(float(token_accuracy))
+    expected_loss = F.cross_entropy(logits.reshape(-1, 12), y.reshape(-1))  # mean over kept
+    assert row["val_loss"] == pytest.approx(float(expected_loss), rel=1e-5)
+    assert row["val_accuracy"] > 0.9
+    probs = trainer.predict(x[:2])
+    assert probs.shape == (2, 10, 12) and torch.allclose(probs.sum(-1), torch.ones(2, 10))
+
+
+def test_a_large_vocabulary_keeps_no_confusion_matrix() -> None:
+    logits, labels = torch.randn(8, 5000), torch.randint(0, 5000, (8,))
+    result = glassloop.evaluate(nn.Identity(), [(logits, labels)], nn.CrossEntropyLoss())
+    assert "confusion" not in result
+    assert result["accuracy"] == pytest.approx(float((logits.argmax(1) == labels).float().mean()))
+
+
+# --------------------------------------------------------------- outputs and own losses
+class ModelOutput(OrderedDict):  # type: ignore[type-arg]
+    """What transformers' ModelOutput is: an ordered dict whose keys are also attributes."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError as err:
+            raise AttributeError(name) from err
+
+
+class HFStyleClassifier(nn.Module):
+    """Like a Hugging Face model: keyword inputs, computes its loss when given labels."""
+
+    def __init__(self, return_dict: bool = True) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.return_dict = return_dict
+
+    def forward(self, input_values: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        logits = self.net(input_values)
+        loss = F.cross_entropy(logits, labels) if labels is not None else None
+        if not self.return_dict:
+            return (loss, logits) if loss is not None else (logits,)
+        out = ModelOutput()
+        if loss is not None:
+            out["loss"] = loss
+        out["logits"] = logits
+        return out
+
+
+def dict_batches(n: int = 96) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 6, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    return [{"input_values": x[i : i + 16], "labels": y[i : i + 16]} for i in range(0, n, 16)]
+
+
+@pytest.mark.parametrize("return_dict", [True, False])
+def test_a_model_that_computes_its_own_loss_trains_like_the_hand_loop(return_dict: bool) -> None:
+    batches = dict_batches()
+    torch.manual_seed(0)
+    ours = HFStyleClassifier(return_dict)
+    hand = HFStyleClassifier(return_dict)
+    hand.load_state_dict(ours.state_dict())
+    trainer = trainer_for(ours, None, task="classification")
+    history = trainer.fit(batches, batches, epochs=2)
+    optimizer = torch.optim.SGD(hand.parameters(), lr=0.05)
+    for _ in range(2):
+        for batch in batches:
+            out = hand(**batch)
+            loss = out["loss"] if return_dict else out[0]
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for a, b in zip(ours.parameters(), hand.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert "val_accuracy" in history[-1] and "val_confusion" not in history[-1]
+    probs = trainer.predict([{"input_values": b["input_values"]} for b in batches])
+    assert probs.shape == (96, 3) and torch.allclose(probs.sum(1), torch.ones(96))
+
+
+@pytest.mark.parametrize("kind", ["dict", "tuple", "modeloutput"])
+def test_evaluate_and_predict_find_the_prediction_in_structured_outputs(kind: str) -> None:
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> Any:
+            logits = self.linear(x)
+            if kind == "dict":
+                return {"logits": logits, "features": x}
+            if kind == "tuple":
+                return logits, x
+            return ModelOutput(logits=logits)
+
+    model = Net()
+    x, y = torch.randn(20, 4), torch.randint(0, 3, (20,))
+
+    def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = output[0] if kind == "tuple" else output["logits"]
+        return F.cross_entropy(logits, target)
+
+    trainer = trainer_for(model, loss_fn)
+    trainer.fit([(x, y)], [(x, y)], epochs=1)
+    result = trainer.evaluate([(x, y)])
+    assert result["accuracy"] == pytest.approx(
+        float((model.linear(x).argmax(1) == y).float().mean())
+    )
+    assert torch.allclose(trainer.predict(x), torch.softmax(model.linear(x), 1).detach())
+
+
+def test_predict_with_several_inputs_keeps_them_all() -> None:
+    class TwoInputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(3, 2)
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return self.linear(a + b)
+
+    model = TwoInputs()
+    a, b, y = torch.randn(5, 3), torch.randn(5, 3), torch.randint(0, 2, (5,))
+    expected = torch.softmax(model(a, b), 1).detach()
+    assert torch.allclose(glassloop.predict(model, [(a, b)]), expected)
+    assert torch.allclose(glassloop.predict(model, [(a, b, y)]), expected)  # target dropped
+
+
+# ------------------------------------------------------------- metrics, hooks, extension
+class HeadMetrics(Callback):
+    def on_validation_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        metrics["head_gap"] = 0.5 * metrics["loss"]
+
+    def on_epoch_end(self, trainer: Trainer, row: dict[str, Any]) -> None:
+        row["custom_score"] = float(row["epoch"]) * 10
+
+
+def test_metrics_from_callbacks_reach_history_csv_jsonl_and_monitor(tmp_path: Path) -> None:
+    x, y = regression_data()
+    trainer = trainer_for(
+        nn.Linear(5, 1), nn.MSELoss(), run_dir=tmp_path, callbacks=[HeadMetrics()],
+        checkpoint=glassloop.checkpointer.CheckpointConfig(monitor="val_r2"),
+    )  # fmt: skip
+    trainer.fit(make_loader((x, y), batch_size=64), make_loader((x, y), batch_size=64), epochs=2)
+    row = trainer.history[-1]
+    assert row["val_head_gap"] == pytest.approx(0.5 * row["val_loss"])
+    assert row["custom_score"] == 20.0
+    with (tmp_path / "metrics.csv").open() as handle:
+        rows = [r for r in csv.DictReader(handle) if r["kind"] == "epoch"]
+    assert [float(r["custom_score"]) for r in rows] == [10.0, 20.0]
+    assert float(rows[-1]["val_r2"]) == pytest.approx(row["val_r2"])
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["val_head_gap"] == pytest.approx(row["val_head_gap"])
+    # r2 is maximised: best/ holds the epoch with the highest val_r2
+    best = json.loads((tmp_path / "best" / "meta.json").read_text())
+    assert best["metrics"]["val_r2"] == max(r["val_r2"] for r in trainer.history)
+
+
+class Steps(Callback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.losses: list[torch.Tensor] = []
+        self.validations = 0
+
+    def on_step_end(self, trainer: Trainer, step: int, loss: torch.Tensor) -> None:
+        self.steps.append(step)
+        self.losses.append(loss)
+
+    def on_validation_start(self, trainer: Trainer) -> None:
+        self.validations += 1
+
+
+def test_step_hooks_and_validation_every_n_steps(tmp_path: Path) -> None:
+    x, y = regression_data(128)
+    watcher = Steps()
+    trainer = trainer_for(
+        nn.Linear(5, 1), nn.MSELoss(), callbacks=[watcher], validate_every_n_steps=3,
+        run_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(make_loader((x, y), batch_size=16), make_loader((x, y), batch_size=64), epochs=2)
+    assert watcher.steps == list(range(1, 17))
+    assert all(loss.ndim == 0 and not loss.requires_grad for loss in watcher.losses)
+    # steps 3, 6, ..., 15 plus the two epoch ends
+    assert watcher.validations == 5 + 2
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "val"] == [3, 6, 9, 12, 15]
+    assert all("val_r2" in r for r in rows if r["kind"] == "val")
+
+
+def test_lr_find_in_python_leaves_the_trainer_untouched(tmp_path: Path) -> None:
+    x, y = regression_data()
+    model = nn.Linear(5, 1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = trainer_for(model, nn.MSELoss())
+    found = glassloop.lr_find(trainer, make_loader((x, y), batch_size=32), steps=60)
+    assert 1e-7 <= found.suggestion <= 10
+    assert len(found.lrs) == len(found.losses) > 10
+    assert found.plot(tmp_path / "lr.png").stat().st_size > 1000
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+    assert trainer.optimizer.param_groups[0]["lr"] == 0.05
+
+
+def test_make_loader_on_an_iterable_dataset_is_a_clear_error() -> None:
+    class Stream(IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            yield from range(3)
+
+    with pytest.raises(DataError, match="Stream has no length"):
+        make_loader(Stream(), batch_size=2)
