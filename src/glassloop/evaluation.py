@@ -211,9 +211,9 @@ def update_sums(
 
 def model_device(model: nn.Module) -> torch.device:
     """Where the model's parameters (or buffers) are; the CPU for a model without any."""
-    tensor = next(model.parameters(), None)
-    tensor = tensor if tensor is not None else next(model.buffers(), None)
-    return tensor.device if tensor is not None else torch.device("cpu")
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
 
 
 def check_same_shape(prediction: torch.Tensor, target: Any, where: str) -> None:
