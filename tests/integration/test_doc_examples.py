@@ -1,0 +1,53 @@
+"""Every Python block in docs/tasks.md runs as written (a user copies it before reading the
+prose around it), each in a fresh interpreter in an empty directory."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).parents[2] / "docs"
+
+
+def python_blocks(path: Path) -> list[tuple[str, str]]:
+    """``(heading, code)`` of every ```python block, named by the section it is in."""
+    blocks, heading = [], path.name
+    for part in re.split(r"(^#+ .*$)", path.read_text(encoding="utf-8"), flags=re.MULTILINE):
+        if part.startswith("#"):
+            heading = part.lstrip("# ").strip()
+            continue
+        blocks += [(heading, code) for code in re.findall(r"```python\n(.*?)```", part, re.DOTALL)]
+    return blocks
+
+
+TASKS = python_blocks(DOCS / "tasks.md")
+EXPECTED = {  # what each example must print: it ran, and it learned
+    "Regression (scikit-learn's diabetes set)": "regression",
+    "Multi-label tagging": "exact match",
+    "A language model (characters of a generated corpus)": "perplexity",
+    "A model that computes its own loss (Hugging Face style)": "val accuracy",
+    "Several heads, your own metrics, step hooks": "val_size_mae",
+    "A step that keeps state: truncated BPTT with a carried hidden state": "carried state resumed exactly: True",
+    "Finding a learning rate": "suggested lr",
+    "Saving and reloading a model built in Python": "True",
+}
+
+
+def test_every_example_is_checked() -> None:
+    assert sorted(name for name, _ in TASKS) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize(("heading", "code"), TASKS, ids=[name for name, _ in TASKS])
+def test_docs_tasks_example_runs(heading: str, code: str, tmp_path: Path) -> None:
+    script = tmp_path / "example.py"
+    script.write_text(code, encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+        timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert EXPECTED[heading] in done.stdout, done.stdout
