@@ -19,13 +19,14 @@ import torch
 from torch import nn
 
 from glassloop.callbacks import Callback, EarlyStopping
-from glassloop.config import Config, to_dict
+from glassloop.config import Config, config_task, to_dict
 from glassloop.data import Splits, load_splits, loaders_for_splits, make_loader, pad_collate
 from glassloop.data.loaders import InMemoryLoader, ResumableLoader
 from glassloop.data.text import TextData, load_text
 from glassloop.device import resolve_device
 from glassloop.distributed import SINGLE, World, init_from_env, local_device
 from glassloop.loop import Trainer
+from glassloop.losses import build_loss
 from glassloop.models import build_model
 from glassloop.optimizers import build_optimizer, build_scheduler, schedule_span
 from glassloop.rng import seed_everything
@@ -50,6 +51,7 @@ def model_spec(cfg: Config, data: Splits | TextData) -> dict[str, Any]:
         "num_classes": data.num_classes,
         "class_names": data.class_names,
         "preprocessing": data.preprocessing,
+        "task": config_task(cfg),
     }
     if isinstance(data, TextData):
         spec.update(vocab_size=data.vocab_size, pad_id=data.pad_id)
@@ -69,6 +71,7 @@ class Parts:
     model: nn.Module
     loss_fn: nn.Module
     device: torch.device
+    task: str  # what the model is trained to do (glassloop.tasks)
 
 
 def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
@@ -76,6 +79,7 @@ def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
     cfg = copy.deepcopy(cfg)
     device = local_device(resolve_device(cfg.train.device), world)
     seed_everything(cfg.train.seed)  # before building the model: reproducible initial weights
+    task = config_task(cfg)
     data: Splits | TextData
     if cfg.data.name == "text-csv":
         data = load_text(cfg.data)
@@ -98,7 +102,7 @@ def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
             lengths=data.val.lengths if buckets else None, shard="strided", **common,
         )  # fmt: skip
     else:
-        data = load_splits(cfg.data)
+        data = load_splits(cfg.data, task)
         model = build_model(cfg.model, data.input_shape, data.num_classes)
         train_loader, val_loader = loaders_for_splits(
             data,
@@ -111,8 +115,10 @@ def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
             augment=cfg.data.augment,
             world=world,
         )
-    loss_fn = nn.CrossEntropyLoss(ignore_index=cfg.train.ignore_index)
-    return Parts(cfg, data, train_loader, val_loader, model, loss_fn, device)
+    loss_fn = build_loss(
+        cfg.loss, num_outputs=data.num_classes, ignore_index=cfg.train.ignore_index
+    )
+    return Parts(cfg, data, train_loader, val_loader, model, loss_fn.to(device), device, task)
 
 
 def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
@@ -147,6 +153,9 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
         parts.loss_fn,
         scheduler=scheduler,
         scheduler_interval=cfg.scheduler.interval,
+        task=parts.task,
+        metrics=t.metrics,
+        validate_every_n_steps=t.validate_every_n_steps,
         device=device,
         progress=cfg.train.progress,
         log_every=cfg.train.log_every,

@@ -7,10 +7,11 @@ Sections and keys (every key has a default; see the README's config reference)::
                  val_fraction, num_samples, num_features, num_classes, seed
     [optim]      name, lr, and any keyword argument of that torch.optim class
     [scheduler]  name, interval, and any keyword argument of that lr_scheduler class
+    [loss]       name, label_smoothing, pos_weight, delta, beta
     [train]      epochs, seed, device, log_every, progress, precision, grad_accum_steps,
                  loss_weighting, ignore_index, clip_grad_norm, clip_grad_value, nonfinite,
                  max_nonfinite_skips, ema_decay, compile, strategy, dist_timeout_s,
-                 tensorboard
+                 tensorboard, task, metrics, validate_every_n_steps
     [checkpoint] every_n_steps, every_n_epochs, keep_last, monitor, mode
     [early_stopping] monitor, patience, min_delta, mode
 
@@ -29,6 +30,7 @@ from typing import Any
 
 from glassloop.checkpointer import CheckpointConfig
 from glassloop.errors import ConfigError
+from glassloop.metric_names import check_metric_name
 from glassloop.optimizers import optimizer_kwargs, scheduler_kwargs
 from glassloop.validation import (
     AT_LEAST_0,
@@ -76,7 +78,8 @@ class DataConfig:
     path: str = ""  # npz, csv, image-folder
     root: str = "data"  # mnist, fashion-mnist, cifar10: where their files are (or go)
     download: bool = False  # mnist, fashion-mnist: fetch with torchvision (glassloop[vision])
-    label_column: str = "label"  # csv
+    label_column: str = "label"  # csv: the target column
+    label_columns: list[str] = field(default_factory=list)  # csv: several (multilabel, outputs)
     image_size: int = 0  # image-folder: resize to this square size (0: keep; all must match)
     channels: int = 0  # image-folder: 1 (grayscale) or 3 (RGB); 0: from the first image
     text_column: str = "text"  # text-csv
@@ -120,6 +123,18 @@ class SchedulerConfig:
 
 
 @dataclass
+class LossConfig:
+    """The loss by name (``"mean"`` reduction); its options apply where the loss has them.
+    ``train.ignore_index`` is the label cross_entropy and nll leave out."""
+
+    name: str = "cross_entropy"  # nll, bce_with_logits, mse, l1, huber, smooth_l1
+    label_smoothing: float = 0.0  # cross_entropy
+    pos_weight: list[float] = field(default_factory=list)  # bce_with_logits: one per label
+    delta: float = 1.0  # huber
+    beta: float = 1.0  # smooth_l1
+
+
+@dataclass
 class TrainConfig:
     epochs: int = 10
     seed: int = 0
@@ -141,6 +156,9 @@ class TrainConfig:
     strategy: str = "auto"  # several processes (torchrun): "auto"/"ddp" = DDP; "dp" is refused
     dist_timeout_s: float = 300.0  # a collective waiting longer (a dead process) fails the job
     tensorboard: bool = False  # also write RUN_DIR/tensorboard/ (glassloop[tensorboard])
+    task: str = "auto"  # auto: from loss.name; classification, multilabel, regression, ...
+    metrics: list[str] = field(default_factory=list)  # by name, e.g. ["top5_accuracy", "auroc"]
+    validate_every_n_steps: int = 0  # 0: validate at epoch ends only
 
 
 @dataclass
@@ -159,6 +177,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
@@ -169,6 +188,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "optim": OptimConfig,
     "scheduler": SchedulerConfig,
+    "loss": LossConfig,
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
     "early_stopping": EarlyStoppingConfig,
@@ -194,8 +214,10 @@ CHOICES: dict[tuple[str, str], tuple[Any, ...]] = {
     ("model", "name"): ("mlp", "cnn", "text-classifier"),
     ("train", "strategy"): ("auto", "ddp", "dp"),
     ("checkpoint", "mode"): ("auto", "min", "max"),
-    ("checkpoint", "monitor"): ("", "train_loss", "val_loss", "val_accuracy"),
-    ("early_stopping", "monitor"): ("", "train_loss", "val_loss", "val_accuracy"),
+    ("loss", "name"): (
+        "cross_entropy", "nll", "bce_with_logits", "mse", "l1", "huber", "smooth_l1",
+    ),
+    ("train", "task"): ("auto", "classification", "multilabel", "regression", "language-model"),
     ("early_stopping", "mode"): ("auto", "min", "max"),
     ("train", "nonfinite"): ("raise", "skip"),
     ("train", "compile_mode"): (
@@ -239,6 +261,10 @@ RANGES: dict[tuple[str, str], Range] = {
     ("checkpoint", "keep_last"): AT_LEAST_0,
     ("early_stopping", "patience"): AT_LEAST_1,
     ("early_stopping", "min_delta"): AT_LEAST_0,
+    ("loss", "label_smoothing"): FRACTION,
+    ("loss", "pos_weight"): Range(0.0, open_low=True),
+    ("loss", "delta"): Range(0.0, open_low=True),
+    ("loss", "beta"): Range(0.0, open_low=True),
     **{key: rule for key, rule in _TRAINER_KEYS.items() if isinstance(rule, Range)},
 }
 
@@ -339,6 +365,15 @@ def from_dict(raw: dict[str, Any]) -> Config:
             obj.kwargs = scheduler_kwargs(obj.name, kwargs)
         built[section] = obj
     cfg = Config(**built)
+    for section in ("checkpoint", "early_stopping"):
+        monitor = getattr(cfg, section).monitor
+        if monitor and monitor != "train_loss" and not monitor.startswith("val_"):
+            raise ConfigError(
+                f"config: {section}.monitor must be 'train_loss' or a validation metric "
+                f"('val_loss', 'val_accuracy', 'val_r2', ...), got {monitor!r}"
+            )
+    for name in cfg.train.metrics:
+        check_metric_name(name, config_task(cfg))
     if cfg.scheduler.name == "warmup_cosine":
         if "interval" not in raw.get("scheduler", {}):
             cfg.scheduler.interval = "step"  # it is defined in optimizer steps
@@ -348,6 +383,19 @@ def from_dict(raw: dict[str, Any]) -> Config:
                 "scheduler.interval = 'step'"
             )
     return cfg
+
+
+# The task each loss implies when train.task is "auto".
+LOSS_TASKS = {
+    "cross_entropy": "classification", "nll": "classification",
+    "bce_with_logits": "multilabel",
+    "mse": "regression", "l1": "regression", "huber": "regression", "smooth_l1": "regression",
+}  # fmt: skip
+
+
+def config_task(cfg: Config) -> str:
+    """``train.task``, or the task ``loss.name`` implies."""
+    return cfg.train.task if cfg.train.task != "auto" else LOSS_TASKS[cfg.loss.name]
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

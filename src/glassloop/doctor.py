@@ -268,14 +268,20 @@ def run_doctor(cfg: Config, *, output: Path | None = None, overfit_steps: int = 
     with torch.no_grad():
         output_eval, _ = forward(model, batch, device)
     classes = int(output_eval.shape[-1])
-    checks = [check_labels(run, classes), check_balance(run, classes), *check_inputs(run)]
-    checks.append(check_softmax(output_eval))
-    labels_ok = checks[0].status != "FAIL"
+    classifier = run.task in ("classification", "language-model")
+    checks: list[Check] = []
+    if classifier:  # class labels, their balance, the logits: only a classifier has them
+        checks += [check_labels(run, classes), check_balance(run, classes)]
+    checks += check_inputs(run)
+    if classifier:
+        checks.append(check_softmax(output_eval))
+    labels_ok = not classifier or checks[0].status != "FAIL"
     model.train()
     logits, target = forward(model, batch, device)
     if labels_ok:
         loss = run.loss_fn(logits, target)
-        checks.append(check_initial_loss(float(loss.detach()), classes))
+        if classifier:  # ln(C) is what an untrained classifier's cross-entropy should be
+            checks.append(check_initial_loss(float(loss.detach()), classes))
         checks.append(check_gradients(model, loss))
         checks.append(check_overfit(run, batch, device, overfit_steps))
     checks.append(check_modes(model, batch, device))

@@ -36,7 +36,8 @@ from glassloop.checkpoint import (
 )
 from glassloop.config import ModelConfig, from_dict
 from glassloop.errors import ConfigError, ModelError
-from glassloop.models import build_model
+from glassloop.models import build_model, data_kwargs
+from glassloop.tasks import TASKS
 
 ModelClass = Callable[..., nn.Module]
 
@@ -157,11 +158,17 @@ def model_description(weights: Weights) -> dict[str, Any]:
             value = spec.get(key, 0)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{key} = {value!r}")
+        task = spec.get("task", "classification")  # files written before tasks existed
+        if task not in TASKS:
+            raise ValueError(f"task = {task!r}")
     except (ConfigError, KeyError, TypeError, ValueError) as err:
         raise CheckpointError(
             f"checkpoint: '{weights.path}' has a malformed model description ({err})"
         ) from err
-    return {**spec, "model": model, "input_shape": input_shape, "num_classes": num_classes}
+    return {
+        **spec, "model": model, "input_shape": input_shape, "num_classes": num_classes,
+        "task": task,
+    }  # fmt: skip
 
 
 def _positive(value: Any) -> int:
@@ -195,7 +202,8 @@ def model_from(
     cfg: ModelConfig = spec["model"]
     if model_class is not None:
         try:
-            model = model_class(**cfg.kwargs)
+            shape, outputs = tuple(spec["input_shape"]), int(spec["num_classes"])
+            model = model_class(**data_kwargs(model_class, cfg.kwargs, shape, outputs))
         except Exception as err:  # the user's constructor may raise anything
             raise ModelError(f"model: {model_class!r}(**{cfg.kwargs}) failed: {err}") from err
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import sys
 from pathlib import Path
@@ -142,6 +143,24 @@ def import_target(target: str) -> Any:
     return getattr(module, attr)
 
 
+def data_kwargs(
+    factory: Any, kwargs: dict[str, Any], input_shape: tuple[int, ...], num_outputs: int
+) -> dict[str, Any]:
+    """``kwargs`` plus what the data says, for each of ``input_shape``, ``num_classes`` and
+    ``num_outputs`` that the factory's signature names and ``kwargs`` leaves out (so a
+    ``model.target`` class need not repeat them in ``model.kwargs``)."""
+    try:
+        accepted = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    known = {
+        "input_shape": tuple(input_shape),
+        "num_classes": num_outputs,
+        "num_outputs": num_outputs,
+    }
+    return {**{k: v for k, v in known.items() if k in accepted and k not in kwargs}, **kwargs}
+
+
 def build_model(
     cfg: ModelConfig,
     input_shape: tuple[int, ...],
@@ -155,7 +174,7 @@ def build_model(
     if cfg.target:
         factory = import_target(cfg.target)
         try:
-            model = factory(**cfg.kwargs)
+            model = factory(**data_kwargs(factory, cfg.kwargs, input_shape, num_classes))
         except Exception as err:  # the user's constructor may raise anything
             raise ModelError(
                 f"model.target {cfg.target!r} could not be built with kwargs {cfg.kwargs}: "

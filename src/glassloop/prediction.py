@@ -1,6 +1,7 @@
 """Prediction from a trained run: rebuild the model from its weights file, turn raw inputs
 (image files, .npy/.npz arrays, CSV rows, text lines) into model inputs exactly as training
-did (using the preprocessing saved with the weights), and return softmax probabilities."""
+did (using the preprocessing saved with the weights), and return what the model's task means by
+a prediction: class probabilities, label probabilities, or values (:mod:`glassloop.tasks`)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,14 @@ from glassloop.export import ModelClass, model_description, model_from, read_wei
 
 @dataclass
 class Prediction:
-    """Top-k classes of one input: names (or indices) with their probabilities."""
+    """One input's prediction: the top-k classes with their probabilities (classification),
+    every label with its probability (multilabel), or every output with its value
+    (regression)."""
 
     source: str
     classes: list[str]
-    probabilities: list[float]
+    probabilities: list[float]  # for a regression: the predicted values
+    values: bool = False  # a regression's values, not probabilities
 
 
 class Predictor:
@@ -43,6 +47,7 @@ class Predictor:
         self.input_shape = tuple(int(d) for d in spec["input_shape"])
         self.class_names: list[str] = list(spec.get("class_names") or [])
         self.preprocessing: dict[str, Any] = dict(spec.get("preprocessing") or {})
+        self.task: str = spec.get("task", "classification")
 
     @classmethod
     def from_path(
@@ -121,8 +126,8 @@ class Predictor:
 
     # ------------------------------------------------------------------------- prediction
     def predict(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
-        """Softmax probabilities for raw inputs (see :meth:`prepare`)."""
-        return predict_probs(self.model, self.prepare(x))
+        """The task's prediction for raw inputs (see :meth:`prepare`)."""
+        return predict_probs(self.model, self.prepare(x), task=self.task)
 
     def predict_texts(self, texts: list[str]) -> torch.Tensor:
         from tokenizers import Tokenizer
@@ -133,7 +138,7 @@ class Predictor:
         ids = [torch.tensor((e.ids or [pad_id])[:limit]) for e in tokenizer.encode_batch(texts)]
         batch = pad_collate([(seq, 0) for seq in ids], pad_value=pad_id)
         batch.pop("labels")
-        return predict_probs(self.model, [batch])
+        return predict_probs(self.model, [batch], task=self.task)
 
     def predict_files(self, paths: list[str | Path]) -> tuple[list[str], torch.Tensor]:
         """Read every file (images, .npy/.npz, .csv, text lines) and predict; returns one
@@ -178,6 +183,20 @@ class Predictor:
         return sources, torch.cat(outputs) if outputs else torch.empty(0)
 
     def top_k(self, sources: list[str], probs: torch.Tensor, k: int) -> list[Prediction]:
+        """Per input: the ``k`` likeliest classes (classification); every label or output
+        (multilabel, regression: ``k`` does not apply)."""
+        if self.task not in ("classification", "language-model", "auto"):
+            outputs = range(probs.shape[1])
+            names = [self.class_names[i] if i < len(self.class_names) else str(i) for i in outputs]
+            return [
+                Prediction(
+                    source,
+                    names,
+                    [round(float(v), 6) for v in row],
+                    values=self.task != "multilabel",
+                )
+                for source, row in zip(sources, probs.reshape(len(sources), -1), strict=True)
+            ]
         k = min(k, probs.shape[1])
         values, indices = probs.topk(k, dim=1)
         names = self.class_names
@@ -192,19 +211,25 @@ class Predictor:
 
 
 def write_predictions(predictions: list[Prediction], path: Path) -> None:
-    """CSV: input, rank, class, probability (one row per input and rank)."""
+    """CSV: input, rank, class, probability (one row per input and rank; for a regression:
+    input, rank (the output's position), output, value)."""
+    values = bool(predictions) and predictions[0].values
     with path.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["input", "rank", "class", "probability"])
+        writer.writerow(["input", "rank", "output", "value"] if values else
+                        ["input", "rank", "class", "probability"])  # fmt: skip
         for p in predictions:
             for rank, (name, prob) in enumerate(zip(p.classes, p.probabilities, strict=True), 1):
                 writer.writerow([p.source, rank, name, prob])
 
 
 def format_predictions(predictions: list[Prediction]) -> str:
+    def shown(p: Prediction, q: float) -> str:
+        return f"{q:.6g}" if p.values else f"{100 * q:.2f}%"
+
     return "\n".join(
         f"{p.source}: "
-        + ", ".join(f"{c} {100 * q:.2f}%" for c, q in zip(p.classes, p.probabilities, strict=True))
+        + ", ".join(f"{c} {shown(p, q)}" for c, q in zip(p.classes, p.probabilities, strict=True))
         for p in predictions
     )
 

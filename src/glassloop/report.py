@@ -6,9 +6,12 @@ from __future__ import annotations
 import html
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from glassloop.errors import GlassloopError
+
+if TYPE_CHECKING:
+    import torch
 from glassloop.metrics import format_report
 from glassloop.runs import read_epochs
 
@@ -18,13 +21,16 @@ def write_report(
     *,
     evaluation: dict[str, Any] | None = None,
     class_names: list[str] | None = None,
+    predicted_vs_true: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Path:
-    """Write ``run_dir/report/`` from the run's files (and, if given, a final evaluation with
-    its confusion matrix and per-class report); return the index.html path."""
+    """Write ``run_dir/report/`` from the run's files: a plot per metric; with a final
+    classification ``evaluation`` its confusion matrix and per-class report; with a
+    regression's ``predicted_vs_true`` values a scatter plot of them. Return index.html."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
@@ -34,11 +40,12 @@ def write_report(
     rows = read_epochs(run_dir)
     epochs = [r["epoch"] for r in rows]
     images: list[tuple[str, str]] = []
-    panels = [
-        ("loss.png", "loss", ["train_loss", "val_loss"]),
-        ("accuracy.png", "accuracy", ["val_accuracy"]),
-        ("lr.png", "learning rate", ["lr"]),
-    ]
+    # One plot per metric: the losses together, then each validation metric (accuracy,
+    # r2, mae, ... whatever the task and the callbacks wrote), then the learning rate.
+    metrics = sorted({k for r in rows for k in r if k.startswith("val_") and k != "val_loss"})
+    panels = [("loss.png", "loss", ["train_loss", "val_loss"])]
+    panels += [(f"{key}.png", key.removeprefix("val_"), [key]) for key in metrics]
+    panels.append(("lr.png", "learning rate", ["lr"]))
     for name, title, keys in panels:
         nan = float("nan")
         series = [(k, [float(r[k]) if r.get(k) is not None else nan for r in rows]) for k in keys]
@@ -49,6 +56,7 @@ def write_report(
         for key, values in series:
             axis.plot(epochs, values, marker="o", label=key)
         axis.set(xlabel="epoch", ylabel=title, title=title)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
         axis.legend()
         axis.grid(alpha=0.3)
         figure.tight_layout()
@@ -77,6 +85,17 @@ def write_report(
         images.append(("confusion.png", "confusion matrix"))
         report_text = format_report(evaluation["report"], evaluation["accuracy"], names)
         (out / "classification_report.txt").write_text(report_text + "\n", encoding="utf-8")
+    if predicted_vs_true is not None:
+        predicted, true = (t.detach().float().flatten().cpu() for t in predicted_vs_true)
+        figure, axis = plt.subplots(figsize=(5, 5))
+        axis.scatter(true, predicted, s=8, alpha=0.5)
+        low, high = float(min(true.min(), predicted.min())), float(max(true.max(), predicted.max()))
+        axis.plot([low, high], [low, high], linestyle="--", color="gray")  # perfect predictions
+        axis.set(xlabel="true", ylabel="predicted", title="predicted vs true (validation)")
+        figure.tight_layout()
+        figure.savefig(out / "predicted_vs_true.png", dpi=100)
+        plt.close(figure)
+        images.append(("predicted_vs_true.png", "predicted vs true"))
     index = out / "index.html"
     index.write_text(_html(run_dir, rows, images, report_text), encoding="utf-8")
     return index

@@ -189,6 +189,7 @@ def default_run_dir() -> Path:
 def cmd_train(args: argparse.Namespace) -> int:
     from glassloop.assemble import build
     from glassloop.config import load_config
+    from glassloop.data.splits import Splits
     from glassloop.distributed import shutdown
     from glassloop.errors import GlassloopError
 
@@ -216,9 +217,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if history and run.trainer.last_eval is not None:
         from glassloop.report import write_report
 
+        pairs = None
+        if run.trainer.task == "regression" and isinstance(run.splits, Splits):
+            pairs = (run.trainer.predict(run.splits.x_val), run.splits.y_val)
         index = write_report(
-            run_dir, evaluation=run.trainer.last_eval, class_names=run.splits.class_names
-        )
+            run_dir, evaluation=run.trainer.last_eval, class_names=run.splits.class_names,
+            predicted_vs_true=pairs,
+        )  # fmt: skip
         print(f"report: {index}")
     last = history[-1] if history else {}
     if "val_accuracy" in last:
@@ -297,19 +302,24 @@ def evaluate_weights(
     load_checked(parts.model, weights.tensors, weights.path)
     model = parts.model.to(parts.device)
     with autocast(parts.config.train.precision, parts.device):  # as training evaluated
-        result = evaluate(model, parts.val_loader, parts.loss_fn, device=parts.device)
+        result = evaluate(
+            model, parts.val_loader, parts.loss_fn, task=parts.task, device=parts.device,
+            ignore_index=parts.config.train.ignore_index, metrics=parts.config.train.metrics,
+        )  # fmt: skip
     return parts, weights, result
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from glassloop.metrics import format_report
+    from glassloop.metrics import format_report, is_number
 
     parts, weights, result = evaluate_weights(Path(args.source), args.overrides, args.trust_code)
     print(f"weights: {weights.path}")
     print(f"validation samples: {len(parts.data.y_val)}")
-    print(f"loss: {result['loss']:.6f}")
-    if "accuracy" in result:
-        print(f"accuracy: {100 * result['accuracy']:.2f}%")
+    print(f"task: {parts.task}")
+    for name, value in result.items():
+        if is_number(value):
+            print(f"{name}: {100 * value:.2f}%" if name == "accuracy" else f"{name}: {value:.6g}")
+    if "report" in result:
         print()
         print(format_report(result["report"], result["accuracy"], parts.data.class_names))
     return EXIT_OK
@@ -353,13 +363,23 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def report_for(run_dir: Path, *, trust_code: bool = False) -> Path:
     """Evaluate the run's final weights on its validation data and write its report."""
+    from glassloop.data.splits import Splits
     from glassloop.errors import GlassloopError
     from glassloop.report import write_report
 
     if not (run_dir / "config.json").is_file():
         raise GlassloopError(f"report: '{run_dir}' is not a run directory (no config.json)")
     parts, _, evaluation = evaluate_weights(run_dir, [], trust_code)
-    return write_report(run_dir, evaluation=evaluation, class_names=parts.data.class_names)
+    pairs = None
+    if parts.task == "regression" and isinstance(parts.data, Splits):
+        from glassloop.evaluation import predict
+
+        prediction = predict(parts.model, parts.data.x_val, task="regression", device=parts.device)
+        pairs = (prediction, parts.data.y_val)
+    return write_report(
+        run_dir, evaluation=evaluation, class_names=parts.data.class_names,
+        predicted_vs_true=pairs,
+    )  # fmt: skip
 
 
 def cmd_runs(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from glassloop.config import DataConfig
-from glassloop.data.splits import Splits, from_arrays, stratified_split
+from glassloop.data.splits import Splits, from_arrays, stratified_split, target_values
 from glassloop.errors import DataError
 
 # The usual MNIST pixel statistics (over the 60,000 training images, pixels in [0, 1]).
@@ -132,19 +132,27 @@ def load_arrays(path: Path, who: str) -> dict[str, np.ndarray]:
         ) from err
 
 
-def npz(cfg: DataConfig) -> Splits:
+def npz(cfg: DataConfig, task: str = "classification") -> Splits:
+    """``x``/``y`` (split here) or ``x_train``/``y_train``/``x_val``/``y_val``: integer class
+    labels, or for a regression / multilabel task real-valued or 0/1 targets ``(N,)`` or
+    ``(N, outputs)``."""
     if not cfg.path:
         raise DataError("data: data.name = 'npz' needs data.path = 'file.npz'")
     path = Path(cfg.path)
     if not path.is_file():
         raise DataError(f"data: file '{path}' not found (data.path)")
     arrays = load_arrays(path, "data")
+    labels = task in ("classification", "language-model")
     if {"x_train", "y_train", "x_val", "y_val"} <= arrays.keys():
         parts = (arrays["x_train"], arrays["y_train"], arrays["x_val"], arrays["y_val"])
     elif {"x", "y"} <= arrays.keys():
         if len(arrays["y"]) == 0:
             raise DataError(f"data: '{path}' holds an empty dataset (0 samples)")
-        parts = stratified_split(arrays["x"], arrays["y"], val_size=cfg.val_fraction, seed=cfg.seed)
+        if labels:
+            _check_labels(arrays["y"], path, "")
+        parts = stratified_split(
+            arrays["x"], arrays["y"], val_size=cfg.val_fraction, seed=cfg.seed, stratify=labels
+        )
     else:
         raise DataError(
             f"data: '{path}' must hold arrays x and y, or x_train, y_train, x_val and y_val; "
@@ -156,24 +164,42 @@ def npz(cfg: DataConfig) -> Splits:
             raise DataError(f"data: the {name} set in '{path}' is empty (0 samples)")
         if len(xs) != len(ys):
             raise DataError(f"data: '{path}' {name} set has {len(xs)} inputs but {len(ys)} labels")
-        if not np.issubdtype(ys.dtype, np.integer):
-            raise DataError(f"data: '{path}' {name} labels must be integers, got {ys.dtype}")
-        if ys.min() < 0:
-            raise DataError(
-                f"data: '{path}' {name} labels include {int(ys.min())}; labels must be "
-                "class indices in [0, num_classes)"
-            )
+        if labels:
+            _check_labels(ys, path, f"{name} ")
+    if not labels:
+        y_tr = target_values(y_tr, task, f"'{path}' (train)")
+        y_va = target_values(y_va, task, f"'{path}' (validation)")
+        return from_arrays(x_tr, y_tr, x_va, y_va, int(y_tr.shape[1]), values=True)
     num_classes = int(max(y_tr.max(), y_va.max())) + 1
     return from_arrays(x_tr, y_tr, x_va, y_va, num_classes)
 
 
-def load_splits(cfg: DataConfig) -> Splits:
-    """The dataset ``cfg.name`` names, as in-memory training and validation tensors.
+def _check_labels(ys: np.ndarray, path: Path, name: str) -> None:
+    if not np.issubdtype(ys.dtype, np.integer):
+        raise DataError(
+            f"data: '{path}' {name}labels must be integers (class indices), got {ys.dtype}; "
+            "for real-valued targets set loss.name = 'mse' (a regression) or train.task"
+        )
+    if ys.min() < 0:
+        raise DataError(
+            f"data: '{path}' {name}labels include {int(ys.min())}; labels must be "
+            "class indices in [0, num_classes)"
+        )
+
+
+def load_splits(cfg: DataConfig, task: str = "classification") -> Splits:
+    """The dataset ``cfg.name`` names, as in-memory training and validation tensors; for a
+    ``task`` other than classification, its targets as float values (npz and csv only).
 
     >>> s = load_splits(DataConfig(name="synthetic", num_samples=100, num_features=4))
     >>> s.x_train.shape, s.x_val.shape
     (torch.Size([80, 4]), torch.Size([20, 4]))
     """
+    if task not in ("classification", "language-model") and cfg.name not in ("npz", "csv"):
+        raise DataError(
+            f"data: {cfg.name!r} has class labels; a {task} task reads its targets from "
+            "data.name = 'npz' or 'csv'"
+        )
     if cfg.name == "mnist-5k":
         splits = mnist_5k(cfg.normalize)
     elif cfg.name == "digits":
@@ -181,11 +207,11 @@ def load_splits(cfg: DataConfig) -> Splits:
     elif cfg.name == "synthetic":
         splits = synthetic(cfg)
     elif cfg.name == "npz":
-        splits = npz(cfg)
+        splits = npz(cfg, task)
     elif cfg.name == "csv":
         from glassloop.data.files import tabular_csv
 
-        splits = tabular_csv(cfg)
+        splits = tabular_csv(cfg, task)
     elif cfg.name == "image-folder":
         from glassloop.data.files import image_folder
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from glassloop.config import DataConfig
-from glassloop.data.splits import Splits, from_arrays, stratified_split
+from glassloop.data.splits import Splits, from_arrays, stratified_split, target_values
 from glassloop.errors import DataError
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
@@ -32,11 +32,19 @@ STATS = {
 }
 
 
-def _class_indices(labels: list[str]) -> tuple[np.ndarray, list[str]]:
-    """Integer labels stay numbers (0..max); any other labels become sorted class names."""
+def _class_indices(labels: list[str], column: str, path: Path) -> tuple[np.ndarray, list[str]]:
+    """Integer labels stay numbers (0..max); words become sorted class names; real numbers
+    are refused (a regression read as classes would train on string-sorted "classes")."""
     try:
         numbers = [int(v) for v in labels]
     except ValueError:
+        real = [v for v in labels if _is_float(v)]
+        if len(real) == len(labels):
+            raise DataError(
+                f"data: '{path}' column {column!r} holds real numbers (e.g. {real[0]!r}), not "
+                "class labels; for a regression set loss.name = 'mse' (or train.task = "
+                "'regression')"
+            ) from None
         names = sorted(set(labels))
         index = {name: i for i, name in enumerate(names)}
         return np.array([index[v] for v in labels], dtype=np.int64), names
@@ -45,30 +53,40 @@ def _class_indices(labels: list[str]) -> tuple[np.ndarray, list[str]]:
     return np.array(numbers, dtype=np.int64), [str(c) for c in range(max(numbers) + 1)]
 
 
-def tabular_csv(cfg: DataConfig) -> Splits:
-    """A CSV with a header: ``label_column`` is the class, every other column a numeric
-    feature, standardised with the training split's mean and standard deviation."""
+def tabular_csv(cfg: DataConfig, task: str = "classification") -> Splits:
+    """A CSV with a header: ``label_column`` (or ``label_columns``) holds the target — a
+    class for classification, numbers for a regression, 0/1 per column for multilabel —
+    and every other column is a numeric feature, standardised with the training split's
+    mean and standard deviation."""
     path = _existing(cfg.path, "data.path (a .csv file)")
     with path.open(newline="", encoding="utf-8") as handle:
         rows = list(csv.reader(handle))
     if len(rows) < 2:
         raise DataError(f"data: '{path}' has no data rows (a header and at least one row)")
     header, body = rows[0], rows[1:]
-    if cfg.label_column not in header:
+    targets = cfg.label_columns or [cfg.label_column]
+    key = "data.label_columns" if cfg.label_columns else "data.label_column"
+    missing = [name for name in targets if name not in header]
+    if missing:
         raise DataError(
-            f"data: '{path}' has no column {cfg.label_column!r} (data.label_column); columns: "
-            f"{', '.join(header)}"
+            f"data: '{path}' has no column {missing[0]!r} ({key}); columns: {', '.join(header)}"
         )
-    label_at = header.index(cfg.label_column)
-    features = [name for i, name in enumerate(header) if i != label_at]
+    labels = task in ("classification", "language-model")
+    if labels and len(targets) > 1:
+        raise DataError(
+            f"data: {len(targets)} label columns for a classification (one class per row); "
+            "for several 0/1 tags set loss.name = 'bce_with_logits' (multilabel)"
+        )
+    target_at = [header.index(name) for name in targets]
+    features = [name for i, name in enumerate(header) if i not in target_at]
     x = np.empty((len(body), len(features)), dtype=np.float32)
-    labels = []
+    raw_targets: list[list[str]] = []
     for r, row in enumerate(body, start=2):
         if len(row) != len(header):
             raise DataError(
                 f"data: '{path}' line {r} has {len(row)} fields, the header {len(header)}"
             )
-        values = [v for i, v in enumerate(row) if i != label_at]
+        values = [v for i, v in enumerate(row) if i not in target_at]
         try:
             x[r - 2] = [float(v) for v in values]
         except ValueError:
@@ -77,16 +95,33 @@ def tabular_csv(cfg: DataConfig) -> Splits:
                 f"data: '{path}' line {r}, column {features[bad]!r}: {values[bad]!r} is not a "
                 "number (features must be numeric; encode categories first)"
             ) from None
-        labels.append(row[label_at])
+        raw_targets.append([row[i] for i in target_at])
     if not np.isfinite(x).all():
         raise DataError(f"data: '{path}' has NaN or infinite feature values")
-    y, names = _class_indices(labels)
-    x_tr, y_tr, x_va, y_va = stratified_split(x, y, val_size=cfg.val_fraction, seed=cfg.seed)
+    names: list[str]
+    if labels:
+        y, names = _class_indices([t[0] for t in raw_targets], targets[0], path)
+    else:
+        bad_row = next((n for n, t in enumerate(raw_targets) if not all(map(_is_float, t))), None)
+        if bad_row is not None:
+            raise DataError(
+                f"data: '{path}' line {bad_row + 2}: the {task} targets "
+                f"{raw_targets[bad_row]} are not all numbers"
+            )
+        y, names = (
+            target_values(np.array(raw_targets, dtype=np.float64), task, f"'{path}'"),
+            targets,
+        )
+    x_tr, y_tr, x_va, y_va = stratified_split(
+        x, y, val_size=cfg.val_fraction, seed=cfg.seed, stratify=labels
+    )
     mean = x_tr.mean(axis=0)
     std = x_tr.std(axis=0)
     std[std == 0] = 1.0  # a constant column stays constant instead of dividing by zero
     scale = {"feature_columns": features, "mean": mean.tolist(), "std": std.tolist()}
-    return from_arrays((x_tr - mean) / std, y_tr, (x_va - mean) / std, y_va, names, scale)
+    return from_arrays(
+        (x_tr - mean) / std, y_tr, (x_va - mean) / std, y_va, names, scale, values=not labels
+    )
 
 
 def _is_float(value: str) -> bool:

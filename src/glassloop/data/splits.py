@@ -35,19 +35,23 @@ class Splits:
 def from_arrays(
     x_tr: np.ndarray, y_tr: np.ndarray, x_va: np.ndarray, y_va: np.ndarray,
     class_names: list[str] | int, preprocessing: dict[str, Any] | None = None,
+    *, values: bool = False,
 ) -> Splits:  # fmt: skip
-    """float32 inputs and int64 labels; ``class_names`` may be a count (names "0", "1", ...).
+    """float32 inputs and int64 labels (``values``: float32 targets, one column per output,
+    for a regression or multilabel task); ``class_names`` may be a count (names "0", "1",
+    ...) and names the outputs for ``values``.
 
     >>> s = from_arrays(np.zeros((4, 2)), np.arange(4), np.zeros((2, 2)), np.arange(2), 4)
     >>> s.class_names, s.x_train.dtype, s.input_shape
     (['0', '1', '2', '3'], torch.float32, (2,))
     """
     names = [str(c) for c in range(class_names)] if isinstance(class_names, int) else class_names
+    y_dtype = torch.float32 if values else torch.int64
     return Splits(
         torch.as_tensor(x_tr, dtype=torch.float32),
-        torch.as_tensor(y_tr, dtype=torch.int64),
+        torch.as_tensor(y_tr, dtype=y_dtype),
         torch.as_tensor(x_va, dtype=torch.float32),
-        torch.as_tensor(y_va, dtype=torch.int64),
+        torch.as_tensor(y_va, dtype=y_dtype),
         len(names),
         names,
         dict(preprocessing or {}),
@@ -55,15 +59,29 @@ def from_arrays(
 
 
 def stratified_split(
-    x: np.ndarray, y: np.ndarray, *, val_size: float | int, seed: int
+    x: np.ndarray, y: np.ndarray, *, val_size: float | int, seed: int, stratify: bool = True
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """scikit-learn's stratified ``train_test_split``: (x_train, y_train, x_val, y_val)."""
+    """scikit-learn's ``train_test_split``, stratified by class unless ``stratify`` is false
+    (real-valued or multi-column targets): (x_train, y_train, x_val, y_val)."""
     from sklearn.model_selection import train_test_split  # ~1 s to import: only when used
 
     try:
         x_tr, x_va, y_tr, y_va = train_test_split(
-            x, y, test_size=val_size, random_state=seed, stratify=y
+            x, y, test_size=val_size, random_state=seed, stratify=y if stratify else None
         )
     except ValueError as err:
         raise DataError(f"data: cannot split {len(y)} samples for validation: {err}") from err
     return x_tr, y_tr, x_va, y_va
+
+
+def target_values(y: np.ndarray, task: str, where: str) -> np.ndarray:
+    """Targets of a regression or multilabel task as float32 ``(N, outputs)``: finite, and
+    0/1 for multilabel."""
+    values = np.asarray(y, dtype=np.float64)
+    if values.ndim == 1:
+        values = values[:, None]  # one output: (N, 1), the shape of the model's output
+    if not np.isfinite(values).all():
+        raise DataError(f"data: {where} has NaN or infinite target values")
+    if task == "multilabel" and not np.isin(values, (0.0, 1.0)).all():
+        raise DataError(f"data: {where}: multilabel targets must be 0 or 1 per label")
+    return values.astype(np.float32)

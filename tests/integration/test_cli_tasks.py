@@ -1,0 +1,153 @@
+"""Every task from the command line: train, eval, predict, report, doctor, export and reload
+for a regression (scikit-learn's diabetes set as CSV) and a multi-label tagger (npz); and the
+target mistakes that used to train silently wrong."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from sklearn.datasets import load_diabetes
+
+import glassloop
+from tests.cli_runner import run_glassloop, sets
+
+
+def diabetes_csv(path: Path) -> Path:
+    data = load_diabetes()
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow([*data.feature_names, "progression"])
+        for row, target in zip(data.data, data.target, strict=True):
+            writer.writerow([*(f"{v:.6f}" for v in row), f"{target / 100:.4f}"])
+    return path
+
+
+REGRESSION = [
+    "data.name=csv", "data.label_column=progression", "loss.name=mse", "model.hidden=[32]",
+    "train.epochs=4", "optim.lr=0.01", "data.batch_size=32", "train.progress=none",
+    "checkpoint.monitor=val_r2", "train.metrics=['explained_variance']",
+]  # fmt: skip
+
+
+def test_regression_from_csv_trains_evaluates_predicts_and_reports(tmp_path: Path) -> None:
+    table = diabetes_csv(tmp_path / "diabetes.csv")
+    run = tmp_path / "run"
+    train = run_glassloop(
+        "train", *sets([f"data.path={table}", *REGRESSION]), "--run-dir", str(run)
+    )
+    assert train.returncode == 0, train.stderr + train.stdout
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if r["kind"] == "epoch"][-1]
+    assert {"val_mae", "val_rmse", "val_r2", "val_explained_variance"} <= last.keys()
+    assert last["val_r2"] > 0.2  # it learned something (a mean predictor scores 0)
+    assert (run / "report" / "predicted_vs_true.png").is_file()
+    assert (run / "report" / "val_r2.png").is_file()
+    assert not (run / "report" / "confusion.png").exists()
+
+    evaluated = run_glassloop("eval", str(run))
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert "task: regression" in evaluated.stdout
+    assert f"r2: {last['val_r2']:.6g}" in evaluated.stdout
+
+    features = tmp_path / "new.csv"
+    with table.open() as handle:
+        lines = handle.read().splitlines()
+    header = lines[0].split(",")[:-1]
+    features.write_text(
+        "\n".join([",".join(header), *(",".join(line.split(",")[:-1]) for line in lines[1:4])])
+        + "\n"
+    )
+    predicted = run_glassloop(
+        "predict", str(run), str(features), "--output", str(tmp_path / "p.csv")
+    )
+    assert predicted.returncode == 0, predicted.stderr
+    first = predicted.stdout.splitlines()[0]
+    assert first.startswith("new.csv:2: progression ") and "%" not in first
+    value = float(first.split()[-1])
+    model = glassloop.load_model(run)
+    assert model is not None
+    with (tmp_path / "p.csv").open() as handle:
+        assert next(csv.reader(handle)) == ["input", "rank", "output", "value"]
+    assert abs(value) < 10
+
+    doctor = run_glassloop(
+        "doctor", *sets([f"data.path={table}", *REGRESSION]), "--output", str(tmp_path / "doc")
+    )
+    assert doctor.returncode == 0, doctor.stderr + doctor.stdout
+    assert "initial loss" not in doctor.stdout and "labels" not in doctor.stdout.split("\n")[0]
+    assert "overfit one batch" in doctor.stdout
+
+
+def test_multilabel_from_npz(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(600, 6)).astype(np.float32)
+    y = np.stack([x[:, 0] > 0, x[:, 1] + x[:, 2] > 0, x[:, 3] < -0.5], axis=1).astype(np.float32)
+    np.savez(tmp_path / "tags.npz", x=x, y=y)
+    run = tmp_path / "run"
+    done = run_glassloop(
+        "train", "--run-dir", str(run),
+        *sets([f"data.path={tmp_path / 'tags.npz'}", "data.name=npz", "loss.name=bce_with_logits",
+               "loss.pos_weight=[1.0, 1.0, 2.0]", "train.epochs=8", "model.hidden=[32]", "optim.lr=0.02",
+               "train.progress=none", "train.metrics=['auroc']"]),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr + done.stdout
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["val_exact_match"] > 0.6 and last["val_auroc"] > 0.9
+    np.save(tmp_path / "two.npy", x[:2])
+    predicted = run_glassloop("predict", str(run), str(tmp_path / "two.npy"))
+    assert predicted.returncode == 0, predicted.stderr
+    assert predicted.stdout.splitlines()[0].count("%") == 3  # every label's probability
+
+
+def test_real_valued_targets_are_never_read_as_classes(tmp_path: Path) -> None:
+    table = diabetes_csv(tmp_path / "d.csv")
+    done = run_glassloop(
+        "train", *sets([f"data.path={table}", "data.name=csv", "data.label_column=progression"])
+    )
+    assert done.returncode == 2
+    assert "holds real numbers" in done.stderr and "loss.name = 'mse'" in done.stderr
+    np.savez(tmp_path / "f.npz", x=np.zeros((20, 3), np.float32), y=np.linspace(0, 1, 20))
+    done = run_glassloop("train", *sets([f"data.path={tmp_path / 'f.npz'}", "data.name=npz"]))
+    assert done.returncode == 2
+    assert "must be integers (class indices)" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (["loss.name=mse", "data.name=digits"], "a regression task reads its targets from"),
+        (["loss.name=hinge"], "loss.name must be one of"),
+        (["checkpoint.monitor=r2"], "must be 'train_loss' or a validation metric"),
+        (["train.metrics=['r2']"], "no metric 'r2' for a classification task"),
+    ],
+)
+def test_task_settings_are_checked(settings: list[str], message: str) -> None:
+    done = run_glassloop("train", *sets(settings))
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+def test_model_target_gets_the_data_shape_when_it_asks(tmp_path: Path) -> None:
+    (tmp_path / "net.py").write_text(
+        "import math\n"
+        "from torch import nn\n"
+        "class Net(nn.Sequential):\n"
+        "    def __init__(self, input_shape, num_classes, width=16):\n"
+        "        super().__init__(nn.Flatten(), nn.Linear(math.prod(input_shape), width),\n"
+        "                         nn.ReLU(), nn.Linear(width, num_classes))\n"
+    )  # fmt: skip
+    run = tmp_path / "run"
+    done = run_glassloop(
+        "train", "--run-dir", str(run),
+        *sets([f"model.target={tmp_path / 'net.py'}:Net", "model.kwargs={width = 8}",
+               "data.name=digits", "train.epochs=1", "train.progress=none"]),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr + done.stdout
+    weights = glassloop.load_model(run, trust_code=True)
+    assert weights[1].in_features == 64 and weights[3].out_features == 10
+    assert isinstance(weights[1].weight, torch.Tensor) and weights[1].out_features == 8
