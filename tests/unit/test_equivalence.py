@@ -85,3 +85,85 @@ def test_tutorial_mlp_bitwise_equal_to_hand_written_loop() -> None:
 def test_dropout_and_per_step_scheduler_bitwise_equal() -> None:
     model, reference, _ = run_both(dropout=0.2, interval="step")
     assert_bitwise_equal(model, reference)
+
+
+def hand_fit(
+    model: nn.Module, batches: DataLoader, loss_fn: nn.Module, epochs: int, clip: float | None,
+    val: DataLoader,
+) -> None:  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(epochs):
+        model.train()
+        for x, y in batches:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad()
+        # The tutorial's test(): iterating a DataLoader draws its seed from the global RNG,
+        # which the next epoch's dropout masks come from, so validation is part of the loop.
+        model.eval()
+        with torch.no_grad():
+            for x, _ in val:
+                model(x)
+
+
+def glassloop_fit(
+    model: nn.Module, batches: DataLoader, loss_fn: nn.Module, epochs: int, clip: float | None,
+    task: str, val: DataLoader,
+) -> Trainer:  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    trainer = Trainer(model, optimizer, loss_fn, device="cpu", progress="none", task=task,
+                      clip_grad_norm=clip)  # fmt: skip
+    trainer.fit(batches, val, epochs=epochs)
+    return trainer
+
+
+def test_regression_with_dropout_bitwise_equal_to_hand_written_loop() -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 8, generator=g)
+    y = (x[:, :2].sum(1, keepdim=True) + 0.1 * torch.randn(300, 1, generator=g)) * 4
+    data = TensorDataset(x, y)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
+    reference = copy.deepcopy(model)
+    torch.manual_seed(99)
+    hand_fit(reference, loader(data), nn.HuberLoss(), 3, None, DataLoader(data, batch_size=100))
+    torch.manual_seed(99)
+    trainer = glassloop_fit(model, loader(data), nn.HuberLoss(), 3, None, "auto",
+                            DataLoader(data, batch_size=100))  # fmt: skip
+    assert trainer.task == "regression" and "val_r2" in trainer.history[-1]
+    assert_bitwise_equal(model, reference)
+
+
+class TokenLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 16)
+        self.rnn = nn.GRU(16, 24, batch_first=True)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(24, 20)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.rnn(self.embed(tokens))[0])).transpose(1, 2)  # (N, C, T)
+
+
+def test_language_model_with_padding_and_clipping_bitwise_equal() -> None:
+    g = torch.Generator().manual_seed(6)
+    x = torch.randint(0, 20, (200, 12), generator=g)
+    y = torch.roll(x, -1, dims=1)
+    y[::3, -3:] = -100  # padded positions: ignored
+    data = TensorDataset(x, y)
+    torch.manual_seed(0)
+    model = TokenLM()
+    reference = copy.deepcopy(model)
+    torch.manual_seed(99)
+    hand_fit(
+        reference, loader(data), nn.CrossEntropyLoss(), 2, 1.0, DataLoader(data, batch_size=64)
+    )
+    torch.manual_seed(99)
+    trainer = glassloop_fit(model, loader(data), nn.CrossEntropyLoss(), 2, 1.0,
+                            "language-model", DataLoader(data, batch_size=64))  # fmt: skip
+    assert "val_perplexity" in trainer.history[-1]
+    assert_bitwise_equal(model, reference)
