@@ -3,6 +3,7 @@ outputs, a model's own loss, multi-input predict, custom metrics, step hooks, lr
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import math
@@ -380,3 +381,41 @@ def test_make_loader_on_an_iterable_dataset_is_a_clear_error() -> None:
 
     with pytest.raises(DataError, match="Stream has no length"):
         make_loader(Stream(), batch_size=2)
+
+
+def test_a_real_hugging_face_model_trains_with_its_own_loss_bitwise() -> None:
+    transformers = pytest.importorskip("transformers")  # a dev dependency; never downloads
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, num_labels=2, max_position_embeddings=16,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 50, (192, 12), generator=g)
+    labels = (ids[:, 0] > 25).long()
+    batches = [
+        {"input_ids": ids[i : i + 32], "labels": labels[i : i + 32]} for i in range(0, 192, 32)
+    ]
+    torch.manual_seed(0)
+    ours = transformers.BertForSequenceClassification(config)
+    hand = copy.deepcopy(ours)
+    torch.manual_seed(1)  # dropout masks
+    optimizer = torch.optim.AdamW(hand.parameters(), lr=3e-3)
+    hand.train()
+    for _ in range(3):
+        for batch in batches[:4]:
+            hand(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        hand.eval()  # glassloop validates each epoch (no RNG drawn from a list of batches)
+        hand.train()
+    torch.manual_seed(1)
+    trainer = Trainer(ours, torch.optim.AdamW(ours.parameters(), lr=3e-3), None,
+                      task="classification", device="cpu", progress="none")  # fmt: skip
+    history = trainer.fit(batches[:4], batches[4:], epochs=3)
+    for a, b in zip(ours.parameters(), hand.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert history[-1]["val_accuracy"] > 0.8
+    probs = trainer.predict([{"input_ids": ids[:3]}])
+    with torch.no_grad():
+        expected = torch.softmax(ours.eval()(input_ids=ids[:3]).logits, -1)
+    assert torch.allclose(probs, expected, atol=1e-6)
