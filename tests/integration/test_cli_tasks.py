@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_runner import run_glassloop, sets
 from sklearn.datasets import load_diabetes
 
 import glassloop
-from tests.cli_runner import run_glassloop, sets
 
 
 def diabetes_csv(path: Path) -> Path:
