@@ -272,6 +272,8 @@ def launch_torchrun(nproc: int) -> int:
     failed = [recorded[rank] for rank in sorted(recorded) if recorded[rank]]
     if failed:
         return failed[0]
+    if len(recorded) == nproc:  # every worker finished its command and said 0
+        return EXIT_OK
     return code if code >= 0 else 128 - code  # killed by a signal: 128 + N, as a shell says
 
 
@@ -407,6 +409,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if EXIT_DIR in os.environ and "RANK" in os.environ:  # a worker of --nproc: tell the launcher
         with contextlib.suppress(OSError):
             Path(os.environ[EXIT_DIR], f"rank-{os.environ['RANK']}").write_text(str(code))
+        # Its work is done and recorded: leave without the interpreter's teardown, where the
+        # C++ destructors of a gloo process group that was already left can abort the
+        # process now and then ("terminate called without an active exception", SIGABRT),
+        # which torchrun would report as a failed job.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 
