@@ -235,6 +235,7 @@ def predict(
     task: str = "classification",
     batch_size: int = 256,
     device: torch.device | None = None,
+    classes: int | None = None,
 ) -> torch.Tensor:
     """What the task means by a prediction (:func:`glassloop.tasks.activate`): class
     probabilities (softmax) for classification, label probabilities (sigmoid) for
@@ -244,6 +245,8 @@ def predict(
     ``data`` is a tensor of inputs (split into batches of ``batch_size``) or an iterable of
     batches. A batch's target, if any, is dropped: a tuple with exactly as many elements as
     the model's ``forward`` requires is all inputs, a longer one ends with the target.
+    Class probabilities are in the last dimension; for a model with torch's ``(N, C, T)``
+    output layout pass ``classes=C`` and they are moved there.
 
     >>> probs = predict(nn.Linear(4, 3), torch.zeros(2, 4))
     >>> probs.shape, bool(torch.allclose(probs.sum(1), torch.ones(2)))
@@ -263,7 +266,7 @@ def predict(
             for batch in batches:
                 args, kwargs = split_inputs(move_to_device(batch, device), positional)
                 output = model(*args, **kwargs)
-                outputs.append(activate(task, prediction_of(output)).cpu())
+                outputs.append(activate(task, prediction_of(output), classes).cpu())
     finally:
         model.train(was_training)
     if not outputs:

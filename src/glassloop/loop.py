@@ -693,13 +693,17 @@ class Trainer:
             + ", ".join(f"{k} {v:.4g}" for k, v in row.items() if k.startswith("val_"))
         )
 
-    def predict(self, data: torch.Tensor | Iterable[Any], *, batch_size: int = 256) -> torch.Tensor:
+    def predict(
+        self, data: torch.Tensor | Iterable[Any], *, batch_size: int = 256,
+        classes: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """What the task means by a prediction (softmax or sigmoid probabilities, or the
         outputs as they are; :func:`glassloop.predict`), on the CPU, under inference mode."""
         with autocast(self.precision, self.device):
             return predict(
-                self.eval_model, data, task=self.task, batch_size=batch_size, device=self.device
-            )
+                self.eval_model, data, task=self.task, batch_size=batch_size,
+                device=self.device, classes=classes,
+            )  # fmt: skip
 
 
 def _num_samples(loader: Iterable[Any]) -> int | None:

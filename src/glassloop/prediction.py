@@ -62,7 +62,10 @@ class Predictor:
     # ------------------------------------------------------------------ raw → model inputs
     def prepare(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
         """Raw values (pixels 0-255, CSV units) → normalised model inputs, batch dimension
-        added to a single example."""
+        added to a single example; token ids stay integers."""
+        if self.preprocessing.get("inputs") == "token_ids":
+            ids = torch.as_tensor(np.asarray(x), dtype=torch.int64)
+            return ids.unsqueeze(0) if ids.ndim == len(self.input_shape) else ids
         t = torch.as_tensor(np.asarray(x), dtype=torch.float32)
         single_channel = len(self.input_shape) == 3 and self.input_shape[0] == 1
         if tuple(t.shape) == self.input_shape:
@@ -127,7 +130,8 @@ class Predictor:
     # ------------------------------------------------------------------------- prediction
     def predict(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
         """The task's prediction for raw inputs (see :meth:`prepare`)."""
-        return predict_probs(self.model, self.prepare(x), task=self.task)
+        classes = int(self.spec["num_classes"])
+        return predict_probs(self.model, self.prepare(x), task=self.task, classes=classes)
 
     def predict_texts(self, texts: list[str]) -> torch.Tensor:
         from tokenizers import Tokenizer
@@ -197,6 +201,8 @@ class Predictor:
                 )
                 for source, row in zip(sources, probs.reshape(len(sources), -1), strict=True)
             ]
+        if probs.ndim == 3:  # a language model: the next token, after the last position
+            probs = probs[:, -1, :]
         k = min(k, probs.shape[1])
         values, indices = probs.topk(k, dim=1)
         names = self.class_names

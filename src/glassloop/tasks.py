@@ -127,11 +127,16 @@ def model_loss(output: Any) -> torch.Tensor:
     return loss
 
 
-def activate(task: str, prediction: torch.Tensor) -> torch.Tensor:
-    """What ``predict`` returns for ``task``: class probabilities (softmax over the last
-    dimension), label probabilities (sigmoid), or the outputs as they are; in float32."""
+def activate(task: str, prediction: torch.Tensor, classes: int | None = None) -> torch.Tensor:
+    """What ``predict`` returns for ``task``: class probabilities (softmax over the classes,
+    returned in the last dimension), label probabilities (sigmoid), or the outputs as they
+    are; in float32. Classes are the last dimension, or dimension 1 (torch's ``(N, C, T)``
+    layout) when ``classes`` says the last one is not them."""
     prediction = prediction.float()
     if task in ("classification", "language-model", "auto"):
+        if prediction.ndim > 2 and classes is not None and prediction.shape[-1] != classes:
+            if prediction.shape[1] == classes:
+                prediction = prediction.movedim(1, -1)
         return torch.softmax(prediction, dim=-1)
     if task == "multilabel":
         return torch.sigmoid(prediction)

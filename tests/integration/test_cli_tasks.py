@@ -151,3 +151,38 @@ def test_model_target_gets_the_data_shape_when_it_asks(tmp_path: Path) -> None:
     weights = glassloop.load_model(run, trust_code=True)
     assert weights[1].in_features == 64 and weights[3].out_features == 10
     assert isinstance(weights[1].weight, torch.Tensor) and weights[1].out_features == 8
+
+
+def test_language_model_from_npz_token_windows(tmp_path: Path) -> None:
+    """Token ids in, next tokens out (padding -100): a model.target LM from the command line,
+    evaluated with perplexity and asked for the next token."""
+    (tmp_path / "lm.py").write_text(
+        "from torch import nn\n"
+        "class LM(nn.Module):\n"
+        "    def __init__(self, num_classes, width=32):\n"
+        "        super().__init__()\n"
+        "        self.embed = nn.Embedding(num_classes, width)\n"
+        "        self.rnn = nn.GRU(width, width, batch_first=True)\n"
+        "        self.head = nn.Linear(width, num_classes)\n"
+        "    def forward(self, tokens):\n"
+        "        return self.head(self.rnn(self.embed(tokens))[0]).transpose(1, 2)  # (N, C, T)\n"
+    )  # fmt: skip
+    start = np.random.default_rng(0).integers(0, 12, size=(300, 1))
+    seq = (start + np.arange(11)) % 12
+    y = seq[:, 1:].copy()
+    y[::4, -2:] = -100
+    np.savez(tmp_path / "tokens.npz", x=seq[:, :-1], y=y)
+    run = tmp_path / "run"
+    done = run_glassloop(
+        "train", "--run-dir", str(run),
+        *sets([f"data.path={tmp_path / 'tokens.npz'}", "data.name=npz",
+               f"model.target={tmp_path / 'lm.py'}:LM", "train.task=language-model",
+               "train.epochs=6", "optim.lr=0.01", "train.progress=none"]),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr + done.stdout
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["val_accuracy"] > 0.9 and last["val_perplexity"] < 2.0
+    np.save(tmp_path / "prompt.npy", np.array([[3, 4, 5, 6]]))
+    predicted = run_glassloop("predict", str(run), str(tmp_path / "prompt.npy"), "--trust-code")
+    assert predicted.returncode == 0, predicted.stderr
+    assert predicted.stdout.startswith("prompt.npy[0]: 7 ")  # the next token after 3, 4, 5, 6

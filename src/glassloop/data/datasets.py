@@ -134,8 +134,9 @@ def load_arrays(path: Path, who: str) -> dict[str, np.ndarray]:
 
 def npz(cfg: DataConfig, task: str = "classification") -> Splits:
     """``x``/``y`` (split here) or ``x_train``/``y_train``/``x_val``/``y_val``: integer class
-    labels, or for a regression / multilabel task real-valued or 0/1 targets ``(N,)`` or
-    ``(N, outputs)``."""
+    labels (``(N,)``, or ``(N, T)`` per token with integer token ids ``x`` for a language
+    model: ``-100`` marks padding), or for a regression / multilabel task real-valued or 0/1
+    targets ``(N,)`` or ``(N, outputs)``."""
     if not cfg.path:
         raise DataError("data: data.name = 'npz' needs data.path = 'file.npz'")
     path = Path(cfg.path)
@@ -151,7 +152,11 @@ def npz(cfg: DataConfig, task: str = "classification") -> Splits:
         if labels:
             _check_labels(arrays["y"], path, "")
         parts = stratified_split(
-            arrays["x"], arrays["y"], val_size=cfg.val_fraction, seed=cfg.seed, stratify=labels
+            arrays["x"],
+            arrays["y"],
+            val_size=cfg.val_fraction,
+            seed=cfg.seed,
+            stratify=labels and arrays["y"].ndim == 1,  # (a sequence of labels: not by class)
         )
     else:
         raise DataError(
@@ -171,6 +176,9 @@ def npz(cfg: DataConfig, task: str = "classification") -> Splits:
         y_va = target_values(y_va, task, f"'{path}' (validation)")
         return from_arrays(x_tr, y_tr, x_va, y_va, int(y_tr.shape[1]), values=True)
     num_classes = int(max(y_tr.max(), y_va.max())) + 1
+    if np.issubdtype(x_tr.dtype, np.integer):  # token ids (a language model): kept integers
+        vocabulary = max(num_classes, int(max(x_tr.max(), x_va.max())) + 1)
+        return from_arrays(x_tr, y_tr, x_va, y_va, vocabulary, {"inputs": "token_ids"})
     return from_arrays(x_tr, y_tr, x_va, y_va, num_classes)
 
 
@@ -180,9 +188,10 @@ def _check_labels(ys: np.ndarray, path: Path, name: str) -> None:
             f"data: '{path}' {name}labels must be integers (class indices), got {ys.dtype}; "
             "for real-valued targets set loss.name = 'mse' (a regression) or train.task"
         )
-    if ys.min() < 0:
+    kept = ys[ys != -100] if ys.ndim > 1 else ys  # -100: padding in a sequence of labels
+    if kept.size and kept.min() < 0:
         raise DataError(
-            f"data: '{path}' {name}labels include {int(ys.min())}; labels must be "
+            f"data: '{path}' {name}labels include {int(kept.min())}; labels must be "
             "class indices in [0, num_classes)"
         )
 

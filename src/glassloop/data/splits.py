@@ -47,10 +47,12 @@ def from_arrays(
     """
     names = [str(c) for c in range(class_names)] if isinstance(class_names, int) else class_names
     y_dtype = torch.float32 if values else torch.int64
+    token_ids = (preprocessing or {}).get("inputs") == "token_ids"
+    x_dtype = torch.int64 if token_ids else torch.float32  # an embedding's input stays integer
     return Splits(
-        torch.as_tensor(x_tr, dtype=torch.float32),
+        torch.as_tensor(x_tr, dtype=x_dtype),
         torch.as_tensor(y_tr, dtype=y_dtype),
-        torch.as_tensor(x_va, dtype=torch.float32),
+        torch.as_tensor(x_va, dtype=x_dtype),
         torch.as_tensor(y_va, dtype=y_dtype),
         len(names),
         names,
