@@ -134,9 +134,9 @@ def activate(task: str, prediction: torch.Tensor, classes: int | None = None) ->
     layout) when ``classes`` says the last one is not them."""
     prediction = prediction.float()
     if task in ("classification", "language-model", "auto"):
-        if prediction.ndim > 2 and classes is not None and prediction.shape[-1] != classes:
-            if prediction.shape[1] == classes:
-                prediction = prediction.movedim(1, -1)
+        layout_n_c_t = prediction.ndim > 2 and prediction.shape[-1] != classes
+        if classes is not None and layout_n_c_t and prediction.shape[1] == classes:
+            prediction = prediction.movedim(1, -1)
         return torch.softmax(prediction, dim=-1)
     if task == "multilabel":
         return torch.sigmoid(prediction)
