@@ -147,10 +147,16 @@ class Checkpointer:
         return found
 
     def check_compatible(
-        self, checkpoint: Checkpoint, config: Any, allow_config_change: bool
+        self,
+        checkpoint: Checkpoint,
+        config: Any,
+        allow_config_change: bool,
+        warn: Callable[[str], None] = print,
     ) -> None:
         """The same number of processes (each one's data shard and RNG are in the state) and
-        the same config, but for keys that do not change the result."""
+        the same config, but for keys that do not change the result. Keys the checkpoint's
+        config does not have (settings added by a newer glassloop) cannot be compared: they
+        are named in a warning instead, so an upgrade never blocks a resume."""
         saved_world = checkpoint.meta.get("world_size", 1)  # checked to be an int >= 1
         if saved_world != self.world.size:
             raise ConfigError(
@@ -159,6 +165,13 @@ class Checkpointer:
                 f"{saved_world}): each process's data shard and RNG are part of the state"
             )
         changes = config_differences(checkpoint.meta.get("config"), config)
+        newer = [change for change in changes if ": <unset> -> " in change]
+        if newer:
+            warn(
+                f"warning: '{checkpoint.path}' was written before these settings existed, so "
+                f"they are not compared: {'; '.join(newer)}"
+            )
+            changes = [change for change in changes if change not in newer]
         if changes and not allow_config_change:
             raise ConfigError(
                 f"config: the run in '{checkpoint.path}' was made with a different config: "

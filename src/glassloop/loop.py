@@ -618,7 +618,9 @@ class Trainer:
         if checkpoint is None:
             return
         config = self.config or python_config(self)
-        self.checkpointer.check_compatible(checkpoint, config, allow_config_change)
+        self.checkpointer.check_compatible(
+            checkpoint, config, allow_config_change, self.console.message
+        )
         load_checked(self.model, checkpoint.model_tensors, checkpoint.weights)  # read once
         try:
             self.load_state_dict(checkpoint.state)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from glassloop import Callback, CheckpointError, Trainer
+from glassloop import Callback, CheckpointError, ConfigError, Trainer
 from glassloop.checkpoint import read_checkpoint
 from glassloop.checkpointer import CheckpointConfig, config_differences
 from glassloop.data import make_loader
@@ -360,3 +360,21 @@ def test_a_compiled_run_resumes_bitwise_in_a_fresh_process(tmp_path: Path) -> No
     resumed = compiled(tmp_path / "run")
     resumed.fit(loader(), epochs=2, resume="auto")
     assert_same(weights(resumed), weights(straight))
+
+
+def test_settings_added_by_a_newer_version_warn_instead_of_blocking_a_resume() -> None:
+    from types import SimpleNamespace
+
+    from glassloop.checkpointer import Checkpointer
+
+    old = SimpleNamespace(path=Path("ck"), meta={"world_size": 1, "config": {"optim": {"lr": 0.1}}})
+    current = {"optim": {"lr": 0.1}, "loss": {"name": "cross_entropy"}, "task": "auto"}
+    said: list[str] = []
+    Checkpointer(None).check_compatible(old, current, False, said.append)  # type: ignore[arg-type]
+    assert said == [
+        "warning: 'ck' was written before these settings existed, so they are not compared: "
+        "loss.name: <unset> -> cross_entropy; task: <unset> -> auto"
+    ]
+    changed = {**current, "optim": {"lr": 0.2}}
+    with pytest.raises(ConfigError, match=r"optim.lr: 0.1 -> 0.2"):
+        Checkpointer(None).check_compatible(old, changed, False, said.append)  # type: ignore[arg-type]
