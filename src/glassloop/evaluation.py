@@ -228,6 +228,25 @@ def check_same_shape(prediction: torch.Tensor, target: Any, where: str) -> None:
         )
 
 
+def predictions_and_targets(
+    model: nn.Module, loader: Iterable[Any], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A regression's outputs and targets over ``loader`` (on the CPU), for its
+    predicted-vs-true plot."""
+    was_training = model.training
+    model.eval()
+    outputs, targets = [], []
+    try:
+        with torch.inference_mode():
+            for batch in loader:
+                inputs, target = split_batch(move_to_device(batch, device))
+                outputs.append(prediction_of(model(*inputs[0], **inputs[1])).float().cpu())
+                targets.append(torch.as_tensor(target).float().cpu())
+    finally:
+        model.train(was_training)
+    return torch.cat(outputs), torch.cat(targets)
+
+
 def predict(
     model: nn.Module,
     data: torch.Tensor | Iterable[Any],

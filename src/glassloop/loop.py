@@ -37,7 +37,14 @@ from glassloop.distributed import (
     wrap,
 )
 from glassloop.errors import DataError, GlassloopError
-from glassloop.evaluation import LossFn, Metric, evaluate, metric_table, predict
+from glassloop.evaluation import (
+    LossFn,
+    Metric,
+    evaluate,
+    metric_table,
+    predict,
+    predictions_and_targets,
+)
 from glassloop.guards import NonFinitePolicy, check_first_batch, explain
 from glassloop.metrics import is_number
 from glassloop.precision import autocast, check_precision, make_scaler
@@ -54,6 +61,7 @@ from glassloop.rng import (
 from glassloop.run_log import RunLog, python_config
 from glassloop.sinks import ProgressReporter
 from glassloop.state import EpochRecord, TrainState
+from glassloop.summary import end_summary, start_header
 from glassloop.tasks import model_loss, resolve_task
 from glassloop.validation import check_trainer_options
 
@@ -253,7 +261,7 @@ class Trainer:
         with self.run_log.hold():  # the run directory's lock, for the whole fit
             barrier()  # nobody reads the run dir while rank 0 tidies it
             if resume is not None:
-                self._resume(resume, allow_config_change)
+                self._resume(resume, allow_config_change, epochs)
             else:
                 self.checkpointer.refuse_overwrite()
             if self.state.epoch >= epochs or self.state.stopped:
@@ -275,6 +283,8 @@ class Trainer:
             step=self.state.step, has_val=val_loader is not None,
             config=self.config or python_config(self), environment=self._environment,
         )  # fmt: skip
+        self.console.info(start_header(self, train_loader, val_loader, epochs))
+        start = time.perf_counter()
         status = "failed"
         try:
             with StopSignals() as self._signals:
@@ -287,6 +297,8 @@ class Trainer:
                     callback.on_fit_end(self)
                 self.save_checkpoint(finished=True)  # always at the end
             status = "finished"
+            report = self._write_report(val_loader, final=True)
+            self.console.info(end_summary(self, time.perf_counter() - start, report))
         except (KeyboardInterrupt, Preempted):
             status = "interrupted"
             raise
@@ -306,7 +318,8 @@ class Trainer:
         state = self.state
         epoch = state.epoch + 1
         start = time.perf_counter()
-        self.console.epoch_start(epoch, epochs, _num_samples(train_loader))
+        done = sum(self.record.sizes)  # a resumed epoch's bar starts where it was
+        self.console.epoch_start(epoch, epochs, _num_samples(train_loader), done)
         self.model.train()  # dropout on, batch-norm updates its running statistics
         batches: Iterable[Any] = train_loader
         if not hasattr(train_loader, "load_state_dict"):
@@ -370,7 +383,7 @@ class Trainer:
         state.samples_seen += window.samples
         state.batch_in_epoch += len(micro)
         local = sum(sizes)
-        self.console.advance(local)
+        self.console.advance(local, self.record)
         if loss is not None:  # None: skipped, nothing learned, no step counted
             self.record.add_step(loss, local)  # kept on the device: no host sync per step
             state.step += 1
@@ -529,6 +542,7 @@ class Trainer:
                 self.checkpointer.save_best(self.model, state, self.checkpoint_meta())
         if self.checkpointer.due_after_epoch(self.state.epoch):
             self.save_checkpoint()
+        self._write_report(self._val_loader, final=False)  # when due: a long run's live view
         self._stop_if_signalled()
 
     def _log_step(self, loss: torch.Tensor) -> None:
@@ -540,6 +554,22 @@ class Trainer:
             loss=value, lr=self.optimizer.param_groups[0]["lr"],
             grad_norm=float(norm) if norm is not None else None,
         )  # fmt: skip
+
+    def _write_report(self, val_loader: Iterable[Any] | None, *, final: bool) -> Path | None:
+        """``RUN_DIR/report/`` from the metrics and the last validation (rank 0); for a
+        regression with its predicted-vs-true plot."""
+        if not self.run_log.active or (not final and not self.run_log.report_due()):
+            return None
+        pairs = None
+        # (At the end only: iterating a DataLoader draws from the global RNG, which must not
+        # depend on when a refresh fell due.)
+        if final and self.task == "regression" and val_loader is not None:
+            with autocast(self.precision, self.device):
+                pairs = predictions_and_targets(self.eval_model, val_loader, self.device)
+        names = (self.model_spec or {}).get("class_names")
+        return self.run_log.write_report(
+            evaluation=self.last_eval, class_names=names, predicted_vs_true=pairs, final=final
+        )
 
     def _stop_if_signalled(self, agreed: int | None = None) -> None:
         """Stop after this step if a SIGTERM/SIGINT arrived (in any process: all processes
@@ -613,7 +643,7 @@ class Trainer:
             "versions": self._environment, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }  # fmt: skip
 
-    def _resume(self, resume: str | Path, allow_config_change: bool) -> None:
+    def _resume(self, resume: str | Path, allow_config_change: bool, epochs: int) -> None:
         checkpoint = self.checkpointer.find(resume, self.console.message)
         if checkpoint is None:
             return
@@ -629,6 +659,8 @@ class Trainer:
                 f"checkpoint: '{checkpoint.path}' does not fit this trainer: "
                 f"{type(err).__name__}: {err}"
             ) from err
+        if self.state.epoch >= epochs or self.state.stopped:
+            return  # a finished run: _finish_again says so, nothing resumes
         caveat = replay_caveat(self._train_loader, self.state.batch_in_epoch)
         if caveat:
             self.console.message(caveat)
@@ -670,7 +702,8 @@ class Trainer:
         plus ``metrics``. Override it to add your own: returned numbers become ``val_*``."""
         with autocast(self.precision, self.device):
             return evaluate(
-                self.eval_model, loader, self.loss_fn, task=self.task, device=self.device,
+                self.eval_model, self.console.validation(loader), self.loss_fn,
+                task=self.task, device=self.device,
                 ignore_index=self.ignore_index, metrics=self.metrics,
             )  # fmt: skip
 

@@ -42,6 +42,7 @@ CSV_FIELDS = [
     "seconds",
 ]  # fmt: skip
 Sink = CSVSink | JSONLSink | TensorBoardSink
+REPORT_EVERY_S = 60.0  # how often a running run's report/ is refreshed (plots take ~0.5 s)
 
 
 class RunLog:
@@ -55,6 +56,7 @@ class RunLog:
         self.tensorboard = tensorboard
         self._sinks: list[Sink] = []
         self._last_step = (time.perf_counter(), 0)  # when the last step row was, its samples
+        self._last_report = time.monotonic()  # the first report after REPORT_EVERY_S
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
@@ -132,6 +134,35 @@ class RunLog:
             "kind": "step", "epoch": epoch, "step": step, "samples": samples, "loss": loss,
             "lr": lr, "grad_norm": grad_norm, "samples_per_s": rate,
         })  # fmt: skip
+
+    def report_due(self) -> bool:
+        return time.monotonic() - self._last_report >= REPORT_EVERY_S
+
+    def write_report(
+        self,
+        *,
+        evaluation: dict[str, Any] | None,
+        class_names: list[str] | None,
+        predicted_vs_true: Any = None,
+        final: bool = False,
+    ) -> Path | None:
+        """``RUN_DIR/report/`` (:func:`glassloop.report.write_report`), at most every
+        ``REPORT_EVERY_S`` seconds during the run (so a long run's report can be watched, at
+        a cost of well under 1% of its time) and always at the end; its path, or ``None``
+        when nothing was written."""
+        if not self.active or (not final and not self.report_due()):
+            return None
+        self._last_report = time.monotonic()
+        from glassloop.report import write_report
+
+        assert self.run_dir is not None
+        try:
+            return write_report(
+                self.run_dir, evaluation=evaluation, class_names=class_names,
+                predicted_vs_true=predicted_vs_true,
+            )  # fmt: skip
+        except OSError as err:
+            raise write_failure(self.run_dir, err) from err
 
     def check_exists(self) -> None:
         """Refuse to write into a run directory that disappeared during the run (never

@@ -9,6 +9,8 @@ import csv
 import json
 import math
 import sys
+import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any, Literal
 
@@ -17,62 +19,97 @@ from tqdm import tqdm
 ProgressMode = Literal["auto", "bar", "lines", "none"]
 
 
-def resolve_progress(mode: str, stream: IO[str] | None = None) -> str:
-    """``"auto"`` is a bar on a terminal and plain lines elsewhere (CI, log files)."""
+def resolve_progress(
+    mode: str, bar_stream: IO[str] | None = None, line_stream: IO[str] | None = None
+) -> tuple[bool, bool]:
+    """``(bar, lines)``: whether to draw a progress bar (on stderr) and whether to print the
+    tutorial's step lines (on stdout). ``"auto"`` draws the bar when stderr is a terminal and
+    prints the lines when stdout is not one, so ``glassloop train > train.log`` shows the bar
+    on the terminal and writes every line to the file; CI logs get the lines."""
     if mode not in ("auto", "bar", "lines", "none"):
         raise ValueError(f"progress must be 'auto', 'bar', 'lines' or 'none', got {mode!r}")
     if mode != "auto":
-        return mode
-    stream = stream if stream is not None else sys.stderr
-    return "bar" if stream.isatty() else "lines"
+        return mode == "bar", mode == "lines"
+    bar_stream = bar_stream if bar_stream is not None else sys.stderr
+    line_stream = line_stream if line_stream is not None else sys.stdout
+    return bar_stream.isatty(), not line_stream.isatty()
 
 
 class ProgressReporter:
-    """Per-epoch progress (bar with loss, samples/s and ETA; or the tutorial's plain lines)
-    and a one-line epoch summary."""
+    """Per-epoch progress — a bar (running mean loss, samples/s, ETA; validation as its own
+    short bar) and/or the tutorial's plain lines — and a one-line epoch summary."""
+
+    REFRESH_S = 0.5  # the bar's loss is read from the device at most this often
 
     def __init__(
         self, mode: str = "auto", stream: IO[str] | None = None, *, silent: bool = False
     ) -> None:
         self.stream = stream if stream is not None else sys.stdout
         self.silent = silent
-        self.mode = "none" if silent else resolve_progress(mode)
+        self.mode = "none" if silent else mode
+        self.bar, self.lines = (False, False) if silent else resolve_progress(mode)
         self._bar: Any = None
         self._total: int | None = None
+        self._refreshed = 0.0
 
-    def epoch_start(self, epoch: int, num_epochs: int, total_samples: int | None) -> None:
+    @property
+    def quiet(self) -> bool:
+        """Nothing but messages (``progress="none"`` or not rank 0)."""
+        return not (self.bar or self.lines or self.mode != "none")
+
+    def epoch_start(
+        self, epoch: int, num_epochs: int, total_samples: int | None, done: int = 0
+    ) -> None:
+        """A new epoch's bar; ``done``: samples already trained in it (a resumed epoch)."""
         self._total = total_samples
-        if self.mode == "bar":
+        if self.bar:
             self._bar = tqdm(
-                total=total_samples,
-                desc=f"epoch {epoch}/{num_epochs}",
-                unit="sample",
-                unit_scale=True,
-                leave=False,
-                dynamic_ncols=True,
-            )
+                total=total_samples, initial=done, desc=f"epoch {epoch}/{num_epochs}",
+                unit="sample", unit_scale=True, leave=False, dynamic_ncols=True,
+            )  # fmt: skip
 
-    def advance(self, num_samples: int) -> None:
-        if self._bar is not None:
-            self._bar.update(num_samples)
+    def advance(self, num_samples: int, record: Any = None) -> None:
+        """``num_samples`` more trained; with ``record`` (an :class:`EpochRecord`) the bar's
+        running mean loss is refreshed when due (a host sync, at most twice a second)."""
+        if self._bar is None:
+            return
+        self._bar.update(num_samples)
+        now = time.monotonic()
+        if record is not None and now - self._refreshed >= self.REFRESH_S:
+            self._refreshed = now
+            mean = record.mean_loss()
+            if mean is not None:
+                self._bar.set_postfix(loss=f"{mean:.4f}", refresh=False)
+
+    def validation(self, loader: Iterable[Any]) -> Iterable[Any]:
+        """``loader``, drawn as a short "validate" bar on a terminal."""
+        if not self.bar:
+            return loader
+        bar: Iterable[Any] = tqdm(
+            loader, desc="validate", unit="batch", leave=False, dynamic_ncols=True
+        )
+        return bar
 
     def log_step(self, loss: float, seen_in_epoch: int) -> None:
-        if self.mode == "lines":
+        if self.lines:
             total = "?" if self._total is None else f"{self._total:>5d}"
             print(f"loss: {loss:>7f}  [{seen_in_epoch:>5d}/{total}]", file=self.stream, flush=True)
-        elif self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
 
     def epoch_end(self, row: dict[str, Any], num_epochs: int) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self.mode != "none":
+        if not self.quiet:
             print(format_epoch_summary(row, num_epochs), file=self.stream, flush=True)
 
     def message(self, text: str) -> None:
         """Resume notices and warnings: printed whatever the progress mode."""
         if not self.silent:
+            print(text, file=self.stream, flush=True)
+
+    def info(self, text: str) -> None:
+        """The start header and end summary: not with ``progress="none"``."""
+        if not self.quiet:
             print(text, file=self.stream, flush=True)
 
     def close(self) -> None:

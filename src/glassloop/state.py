@@ -67,6 +67,14 @@ class EpochRecord:
         self.history.append(row)
         self.losses, self.sizes = [], []
 
+    def mean_loss(self) -> float | None:
+        """This process's mean training loss of the epoch so far (a host sync), for the
+        progress bar; ``None`` before the first step."""
+        if not self.losses:
+            return None
+        weights = torch.tensor(self.sizes, dtype=torch.float64, device=self.losses[0].device)
+        return float(torch.stack(self.losses).to(torch.float64) @ weights / weights.sum())
+
     def train_loss(self, world: World, device: torch.device) -> tuple[float, int]:
         """The epoch's mean training loss over every process's samples, and their number
         (NaN when every step of the epoch was skipped)."""

@@ -62,10 +62,11 @@ def test_train_loss_is_the_sample_weighted_mean() -> None:
 def test_plain_lines_follow_the_tutorial_format(capsys: pytest.CaptureFixture[str]) -> None:
     trainer = make_trainer(progress="lines", log_every=3)
     trainer.fit(DataLoader(data(), batch_size=16), DataLoader(data(40), batch_size=16), epochs=2)
-    lines = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out.splitlines()
+    lines = [line for line in out if line.startswith("loss:")]
     assert re.fullmatch(r"loss: \d\.\d{6}  \[   16/  100\]", lines[0])
     assert re.fullmatch(r"loss: \d\.\d{6}  \[   64/  100\]", lines[1])  # batch 4 (every 3)
-    summary = [line for line in lines if line.startswith("epoch")]
+    summary = [line for line in out if line.startswith("epoch")]
     assert re.fullmatch(
         r"epoch 1/2  train_loss \d\.\d{4}  val_loss \d\.\d{4}  val_accuracy \d+\.\d\d%  "
         r"lr 1\.00e-01  \d+\.\ds",
@@ -217,3 +218,40 @@ def test_half_precision_gradient_norms_that_are_finite_do_not_count_as_overflow(
     trainer.fit([(x, torch.zeros(4))], epochs=1)
     assert trainer.state.step == 1
     assert trainer.state.skipped_steps == 0
+
+
+def test_start_header_and_end_summary(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    trainer = make_trainer(progress="lines", run_dir=tmp_path / "run")
+    trainer.fit(DataLoader(data(), batch_size=16), DataLoader(data(40), batch_size=16), epochs=2)
+    out = capsys.readouterr().out
+    assert "model: Sequential, 27 parameters (27 trainable)" in out
+    assert "data: 100 training samples, 40 validation; 7 steps per epoch, 2 epochs" in out
+    assert "batch: 16 = 16 per step x 1 accumulation x 1 process" in out
+    assert "optimizer: SGD (lr 0.1" in out and "schedule: none" in out
+    summary = out.splitlines()[-2:]
+    assert re.fullmatch(
+        r"done in \d+\.\d s: 2 epochs, 14 steps; best val_loss \d\.\d+ \(epoch \d\); "
+        r"final val_accuracy \d+\.\d\d%",
+        summary[0],
+    )
+    report = tmp_path / "run" / "report" / "index.html"
+    assert summary[1] == f"weights: {tmp_path / 'run' / 'model.safetensors'}; report: {report}"
+    assert report.is_file()  # a run made in Python gets its report too
+    make_trainer(progress="none").fit(DataLoader(data(), batch_size=16), epochs=1)
+    assert capsys.readouterr().out == ""  # progress="none": silent
+
+
+def test_progress_auto_bar_on_a_terminal_lines_into_a_redirected_stdout() -> None:
+    from glassloop.sinks import resolve_progress
+
+    class Stream:
+        def __init__(self, tty: bool) -> None:
+            self.tty = tty
+
+        def isatty(self) -> bool:
+            return self.tty
+
+    assert resolve_progress("auto", Stream(True), Stream(False)) == (True, True)  # > train.log
+    assert resolve_progress("auto", Stream(True), Stream(True)) == (True, False)  # a terminal
+    assert resolve_progress("auto", Stream(False), Stream(False)) == (False, True)  # CI
+    assert resolve_progress("lines", Stream(True), Stream(True)) == (False, True)

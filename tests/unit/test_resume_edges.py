@@ -378,3 +378,23 @@ def test_settings_added_by_a_newer_version_warn_instead_of_blocking_a_resume() -
     changed = {**current, "optim": {"lr": 0.2}}
     with pytest.raises(ConfigError, match=r"optim.lr: 0.1 -> 0.2"):
         Checkpointer(None).check_compatible(old, changed, False, said.append)  # type: ignore[arg-type]
+
+
+def test_a_resumed_epochs_progress_starts_where_it_stopped(tmp_path: Path) -> None:
+    """Killed 4 batches (of 16) into epoch 2: the resumed epoch's bar starts at 64 samples,
+    not at 0 (a wrong percentage and ETA)."""
+    with pytest.raises(Kill):
+        make(tmp_path / "run", kill_at=11, checkpoint={"every_n_steps": 1}).fit(
+            make_loader(dataset(), batch_size=16, shuffle=True), epochs=2
+        )
+    resumed = make(tmp_path / "run")
+    starts: list[tuple[int, int]] = []
+    original = resumed.console.epoch_start
+
+    def spy(epoch: int, num_epochs: int, total: int | None, done: int = 0) -> None:
+        starts.append((epoch, done))
+        original(epoch, num_epochs, total, done)
+
+    resumed.console.epoch_start = spy  # type: ignore[method-assign]
+    resumed.fit(make_loader(dataset(), batch_size=16, shuffle=True), epochs=2, resume="auto")
+    assert starts == [(2, 64)]

@@ -189,7 +189,6 @@ def default_run_dir() -> Path:
 def cmd_train(args: argparse.Namespace) -> int:
     from glassloop.assemble import build
     from glassloop.config import load_config
-    from glassloop.data.splits import Splits
     from glassloop.distributed import shutdown
     from glassloop.errors import GlassloopError
 
@@ -214,17 +213,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         shutdown()
     if not run.trainer.world.is_main:
         return EXIT_OK
-    if history and run.trainer.last_eval is not None:
-        from glassloop.report import write_report
-
-        pairs = None
-        if run.trainer.task == "regression" and isinstance(run.splits, Splits):
-            pairs = (run.trainer.predict(run.splits.x_val), run.splits.y_val)
-        index = write_report(
-            run_dir, evaluation=run.trainer.last_eval, class_names=run.splits.class_names,
-            predicted_vs_true=pairs,
-        )  # fmt: skip
-        print(f"report: {index}")
     last = history[-1] if history else {}
     if "val_accuracy" in last:
         print(f"final validation accuracy: {100 * last['val_accuracy']:.2f}%")

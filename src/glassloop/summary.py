@@ -1,0 +1,117 @@
+"""What a run says when it starts (device, model size, data, batch, optimizer, schedule, run
+directory) and when it ends (time, best epoch, where the weights and the report are).
+
+    glassloop: cpu (2 threads), precision 32, 1 process
+    model: Sequential, 669,706 parameters (669,706 trainable)
+    data: 4,000 training samples, 1,000 validation; 63 steps per epoch, 10 epochs
+    batch: 64 = 64 per step x 1 accumulation x 1 process
+    optimizer: AdamW (lr 0.001, weight_decay 0.01); schedule: CosineAnnealingLR per epoch
+    run directory: runs/demo
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from glassloop.checkpoint import unwrap_model
+from glassloop.metrics import improves, monitor_mode
+
+if TYPE_CHECKING:
+    from glassloop.loop import Trainer
+
+
+def samples_in(loader: Iterable[Any]) -> int | None:
+    """How many samples ``loader`` yields per epoch, when it can tell (``None`` otherwise)."""
+    dataset: Any = getattr(loader, "dataset", None)
+    try:
+        return len(dataset) if dataset is not None else None
+    except TypeError:
+        return None
+
+
+def start_header(
+    trainer: Trainer, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
+) -> str:
+    device = trainer.device
+    where = f"{device} ({torch.get_num_threads()} threads)" if device.type == "cpu" else str(device)
+    processes = f"{trainer.world.size} process{'es' if trainer.world.size > 1 else ''}"
+    model = unwrap_model(trainer.model)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lines = [
+        f"glassloop: {where}, precision {trainer.precision}, {processes}, task {trainer.task}",
+        f"model: {type(model).__name__}, {total:,} parameters ({trainable:,} trainable)",
+    ]
+    train_n, val_n = samples_in(train_loader), (samples_in(val_loader) if val_loader else None)
+    data = [f"{train_n:,} training samples" if train_n is not None else "training data"]
+    if val_loader is not None:
+        data.append(f"{val_n:,} validation" if val_n is not None else "validation data")
+    try:
+        batches = len(train_loader)  # type: ignore[arg-type]
+        steps = f"; {math.ceil(batches / trainer.grad_accum_steps)} steps per epoch"
+    except TypeError:
+        steps = ""
+    lines.append(f"data: {', '.join(data)}{steps}, {epochs} epochs")
+    batch = getattr(train_loader, "batch_size", None)
+    if isinstance(batch, int):
+        accum, size = trainer.grad_accum_steps, trainer.world.size
+        lines.append(
+            f"batch: {batch * accum * size} = {batch} per step x {accum} accumulation x "
+            f"{size} process{'es' if size > 1 else ''}"
+        )
+    settings = ", ".join(
+        f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+        for k, v in trainer.optimizer.defaults.items()
+        if k in ("lr", "weight_decay", "momentum")
+    )
+    schedule = "none"
+    if trainer.scheduler is not None:
+        schedule = f"{type(trainer.scheduler).__name__} per {trainer.scheduler_interval}"
+    lines.append(
+        f"optimizer: {type(trainer.optimizer).__name__} ({settings}); schedule: {schedule}"
+    )
+    if trainer.run_dir is not None:
+        lines.append(f"run directory: {trainer.run_dir}")
+    return "\n".join(lines)
+
+
+def best_epoch(history: list[dict[str, Any]], monitor: str) -> tuple[str, float, int] | None:
+    """``(metric, value, epoch)`` of the best epoch by ``monitor`` (or val_loss, or
+    train_loss when there is no validation)."""
+    if not history:
+        return None
+    name = monitor or ("val_loss" if "val_loss" in history[-1] else "train_loss")
+    mode = monitor_mode(name)
+    best: tuple[str, float, int] | None = None
+    for row in history:
+        value = row.get(name)
+        number = isinstance(value, (int, float)) and math.isfinite(value)
+        if number and (best is None or improves(float(value), best[1], mode)):  # type: ignore[arg-type]
+            best = (name, float(value), int(row["epoch"]))  # type: ignore[arg-type]
+    return best
+
+
+def end_summary(trainer: Trainer, seconds: float, report: Path | None) -> str:
+    history = trainer.history
+    parts = [f"done in {seconds:.1f} s: {trainer.state.epoch} epochs, {trainer.state.step} steps"]
+    best = best_epoch(history, trainer.checkpointer.policy.monitor)
+    if best is not None:
+        name, value, epoch = best
+        parts.append(f"best {name} {_shown(name, value)} (epoch {epoch})")
+    last = history[-1] if history else {}
+    if "val_accuracy" in last:
+        parts.append(f"final val_accuracy {_shown('val_accuracy', last['val_accuracy'])}")
+    lines = ["; ".join(parts)]
+    if trainer.run_dir is not None:
+        where = f"weights: {trainer.run_dir / 'model.safetensors'}"
+        lines.append(where + (f"; report: {report}" if report is not None else ""))
+    return "\n".join(lines)
+
+
+def _shown(name: str, value: float) -> str:
+    return f"{100 * value:.2f}%" if name.endswith("accuracy") else f"{value:.4g}"
