@@ -132,7 +132,8 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
     optimizer = build_optimizer(model, cfg.optim)
     # Optimizer steps per epoch: one per window of grad_accum_steps batches (the last may be
     # shorter).
-    steps_per_epoch = -(-len(train_loader) // cfg.train.grad_accum_steps)
+    batches = min(len(train_loader), cfg.train.limit_batches or len(train_loader))
+    steps_per_epoch = -(-batches // cfg.train.grad_accum_steps)
     span = schedule_span(cfg.scheduler, cfg.train.epochs, steps_per_epoch)
     scheduler = build_scheduler(optimizer, cfg.scheduler, span)
     # The resolved config records the length the schedule got (the caller's config is not
@@ -156,6 +157,7 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
         task=parts.task,
         metrics=t.metrics,
         validate_every_n_steps=t.validate_every_n_steps,
+        limit_batches=t.limit_batches,
         device=device,
         progress=cfg.train.progress,
         log_every=cfg.train.log_every,

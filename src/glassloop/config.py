@@ -11,7 +11,7 @@ Sections and keys (every key has a default; see the README's config reference)::
     [train]      epochs, seed, device, log_every, progress, precision, grad_accum_steps,
                  loss_weighting, ignore_index, clip_grad_norm, clip_grad_value, nonfinite,
                  max_nonfinite_skips, ema_decay, compile, strategy, dist_timeout_s,
-                 tensorboard, task, metrics, validate_every_n_steps
+                 tensorboard, task, metrics, validate_every_n_steps, limit_batches
     [checkpoint] every_n_steps, every_n_epochs, keep_last, monitor, mode
     [early_stopping] monitor, patience, min_delta, mode
 
@@ -159,6 +159,7 @@ class TrainConfig:
     task: str = "auto"  # auto: from loss.name; classification, multilabel, regression, ...
     metrics: list[str] = field(default_factory=list)  # by name, e.g. ["top5_accuracy", "auroc"]
     validate_every_n_steps: int = 0  # 0: validate at epoch ends only
+    limit_batches: int = 0  # 0: all; N: at most N training and N validation batches an epoch
 
 
 @dataclass
@@ -285,9 +286,32 @@ def load_config(
     raw: dict[str, Any] = {}
     if path is not None:
         raw = read_file(Path(path))
+        beside_the_file(raw, Path(path).parent)
     for item in overrides:
         apply_override(raw, item)
     return from_dict(raw)
+
+
+def beside_the_file(raw: dict[str, Any], folder: Path) -> None:
+    """Relative paths in a config file (``data.path``, ``data.tokenizer``, ``data.root``, a
+    file ``model.target``) name files next to that file, wherever glassloop is started: each
+    one found there becomes that path. One not found there is left as written (looked up
+    from the current directory), as is every path of a file in the current directory, and
+    every ``--set`` value."""
+    if folder.resolve() == Path.cwd().resolve():
+        return
+    data, model = raw.get("data"), raw.get("model")
+    for section, key in ((data, "path"), (data, "tokenizer"), (data, "root")):
+        value = section.get(key) if isinstance(section, dict) else None
+        if not isinstance(value, str) or not value or Path(value).is_absolute():
+            continue
+        if (folder / value).exists():
+            section[key] = str(folder / value)  # type: ignore[index]
+    target = model.get("target") if isinstance(model, dict) else None
+    if isinstance(target, str) and ":" in target:
+        module, _, name = target.rpartition(":")
+        if module.endswith(".py") and not Path(module).is_absolute() and (folder / module).exists():
+            model["target"] = f"{folder / module}:{name}"  # type: ignore[index]
 
 
 def read_file(path: Path) -> dict[str, Any]:

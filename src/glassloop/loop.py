@@ -10,6 +10,7 @@ the loop itself, in the order it runs: ``fit`` → ``_train`` → ``_run_epoch``
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -128,6 +129,7 @@ class Trainer:
         task: str = "auto",
         metrics: Sequence[str] | Mapping[str, Metric | str] | None = None,
         validate_every_n_steps: int = 0,
+        limit_batches: int = 0,
         scheduler: Any = None,
         scheduler_interval: str = "epoch",
         device: str | torch.device = "auto",
@@ -159,13 +161,16 @@ class Trainer:
             "log_every": log_every, "grad_accum_steps": grad_accum_steps, "ema_decay": ema_decay,
             "clip_grad_norm": clip_grad_norm, "clip_grad_value": clip_grad_value,
             "max_nonfinite_skips": max_nonfinite_skips, "precision": precision,
-            "validate_every_n_steps": validate_every_n_steps,
+            "validate_every_n_steps": validate_every_n_steps, "limit_batches": limit_batches,
         })  # fmt: skip
         # What the model is trained to do (glassloop.tasks): decides what predict returns,
         # the metrics and the checks; loss_fn=None: the model computes its own loss.
         self.task = resolve_task(task, loss_fn)
         self.metrics = metric_table(metrics, self.task)
         self.validate_every_n_steps = validate_every_n_steps
+        # At most this many training and validation batches per epoch (0: all): a quick
+        # check of a whole run, like Lightning's limit_train_batches / fast_dev_run.
+        self.limit_batches = limit_batches
         if seed is not None:
             seed_everything(seed)
         # Several processes (torchrun): join their process group (a no-op in one process),
@@ -327,6 +332,8 @@ class Trainer:
                 batches = replay_epoch(train_loader, self.record.epoch_rng, state.batch_in_epoch)
             else:  # what the loader's order will be drawn from (kept in checkpoints)
                 self.record.epoch_rng = capture_loader_rng(train_loader)
+        if self.limit_batches:  # the rest of the epoch's allowance (a resumed one used some)
+            batches = itertools.islice(batches, max(0, self.limit_batches - state.batch_in_epoch))
         batch: Any = None
         micro: list[tuple[Inputs, Any]] = []
         own = self.loss_fn is None  # the model computes its loss: it also gets labels=target
@@ -711,6 +718,8 @@ class Trainer:
         """:meth:`evaluate` between the validation hooks of the callbacks."""
         for callback in self.callbacks:
             callback.on_validation_start(self)
+        if self.limit_batches:
+            loader = itertools.islice(loader, self.limit_batches)
         metrics = self.evaluate(loader)
         for callback in self.callbacks:
             callback.on_validation_end(self, metrics)

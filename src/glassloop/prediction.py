@@ -21,6 +21,10 @@ from glassloop.errors import DataError
 from glassloop.evaluation import predict as predict_probs
 from glassloop.export import ModelClass, model_description, model_from, read_weights
 
+# How far (in training standard deviations) an input's mean may be from the training mean
+# before predict warns: per-image means of MNIST digits stay within about 1 of it.
+UNUSUAL_MEAN = 1.5
+
 
 @dataclass
 class Prediction:
@@ -48,6 +52,7 @@ class Predictor:
         self.class_names: list[str] = list(spec.get("class_names") or [])
         self.preprocessing: dict[str, Any] = dict(spec.get("preprocessing") or {})
         self.task: str = spec.get("task", "classification")
+        self.warnings: list[str] = []  # inputs far from the training data (see unusual)
 
     @classmethod
     def from_path(
@@ -128,10 +133,29 @@ class Predictor:
         return values, [f"{path.name}:{n}" for n in range(2, len(body) + 2)]
 
     # ------------------------------------------------------------------------- prediction
-    def predict(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
-        """The task's prediction for raw inputs (see :meth:`prepare`)."""
+    def predict(self, x: np.ndarray | torch.Tensor, names: list[str] | None = None) -> torch.Tensor:
+        """The task's prediction for raw inputs (see :meth:`prepare`); inputs far from the
+        training data are named in :attr:`warnings`."""
+        prepared = self.prepare(x)
+        for index in self.unusual(prepared):
+            name = names[index] if names and index < len(names) else f"input {index}"
+            mean = float(prepared[index].float().mean())
+            self.warnings.append(
+                f"warning: {name} is far from the training data (mean {mean:.2f} after the "
+                "training normalisation, which puts the training inputs near 0): the "
+                "prediction is unreliable (inverted colours? other units?)"
+            )
         classes = int(self.spec["num_classes"])
-        return predict_probs(self.model, self.prepare(x), task=self.task, classes=classes)
+        return predict_probs(self.model, prepared, task=self.task, classes=classes)
+
+    def unusual(self, prepared: torch.Tensor) -> list[int]:
+        """Inputs whose mean, after the training split's standardisation, is more than
+        ``UNUSUAL_MEAN`` from 0 (training inputs average 0 there; an inverted MNIST digit
+        averages about 2.4)."""
+        if "mean" not in self.preprocessing or not prepared.is_floating_point():
+            return []
+        means = prepared.reshape(len(prepared), -1).mean(dim=1)
+        return (means.abs() > UNUSUAL_MEAN).nonzero().flatten().tolist()
 
     def predict_texts(self, texts: list[str]) -> torch.Tensor:
         from tokenizers import Tokenizer
@@ -163,12 +187,13 @@ class Predictor:
                 arrays = load_arrays(path, "predict")
                 if not arrays:
                     raise DataError(f"predict: '{path}' holds no arrays")
-                probs = self.predict(next(iter(arrays.values())))
-                outputs.append(probs)
-                sources += [f"{path.name}[{i}]" for i in range(len(probs))]
+                values = next(iter(arrays.values()))
+                names = [f"{path.name}[{i}]" for i in range(len(self.prepare(values)))]
+                outputs.append(self.predict(values, names))
+                sources += names
             elif suffix == ".csv":
                 values, names = self.read_csv(path)
-                outputs.append(self.predict(values))
+                outputs.append(self.predict(values, names))
                 sources += names
             elif "tokenizer" in self.preprocessing:
                 lines = [
@@ -182,7 +207,7 @@ class Predictor:
                     "text lines for a text model)"
                 )
         if images:
-            outputs.insert(0, self.predict(np.stack(images)))
+            outputs.insert(0, self.predict(np.stack(images), image_names))
             sources = image_names + sources
         return sources, torch.cat(outputs) if outputs else torch.empty(0)
 

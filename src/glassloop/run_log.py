@@ -57,6 +57,7 @@ class RunLog:
         self._sinks: list[Sink] = []
         self._last_step = (time.perf_counter(), 0)  # when the last step row was, its samples
         self._last_report = time.monotonic()  # the first report after REPORT_EVERY_S
+        self._started: str | None = None
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
@@ -92,11 +93,17 @@ class RunLog:
         if has_val:
             fields[5:5] = ["val_loss", "val_accuracy"]
         fresh = step == 0  # a new run replaces the metrics of one that never saved
+        # When the run began (a resumed run keeps its first start), for `glassloop runs`.
+        earlier = None if fresh else _read_json(self.run_dir / "run.json").get("started")
+        self._started = earlier if isinstance(earlier, str) else _now()
         try:
             if not fresh:  # rows a killed process wrote after its last checkpoint go
                 truncate_rows(self.run_dir, step)
             write_json(self.run_dir / "config.json", config)
-            write_json(self.run_dir / "run.json", {"status": "running", **environment})
+            write_json(
+                self.run_dir / "run.json",
+                {"status": "running", "started": self._started, **environment},
+            )
             self._sinks = [
                 CSVSink(self.run_dir / "metrics.csv", fields, fresh=fresh),
                 JSONLSink(self.run_dir / "metrics.jsonl", fresh=fresh),
@@ -208,7 +215,8 @@ class RunLog:
 
     def write_status(self, status: str, info: dict[str, Any]) -> None:
         assert self.run_dir is not None
-        write_json(self.run_dir / "run.json", {"status": status, **info})
+        times = {"started": self._started, "ended": _now()} if self._started else {}
+        write_json(self.run_dir / "run.json", {"status": status, **times, **info})
 
     def complete(
         self, *, model: nn.Module, model_spec: dict[str, Any] | None, info: dict[str, Any]
@@ -231,11 +239,20 @@ class RunLog:
 
 
 def _status(run_dir: Path) -> str | None:
+    status = _read_json(run_dir / "run.json").get("status")
+    return status if isinstance(status, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
     try:
-        info = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return info.get("status") if isinstance(info, dict) else None
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
 def python_config(trainer: Trainer) -> dict[str, Any]:
@@ -253,6 +270,7 @@ def python_config(trainer: Trainer) -> dict[str, Any]:
         "scheduler_interval": trainer.scheduler_interval,
         "precision": trainer.precision,
         "grad_accum_steps": trainer.grad_accum_steps,
+        "limit_batches": trainer.limit_batches,
         "loss_weighting": trainer.loss_weighting,
         "clip_grad_norm": trainer.clip_grad_norm,
         "clip_grad_value": trainer.clip_grad_value,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,10 @@ class RunSummary:
     step: int
     epoch: int
     best: str  # e.g. "val_accuracy 94.80% (epoch 7)"
+    started: str = ""  # ISO time the run began ("" when run.json does not say)
+    duration: str = "-"  # e.g. "3m 12s", from started to ended
+    final: str = "-"  # the last epoch's val_accuracy (or val_loss, train_loss)
+    error: str = ""  # why a failed run failed (run.json's "error")
 
 
 def summarise(run_dir: Path) -> RunSummary | None:
@@ -32,12 +37,38 @@ def summarise(run_dir: Path) -> RunSummary | None:
     if status == "running":
         status = "running or killed"  # a clean exit always rewrites run.json
     last: dict[str, Any] = rows[-1] if rows else {}
+    started, error = info.get("started"), info.get("error")
+    started = started if isinstance(started, str) else ""
+    error = error if isinstance(error, str) else ""
     return RunSummary(
         run_dir,
         status,
         _count(info.get("step", last.get("step"))),
         _count(info.get("epoch", last.get("epoch"))),
         best_metric(rows),
+        started,
+        _duration(started, info.get("ended")),
+        best_metric(rows[-1:]).replace(f" (epoch {last.get('epoch')})", "") if rows else "-",
+        error,
+    )
+
+
+def _duration(started: Any, ended: Any) -> str:
+    """``"1h 02m"``, ``"3m 12s"`` or ``"41s"`` between two of run.json's times."""
+    try:
+        seconds = (
+            datetime.datetime.fromisoformat(str(ended)) - datetime.datetime.fromisoformat(started)
+        ).total_seconds()
+    except (TypeError, ValueError):
+        return "-"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return (
+        f"{hours}h {minutes:02d}m"
+        if hours
+        else f"{minutes}m {secs:02d}s"
+        if minutes
+        else f"{secs}s"
     )
 
 
@@ -74,26 +105,43 @@ def best_metric(rows: list[dict[str, Any]]) -> str:
 
 
 def list_runs(root: Path) -> list[RunSummary]:
-    """Every run directory directly under ``root`` (or ``root`` itself), newest first."""
-    candidates = [root] if (root / "run.json").is_file() else sorted(root.iterdir(), reverse=True)
-    found = [summarise(p) for p in candidates if p.is_dir()]
-    return [s for s in found if s is not None]
+    """Every run directory directly under ``root`` (or ``root`` itself), newest first (by
+    the time it started, else the time its run.json was written)."""
+    candidates = [root] if (root / "run.json").is_file() else list(root.iterdir())
+    found = [s for s in (summarise(p) for p in candidates if p.is_dir()) if s is not None]
+    return sorted(found, key=_start_time, reverse=True)
+
+
+def _start_time(summary: RunSummary) -> float:
+    try:
+        return datetime.datetime.fromisoformat(summary.started).timestamp()
+    except ValueError:
+        try:
+            return (summary.path / "run.json").stat().st_mtime
+        except OSError:
+            return 0.0
 
 
 def format_runs(summaries: list[RunSummary]) -> str:
-    """A plain table.
+    """A plain table, newest run first; a failed run's error on the line below it.
 
-    >>> print(format_runs([RunSummary(Path("runs/a"), "finished", 630, 10, "val_loss 0.2")]))
-    run     status    step  epoch  best
-    runs/a  finished   630     10  val_loss 0.2
+    >>> print(format_runs([RunSummary(Path("runs/a"), "finished", 630, 10, "val_loss 0.2",
+    ...                               duration="1m 05s", final="val_loss 0.2100")]))
+    run     status    step  epoch  time    final            best
+    runs/a  finished   630     10  1m 05s  val_loss 0.2100  val_loss 0.2
     """
-    headers = ("run", "status", "step", "epoch", "best")
-    rows = [(str(s.path), s.status, str(s.step), str(s.epoch), s.best) for s in summaries]
-    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(4)]
+    headers = ("run", "status", "step", "epoch", "time", "final", "best")
+    rows = [
+        (str(s.path), s.status, str(s.step), str(s.epoch), s.duration, s.final, s.best)
+        for s in summaries
+    ]
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(6)]
     lines = []
-    for r in [headers, *rows]:
+    for r, summary in zip([headers, *rows], [None, *summaries], strict=True):
         lines.append(
             f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  "
-            f"{r[3]:>{widths[3]}}  {r[4]}"
+            f"{r[3]:>{widths[3]}}  {r[4]:<{widths[4]}}  {r[5]:<{widths[5]}}  {r[6]}"
         )
+        if summary is not None and summary.error:
+            lines.append(f"  error: {summary.error}")
     return "\n".join(lines)

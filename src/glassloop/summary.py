@@ -53,7 +53,9 @@ def start_header(
         data.append(f"{val_n:,} validation" if val_n is not None else "validation data")
     try:
         batches = len(train_loader)  # type: ignore[arg-type]
-        steps = f"; {math.ceil(batches / trainer.grad_accum_steps)} steps per epoch"
+        batches = min(batches, trainer.limit_batches or batches)
+        count = math.ceil(batches / trainer.grad_accum_steps)
+        steps = f"; {count} step{'s' if count != 1 else ''} per epoch"
     except TypeError:
         steps = ""
     lines.append(f"data: {', '.join(data)}{steps}, {epochs} epochs")

@@ -70,6 +70,7 @@ TRAINER_RULES: dict[str, Range | tuple[str, ...]] = {
     "max_nonfinite_skips": AT_LEAST_1,
     "ema_decay": FRACTION,
     "validate_every_n_steps": AT_LEAST_0,
+    "limit_batches": AT_LEAST_0,
     "scheduler_interval": ("epoch", "step"),
     "loss_weighting": ("samples", "tokens"),
     "precision": ("32", "bf16", "fp16"),

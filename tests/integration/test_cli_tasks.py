@@ -186,3 +186,50 @@ def test_language_model_from_npz_token_windows(tmp_path: Path) -> None:
     predicted = run_glassloop("predict", str(run), str(tmp_path / "prompt.npy"), "--trust-code")
     assert predicted.returncode == 0, predicted.stderr
     assert predicted.stdout.startswith("prompt.npy[0]: 7 ")  # the next token after 3, 4, 5, 6
+
+
+def test_quick_checks_and_the_resolved_config(tmp_path: Path) -> None:
+    fast = run_glassloop("train", "--fast-dev-run", *sets(["data.name=digits"]), cwd=tmp_path)
+    assert fast.returncode == 0, fast.stderr + fast.stdout
+    assert "; 1 step per epoch, 1 epochs" in fast.stdout
+    assert "epoch 1/1" in fast.stdout and fast.stdout.rstrip().endswith("fast dev run: ok")
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+    limited = run_glassloop(
+        "train", "--limit-batches", "3", "--run-dir", str(tmp_path / "lim"),
+        *sets(["data.name=digits", "train.epochs=2", "train.progress=lines"]),
+    )  # fmt: skip
+    assert limited.returncode == 0, limited.stderr
+    rows = [
+        json.loads(line) for line in (tmp_path / "lim" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows if r["kind"] == "epoch"] == [3, 6]
+
+    shown = run_glassloop("config", *sets(["optim.lr=3e-4", "data.name=digits"]))
+    assert shown.returncode == 0, shown.stderr
+    assert "[optim]" in shown.stdout and "lr = 0.0003" in shown.stdout
+    (tmp_path / "my.toml").write_text(shown.stdout)
+    again = run_glassloop("config", str(tmp_path / "my.toml"))
+    assert again.stdout == shown.stdout  # it reads back as the same config
+
+    helped = run_glassloop("--help")
+    assert "exit codes:" in helped.stdout and "--fast-dev-run" in helped.stdout
+
+
+def test_predict_warns_about_inputs_far_from_the_training_data(tmp_path: Path) -> None:
+    from glassloop.data.datasets import load_mnist_5k_arrays
+
+    run = tmp_path / "run"
+    done = run_glassloop(
+        "train", "--limit-batches", "5", "--run-dir", str(run),
+        *sets(["train.epochs=1", "train.progress=none"]),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    images, _ = load_mnist_5k_arrays()
+    digit = images[0].reshape(28, 28).astype(np.float32)
+    np.save(tmp_path / "two.npy", np.stack([digit, 255 - digit]))  # the second inverted
+    predicted = run_glassloop("predict", str(run), str(tmp_path / "two.npy"))
+    assert predicted.returncode == 0, predicted.stderr
+    warnings = [line for line in predicted.stderr.splitlines() if line.startswith("warning")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: two.npy[1] is far from")
+    assert len(predicted.stdout.splitlines()) == 2  # both still predicted

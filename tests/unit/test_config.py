@@ -139,3 +139,25 @@ def test_no_decay_groups_and_warmup_cosine_are_built() -> None:
     )
     # 1,638 training samples / 64 = 26 batches = 13 windows of 2 per epoch, 10 epochs.
     assert run.trainer.scheduler.lr_lambdas[0].total_steps == 130
+
+
+def test_relative_paths_in_a_config_file_name_files_next_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "table.csv").write_text("a,label\n1,0\n")
+    (project / "net.py").write_text("")
+    (project / "exp.toml").write_text(
+        '[data]\nname = "csv"\npath = "table.csv"\n[model]\ntarget = "net.py:Net"\n'
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(project / "exp.toml")
+    assert cfg.data.path == str(project / "table.csv")
+    assert cfg.model.target == f"{project / 'net.py'}:Net"
+    # --set values are the user's own, from where they typed them
+    assert load_config(project / "exp.toml", ["data.path=table.csv"]).data.path == "table.csv"
+    monkeypatch.chdir(project)  # the file in the current directory: paths as written
+    assert load_config("exp.toml").data.path == "table.csv"

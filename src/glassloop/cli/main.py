@@ -27,6 +27,22 @@ EXIT_INTERRUPTED = 130
 EXIT_DIR = "GLASSLOOP_EXIT_DIR"
 
 
+EPILOG = """examples:
+  glassloop train                                  the demo: tutorial MLP, bundled MNIST
+  glassloop train my.toml --set optim.lr=3e-4 --run-dir runs/lr3e-4
+  glassloop train my.toml --fast-dev-run           one batch of each, nothing written
+  glassloop train my.toml --run-dir runs/lr3e-4 --resume
+  glassloop config my.toml --set optim.lr=3e-4     the resolved config, as TOML
+  glassloop eval runs/lr3e-4; glassloop predict runs/lr3e-4 digit.png --top-k 3
+  glassloop doctor my.toml; glassloop report runs/lr3e-4; glassloop runs
+
+exit codes:
+  0 success   1 a bug (traceback)   2 a usage, config, data, model or checkpoint error
+  3 a checkpoint could not be written   4 training diverged (NaN/inf)
+  128+N stopped by signal N after a checkpoint (143 SIGTERM, 130 Ctrl-C)
+"""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse that reports a usage error in one line (and exit code 2)."""
 
@@ -57,6 +73,8 @@ def make_parser() -> Parser:
     parser = Parser(
         prog="glassloop",
         description="A production PyTorch training loop you can read in one sitting.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"glassloop {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
@@ -91,6 +109,18 @@ def make_parser() -> Parser:
         metavar="N",
         help="train with N processes on this machine (DDP): runs torchrun --standalone "
         "--nproc-per-node N -m glassloop train with the other arguments",
+    )
+    train.add_argument(
+        "--fast-dev-run",
+        action="store_true",
+        help="a smoke test: one epoch of one training and one validation batch, nothing "
+        "written (no run directory)",
+    )
+    train.add_argument(
+        "--limit-batches",
+        type=int,
+        metavar="N",
+        help="at most N training and N validation batches per epoch (train.limit_batches)",
     )
     train.add_argument(
         "--allow-config-change",
@@ -141,7 +171,9 @@ def make_parser() -> Parser:
     doctor.add_argument("config", nargs="?", metavar="CONFIG", help="TOML config (default: demo)")
     add_set_option(doctor, "override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
     doctor.add_argument(
-        "--output", default="doctor", metavar="DIR", help="where the LR range plot goes"
+        "--output",
+        metavar="DIR",
+        help="where the LR range plot goes (default: runs/doctor-<timestamp>)",
     )
 
     report = commands.add_parser(
@@ -153,6 +185,18 @@ def make_parser() -> Parser:
     )
     report.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by train")
     add_trust_option(report)
+
+    config = commands.add_parser(
+        "config",
+        help="print the resolved config (defaults filled in, --set applied) as TOML",
+        description="Print the config a train command would use, as TOML: every key with "
+        "its value, after the CONFIG file and the --set overrides. Save it and edit it: "
+        "glassloop config --set data.name=digits > my.toml",
+    )
+    config.add_argument(
+        "config", nargs="?", metavar="CONFIG", help="TOML config file (default: built-in demo)"
+    )
+    add_set_option(config, "override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
 
     runs = commands.add_parser(
         "runs",
@@ -177,13 +221,22 @@ def make_parser() -> Parser:
     return parser
 
 
-def default_run_dir() -> Path:
-    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+def default_run_dir(prefix: str = "") -> Path:
+    base = Path("runs") / (prefix + time.strftime("%Y%m%d-%H%M%S"))
     path, n = base, 1
     while path.exists():
         n += 1
         path = base.with_name(f"{base.name}-{n}")
     return path
+
+
+def quick_check_overrides(args: argparse.Namespace) -> list[str]:
+    """``--fast-dev-run`` and ``--limit-batches N`` as the config keys they set."""
+    if args.fast_dev_run:
+        return ["train.limit_batches=1", "train.epochs=1"]
+    if args.limit_batches is not None:
+        return [f"train.limit_batches={args.limit_batches}"]
+    return []
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -194,7 +247,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.nproc and "WORLD_SIZE" not in os.environ:
         return launch_torchrun(args.nproc)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, [*args.overrides, *quick_check_overrides(args)])
+    if args.fast_dev_run:
+        if args.resume or args.run_dir:
+            raise GlassloopError("--fast-dev-run writes nothing: drop --run-dir and --resume")
+        run = build(cfg, run_dir=None)
+        print("fast dev run: 1 training and 1 validation batch, nothing written")
+        try:
+            run.trainer.fit(run.train_loader, run.val_loader, epochs=1)
+        finally:
+            shutdown()
+        print("fast dev run: ok")
+        return EXIT_OK
     if args.resume == "auto" and not args.run_dir:
         raise GlassloopError("--resume needs --run-dir DIR: the run to continue")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
@@ -323,6 +387,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise GlassloopError("predict: --top-k must be >= 1")
     predictor = Predictor.from_path(args.source, trust_code=args.trust_code)
     sources, probs = predictor.predict_files(args.inputs)
+    for warning in predictor.warnings:
+        print(warning, file=sys.stderr)
     predictions = predictor.top_k(sources, probs, args.top_k)
     print(format_predictions(predictions))
     if args.output:
@@ -336,7 +402,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from glassloop.doctor import timed_doctor
 
     cfg = load_config(args.config, args.overrides)
-    checks, seconds = timed_doctor(cfg, output=Path(args.output))
+    output = Path(args.output) if args.output else default_run_dir("doctor-")
+    checks, seconds = timed_doctor(cfg, output=output)
     for check in checks:
         print(check.line())
     failed = sum(c.status == "FAIL" for c in checks)
@@ -370,6 +437,15 @@ def report_for(run_dir: Path, *, trust_code: bool = False) -> Path:
         run_dir, evaluation=evaluation, class_names=parts.data.class_names,
         predicted_vs_true=pairs,
     )  # fmt: skip
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    import tomli_w
+
+    from glassloop.config import load_config, to_dict
+
+    print(tomli_w.dumps(to_dict(load_config(args.config, args.overrides))), end="")
+    return EXIT_OK
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
@@ -415,7 +491,7 @@ def run_command(argv: Sequence[str] | None = None) -> int:
 
     commands = {
         "train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "export": cmd_export,
-        "runs": cmd_runs, "doctor": cmd_doctor, "report": cmd_report,
+        "runs": cmd_runs, "doctor": cmd_doctor, "report": cmd_report, "config": cmd_config,
     }  # fmt: skip
     try:
         return commands[args.command](args)
