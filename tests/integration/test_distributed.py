@@ -45,7 +45,9 @@ def train(
         text=True,
         timeout=180,
         check=False,
-        env={**os.environ, **(env or {})},
+        # PYTHONFAULTHANDLER: a worker that aborts in C++ (gloo) prints every thread's
+        # Python stack, so a failure here says where it happened.
+        env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})},
     )
 
 
