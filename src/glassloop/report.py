@@ -3,6 +3,7 @@ the classification report as text, and an ``index.html`` showing the run at a gl
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 from pathlib import Path
@@ -13,7 +14,8 @@ from glassloop.errors import GlassloopError
 if TYPE_CHECKING:
     import torch
 from glassloop.metrics import format_report
-from glassloop.runs import read_epochs
+from glassloop.runs import read_epochs, summarise
+from glassloop.summary import best_epoch
 
 
 def write_report(
@@ -30,7 +32,7 @@ def write_report(
 
     matplotlib.use("Agg")  # no display needed
     from matplotlib import pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
 
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
@@ -40,6 +42,15 @@ def write_report(
     rows = read_epochs(run_dir)
     epochs = [r["epoch"] for r in rows]
     images: list[tuple[str, str]] = []
+    steps = read_steps(run_dir)
+    if len(steps) > 1:  # the per-step loss (every log_every batches), next to the epochs'
+        figure, axis = plt.subplots(figsize=(6, 4))
+        axis.plot([r["step"] for r in steps], [r["loss"] for r in steps], linewidth=1)
+        axis.set(xlabel="optimizer step", ylabel="loss", title="training loss per step")
+        axis.grid(alpha=0.3)
+        figure.tight_layout()
+        figure.savefig(out / "step_loss.png", dpi=100)
+        plt.close(figure)
     # One plot per metric: the losses together, then each validation metric (accuracy,
     # r2, mae, ... whatever the task and the callbacks wrote), then the learning rate.
     metrics = sorted({k for r in rows for k in r if k.startswith("val_") and k != "val_loss"})
@@ -56,6 +67,8 @@ def write_report(
         for key, values in series:
             axis.plot(epochs, values, marker="o", label=key)
         axis.set(xlabel="epoch", ylabel=title, title=title)
+        if all(_percent(key) for key, _ in series):  # as the tables show it
+            axis.yaxis.set_major_formatter(PercentFormatter(1.0))
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
         axis.legend()
         axis.grid(alpha=0.3)
@@ -63,6 +76,8 @@ def write_report(
         figure.savefig(out / name, dpi=100)
         plt.close(figure)
         images.append((name, title))
+        if name == "loss.png" and len(steps) > 1:
+            images.append(("step_loss.png", "training loss per step"))
     report_text = ""
     if evaluation is not None and "confusion" in evaluation:
         confusion = evaluation["confusion"]
@@ -112,13 +127,26 @@ def _html(
 
     info, config = load("run.json"), load("config.json")
     last = rows[-1] if rows else {}
+    summary = summarise(run_dir)
+    best = best_epoch(rows, (config.get("checkpoint") or {}).get("monitor", ""))
+    facts = {
+        "status": summary.status if summary else info.get("status"),
+        "epochs": last.get("epoch"), "steps": last.get("step"),
+        "time": summary.duration if summary else "-",
+        "best epoch": f"{best[2]}: {best[0]} {_fmt(best[1], best[0])}" if best else "-",
+        "command": _command(info.get("argv")),
+    }  # fmt: skip
+    overview = "".join(
+        f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
+        for k, v in facts.items()
+    )
     metrics = "".join(
-        f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(_fmt(v))}</td></tr>"
+        f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(_fmt(v, k))}</td></tr>"
         for k, v in last.items() if k != "kind"
     )  # fmt: skip
     versions = "".join(
         f"<tr><td>{k}</td><td>{html.escape(str(info.get(k)))}</td></tr>"
-        for k in ("status", "step", "epoch", "glassloop", "torch", "python", "platform", "git_sha")
+        for k in ("glassloop", "torch", "python", "platform", "git_sha")
     )
     figures = "".join(
         f'<figure><img src="{name}" alt="{html.escape(title)}"><figcaption>{html.escape(title)}'
@@ -134,7 +162,8 @@ def _html(
 margin:0 1em 1em 0}}img{{max-width:520px}}td{{padding:0 1em 0 0}}
 pre{{background:#f6f6f6;padding:1em}}</style></head><body>
 <h1>Run {html.escape(run_dir.name)}</h1>
-<h2>Final metrics</h2><table>{metrics}</table>
+<table>{overview}</table>
+<h2>Final metrics (epoch {html.escape(str(last.get("epoch", "-")))})</h2><table>{metrics}</table>
 <h2>Plots</h2>{figures}
 {report_block}
 <h2>Versions</h2><table>{versions}</table>
@@ -143,5 +172,39 @@ pre{{background:#f6f6f6;padding:1em}}</style></head><body>
 """
 
 
-def _fmt(value: Any) -> str:
-    return f"{value:.6g}" if isinstance(value, float) else str(value)
+def _fmt(value: Any, name: str = "") -> str:
+    """Percentages for accuracy-like metrics, 3 significant digits for other numbers."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if _percent(name):
+        return f"{100 * value:.2f}%"
+    if abs(value) >= 1000:  # counts and rates: 40,000 samples, 4,850 samples/s
+        return f"{value:,.0f}"
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def _percent(name: str) -> bool:
+    return name.endswith("accuracy") or name.endswith("exact_match")
+
+
+def _command(argv: Any) -> str:
+    """The command line that made the run, its program by name (not its full path)."""
+    if not isinstance(argv, list) or not argv:
+        return "-"
+    return " ".join([Path(str(argv[0])).name, *map(str, argv[1:])])
+
+
+def read_steps(run_dir: Path) -> list[dict[str, Any]]:
+    """The step rows of ``RUN_DIR/metrics.jsonl`` that carry a loss."""
+    rows = []
+    with contextlib.suppress(OSError):
+        for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(ValueError, RecursionError):
+                row = json.loads(line)
+                if isinstance(row, dict) and row.get("kind") == "step" and _number(row.get("loss")):
+                    rows.append(row)
+    return rows
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

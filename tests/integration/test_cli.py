@@ -328,10 +328,23 @@ def test_runs_lists_status_step_and_best(
     killed = run_dir.parent / "killed"
     killed.mkdir(exist_ok=True)
     (killed / "run.json").write_text(json.dumps({"status": "running", "step": 7, "epoch": 0}))
+    failed = run_dir.parent / "failed"
+    failed.mkdir(exist_ok=True)
+    (failed / "run.json").write_text(json.dumps({
+        "status": "failed", "step": 3, "epoch": 0, "error": "DataError: data: bad labels",
+        "started": "2026-01-02T10:00:00+0000", "ended": "2026-01-02T10:03:12+0000",
+    }))  # fmt: skip
     result = glassloop("runs", str(run_dir.parent))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["run", "status", "step", "epoch", "best"]
+    assert lines[0].split() == ["run", "status", "step", "epoch", "time", "final", "best"]
+    order = [line.split()[0] for line in lines[1:] if not line.startswith(" ")]
+    # newest first: killed (no start time: its run.json was written just now), the trained
+    # run (started minutes ago), the failed one (January)
+    assert order.index(str(killed)) < order.index(str(run_dir)) < order.index(str(failed))
+    failed_at = next(i for i, line in enumerate(lines) if line.startswith(str(failed)))
+    assert " 3m 12s " in lines[failed_at]
+    assert lines[failed_at + 1] == "  error: DataError: data: bad labels"
     finished = next(line for line in lines if line.startswith(str(run_dir)))
     accuracy = train.stdout.split("final validation accuracy: ")[1].split("%")[0]
     assert "finished" in finished and " 126 " in finished and "val_accuracy" in finished

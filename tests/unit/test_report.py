@@ -23,7 +23,13 @@ def test_report_files_exist_and_decode_and_tensorboard_reads_back(tmp_path: Path
     )
     page = index.read_text()
     referenced = re.findall(r'<img src="([^"]+)"', page)
-    assert set(referenced) == {"loss.png", "val_accuracy.png", "lr.png", "confusion.png"}
+    assert set(referenced) == {
+        "loss.png",
+        "step_loss.png",
+        "val_accuracy.png",
+        "lr.png",
+        "confusion.png",
+    }
     for name in referenced:
         with Image.open(index.parent / name) as image:  # a real, decodable PNG
             assert image.format == "PNG" and image.size[0] > 100
