@@ -233,3 +233,22 @@ def test_predict_warns_about_inputs_far_from_the_training_data(tmp_path: Path) -
     warnings = [line for line in predicted.stderr.splitlines() if line.startswith("warning")]
     assert len(warnings) == 1 and warnings[0].startswith("warning: two.npy[1] is far from")
     assert len(predicted.stdout.splitlines()) == 2  # both still predicted
+
+
+def test_a_run_made_in_python_gets_a_report_and_clear_answers(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 2)
+    trainer = glassloop.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.CrossEntropyLoss(),
+        device="cpu", progress="none", run_dir=tmp_path / "py",
+    )  # fmt: skip
+    x = torch.randn(32, 4)
+    y = (x[:, 0] > 0).long()
+    trainer.fit([(x, y)], [(x, y)], epochs=2)
+    assert (tmp_path / "py" / "report" / "index.html").is_file()  # written by fit
+    (tmp_path / "py" / "report" / "index.html").unlink()
+    report = run_glassloop("report", str(tmp_path / "py"))
+    assert report.returncode == 0, report.stderr
+    assert (tmp_path / "py" / "report" / "index.html").is_file()
+    evaluated = run_glassloop("eval", str(tmp_path / "py"))
+    assert evaluated.returncode == 2
+    assert "was trained from Python" in evaluated.stderr and "load_weights" in evaluated.stderr

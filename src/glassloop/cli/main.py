@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -348,6 +349,13 @@ def evaluate_weights(
         raise GlassloopError(
             f"eval: '{source}' does not say which data it was trained on (no config)"
         )
+    if made_in_python(config):
+        raise GlassloopError(
+            f"eval: '{source}' was trained from Python (Trainer(..., run_dir=...)): no file "
+            "says how to rebuild its model and data. Evaluate it in Python: "
+            "glassloop.load_weights(model, 'RUN_DIR/model.safetensors') and "
+            "glassloop.evaluate(model, loader, loss_fn)"
+        )
     require_trust(config, source, trust_code)
     for item in overrides:
         apply_override(config, item)
@@ -417,6 +425,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def made_in_python(config: Any) -> bool:
+    """A run directory of a ``Trainer`` built in Python: its config.json describes the
+    trainer (``"model": "Sequential"``), not a glassloop config with a ``[model]`` table."""
+    return isinstance(config, dict) and not isinstance(config.get("model"), dict)
+
+
 def report_for(run_dir: Path, *, trust_code: bool = False) -> Path:
     """Evaluate the run's final weights on its validation data and write its report."""
     from glassloop.data.splits import Splits
@@ -425,6 +439,11 @@ def report_for(run_dir: Path, *, trust_code: bool = False) -> Path:
 
     if not (run_dir / "config.json").is_file():
         raise GlassloopError(f"report: '{run_dir}' is not a run directory (no config.json)")
+    with contextlib.suppress(OSError, ValueError):
+        if made_in_python(json.loads((run_dir / "config.json").read_text(encoding="utf-8"))):
+            # Its model and data live in the user's code: the report of its files (curves,
+            # metrics), without a fresh evaluation.
+            return write_report(run_dir)
     parts, _, evaluation = evaluate_weights(run_dir, [], trust_code)
     pairs = None
     if parts.task == "regression" and isinstance(parts.data, Splits):
