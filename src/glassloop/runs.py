@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from glassloop.sinks import format_duration
+
 
 @dataclass
 class RunSummary:
@@ -61,15 +63,7 @@ def _duration(started: Any, ended: Any) -> str:
         ).total_seconds()
     except (TypeError, ValueError):
         return "-"
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return (
-        f"{hours}h {minutes:02d}m"
-        if hours
-        else f"{minutes}m {secs:02d}s"
-        if minutes
-        else f"{secs}s"
-    )
+    return format_duration(seconds)
 
 
 def _count(value: Any) -> int:

@@ -51,6 +51,7 @@ class ProgressReporter:
         self._bar: Any = None
         self._total: int | None = None
         self._refreshed = 0.0
+        self._epoch_seconds: list[float] = []  # each finished epoch's duration (run ETA)
 
     @property
     def quiet(self) -> bool:
@@ -63,8 +64,12 @@ class ProgressReporter:
         """A new epoch's bar; ``done``: samples already trained in it (a resumed epoch)."""
         self._total = total_samples
         if self.bar:
+            desc = f"epoch {epoch}/{num_epochs}"
+            if self._epoch_seconds:  # the run's time left, from the epochs so far
+                left = sum(self._epoch_seconds) / len(self._epoch_seconds)
+                desc += f" (run: ~{format_duration(left * (num_epochs - epoch + 1))} left)"
             self._bar = tqdm(
-                total=total_samples, initial=done, desc=f"epoch {epoch}/{num_epochs}",
+                total=total_samples, initial=done, desc=desc,
                 unit="sample", unit_scale=True, leave=False, dynamic_ncols=True,
             )  # fmt: skip
 
@@ -96,6 +101,8 @@ class ProgressReporter:
             print(f"loss: {loss:>7f}  [{seen_in_epoch:>5d}/{total}]", file=self.stream, flush=True)
 
     def epoch_end(self, row: dict[str, Any], num_epochs: int) -> None:
+        if isinstance(row.get("seconds"), float):
+            self._epoch_seconds.append(row["seconds"])
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -116,6 +123,19 @@ class ProgressReporter:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def format_duration(seconds: float) -> str:
+    """``"1h 05m"``, ``"3m 12s"``, ``"41s"``.
+
+    >>> format_duration(3725), format_duration(192), format_duration(41.7)
+    ('1h 02m', '3m 12s', '41s')
+    """
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    return f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
 
 
 # In the files, not on the summary line (which keeps the tutorial-like shape).
