@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,8 @@ class World:
 
 
 SINGLE = World()
+# The DDP wrappers this process made, so shutdown() can release them (weakly held).
+_WRAPPED: weakref.WeakSet[nn.parallel.DistributedDataParallel] = weakref.WeakSet()
 
 
 def world_from_env() -> World:
@@ -97,7 +100,9 @@ def wrap(model: nn.Module, world: World, device: torch.device) -> nn.Module:
     if not world.distributed:
         return model
     device_ids = [device.index] if device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    _WRAPPED.add(ddp)
+    return ddp
 
 
 def distributed_job() -> bool:
@@ -131,9 +136,17 @@ def barrier() -> None:
 
 def shutdown() -> None:
     """Leave the process group together: a barrier first, so no process tears down its
-    connections while another still uses them (gloo aborts the process otherwise)."""
+    connections while another still uses them (gloo aborts the process otherwise). Then
+    the DDP wrappers still alive let go of their reducer and process group: left to the
+    interpreter's own teardown, their C++ destructors aborted a finished process about one
+    exit in eight ("terminate called without an active exception"); a wrapper is not
+    usable after this, which at exit no one needs."""
     if dist.is_available() and dist.is_initialized():
         try:
             dist.barrier()
         finally:
+            for ddp in list(_WRAPPED):
+                for name in ("reducer", "process_group", "logger"):
+                    ddp.__dict__.pop(name, None)
+            _WRAPPED.clear()
             dist.destroy_process_group()
