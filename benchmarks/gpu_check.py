@@ -1,0 +1,282 @@
+"""The GPU check: one script, one table, a few minutes on one GPU.
+
+    .venv/bin/python benchmarks/gpu_check.py                  # on CUDA (the default device)
+    .venv/bin/python benchmarks/gpu_check.py --device cpu --quick   # the CI smoke test
+
+Rows (each a measurement and a verdict):
+
+* overhead of ``Trainer.fit`` against the hand-written loop, tutorial MLP and a small CNN, fp32
+  and bf16, the two loops interleaved in one process (as benchmarks/overhead.py does), with
+  the device synchronised before each clock read;
+* bf16 speed-up over fp32 (hand loop);
+* fp16 + GradScaler: steps skipped after warm-up (should be 0) and the final loss against fp32;
+* peak memory of a fit;
+* ``torch.compile`` on/off, per step after the compile;
+* glassloop's in-memory loader with the data on the device against a pinned ``DataLoader``;
+* kill -9 in the middle of a run and resume: bitwise equal final weights, with
+  ``torch.use_deterministic_algorithms(True)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from glassloop import Trainer
+from glassloop.data import make_loader
+from glassloop.models import cnn, mlp
+from glassloop.precision import autocast
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+ROWS: list[tuple[str, str, str]] = []
+
+
+def row(check: str, value: str, verdict: str = "") -> None:
+    ROWS.append((check, value, verdict))
+    print(f"  {check}: {value} {verdict}", file=sys.stderr, flush=True)  # progress
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def data(n: int, batch: int, device: torch.device, seed: int = 0) -> Batches:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 28, 28, generator=g)
+    y = torch.randint(0, 10, (n,), generator=g)
+    return [
+        (a.to(device), b.to(device)) for a, b in zip(x.split(batch), y.split(batch), strict=True)
+    ]
+
+
+def hand_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Any,
+               precision: str, device: torch.device) -> None:  # fmt: skip
+    loss_fn = nn.CrossEntropyLoss()
+    model.train()
+    for x, y in batches:
+        with autocast(precision, device):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def glassloop_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Any,
+                    precision: str, device: torch.device) -> None:  # fmt: skip
+    trainer = Trainer(model, optimizer, nn.CrossEntropyLoss(), device=device, progress="none",
+                      precision=precision)  # fmt: skip
+    trainer.fit(batches, epochs=1)
+
+
+def timed(fn: Callable[[], None], device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def overhead(name: str, build: Callable[[], nn.Module], precision: str, batches: Batches,
+             device: torch.device, reps: int) -> float:  # fmt: skip
+    """Median ratio glassloop/hand over interleaved reps; returns the hand loop's s/step."""
+    torch.manual_seed(0)
+    a, b = build().to(device), build().to(device)
+    b.load_state_dict(a.state_dict())
+    opt_a = torch.optim.SGD(a.parameters(), lr=1e-3)
+    opt_b = torch.optim.SGD(b.parameters(), lr=1e-3)
+    hand_epoch(a, opt_a, batches, precision, device)  # warm-up: kernels, allocator
+    glassloop_epoch(b, opt_b, batches, precision, device)
+    ratios, hands = [], []
+    for rep in range(reps):
+        runs = [
+            lambda: hand_epoch(a, opt_a, batches, precision, device),
+            lambda: glassloop_epoch(b, opt_b, batches, precision, device),
+        ]
+        order = runs if rep % 2 == 0 else runs[::-1]
+        first, second = (timed(fn, device) for fn in order)
+        t_hand, t_glass = (first, second) if rep % 2 == 0 else (second, first)
+        ratios.append(t_glass / t_hand)
+        hands.append(t_hand / len(batches))
+    ratio = statistics.median(ratios)
+    hand_us = 1e6 * statistics.median(hands)
+    verdict = "ok" if ratio <= 1.05 else "above 5%"
+    row(f"overhead {name} {precision}", f"{ratio:.3f} (hand {hand_us:.0f} us/step)", verdict)
+    return statistics.median(hands)
+
+
+def fp16_check(batches: Batches, device: torch.device) -> None:
+    """fp16 + GradScaler from the same start as fp32: no skipped step after warm-up and a
+    final loss close to fp32's."""
+    losses, skipped = {}, {}
+    for precision in ("32", "fp16"):
+        torch.manual_seed(0)
+        model = mlp((1, 28, 28), 10, [512, 512]).to(device)
+        trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                          nn.CrossEntropyLoss(), device=device, progress="none",
+                          precision=precision)  # fmt: skip
+        trainer.fit(batches[:20], epochs=1)  # warm-up: the scaler finds its scale
+        warm = trainer.state.skipped_steps
+        history = trainer.fit(batches, epochs=4)
+        losses[precision] = history[-1]["train_loss"]
+        skipped[precision] = trainer.state.skipped_steps - warm
+    close = abs(losses["fp16"] - losses["32"]) <= 0.05 * abs(losses["32"]) + 0.02
+    value = (
+        f"skipped after warm-up {skipped['fp16']}, loss {losses['fp16']:.4f} "
+        f"vs fp32 {losses['32']:.4f}"
+    )
+    row("fp16 + GradScaler", value, "ok" if close and not skipped["fp16"] else "CHECK")
+
+
+def memory_check(batches: Batches, device: torch.device) -> None:
+    if device.type != "cuda":
+        row("peak memory", "n/a on CPU")
+        return
+    torch.cuda.reset_peak_memory_stats(device)
+    model = mlp((1, 28, 28), 10, [512, 512]).to(device)
+    glassloop_epoch(model, torch.optim.AdamW(model.parameters()), batches, "bf16", device)
+    row(
+        "peak memory (MLP, bf16, one fit)",
+        f"{torch.cuda.max_memory_allocated(device) / 2**20:.1f} MiB",
+    )
+
+
+def compile_check(batches: Batches, device: torch.device, quick: bool) -> None:
+    if quick and device.type == "cpu":
+        row("torch.compile", "skipped (--quick on CPU: inductor's C++ build takes minutes)")
+        return
+    times = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = mlp((1, 28, 28), 10, [512, 512]).to(device)
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=1e-3),
+                          nn.CrossEntropyLoss(), device=device, progress="none",
+                          compile=compiled)  # fmt: skip
+        trainer.fit(batches, epochs=1)  # compiles (and warms up) here
+        times[compiled] = timed(lambda t=trainer: t.fit(batches, epochs=3), device) / len(batches)
+    value = f"{1e6 * times[True]:.0f} us vs {1e6 * times[False]:.0f} us eager"
+    row("torch.compile per step", value, f"x{times[False] / times[True]:.2f}")
+
+
+def loader_check(n: int, batch: int, device: torch.device) -> None:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+    fast = make_loader((x, y), batch_size=batch, shuffle=True, device=device)
+    pinned = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True,
+                        pin_memory=device.type == "cuda")  # fmt: skip
+
+    def drain(loader: Any) -> None:
+        for a, b in loader:
+            a.to(device, non_blocking=True), b.to(device, non_blocking=True)
+
+    drain(fast), drain(pinned)
+    t_fast = min(timed(lambda: drain(fast), device) for _ in range(3))
+    t_pinned = min(timed(lambda: drain(pinned), device) for _ in range(3))
+    row("in-memory loader on the device vs pinned DataLoader",
+        f"{len(fast) / t_fast:,.0f} vs {len(pinned) / t_pinned:,.0f} batches/s",
+        f"x{t_pinned / t_fast:.1f}")  # fmt: skip
+
+
+class KillAt:
+    """Cross-entropy that SIGKILLs its own process at call ``at`` (mid-run, mid-epoch)."""
+
+    def __init__(self, at: int) -> None:
+        self.calls, self.at = 0, at
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return nn.functional.cross_entropy(output, target)
+
+
+def resume_run(run_dir: str, device: str, kill_at: int, resume: bool, quick: bool) -> None:
+    """One training run for the kill check (also what the killed child process runs)."""
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    dev = torch.device(device)
+    model = cnn((1, 28, 28), 10).to(dev)
+    g = torch.Generator().manual_seed(1)
+    n = 512 if quick else 4096
+    x, y = torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), KillAt(kill_at),
+                      device=dev, progress="none", run_dir=run_dir,
+                      checkpoint=None)  # fmt: skip
+    trainer.checkpointer.policy.every_n_steps = 3
+    loader = make_loader((x, y), batch_size=64, shuffle=True, seed=0, device=dev)
+    trainer.fit(loader, epochs=2, resume="auto" if resume else None)
+
+
+def kill_resume_check(device: torch.device, quick: bool) -> None:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    with tempfile.TemporaryDirectory() as tmp:
+        straight, cut = f"{tmp}/straight", f"{tmp}/cut"
+        resume_run(straight, str(device), 0, False, quick)
+        args = [sys.executable, __file__, "--child", cut, "--device", str(device)]
+        child = subprocess.run([*args, *(["--quick"] if quick else [])], check=False,
+                               env={**os.environ}, capture_output=True, text=True)  # fmt: skip
+        killed = child.returncode == -signal.SIGKILL
+        resume_run(cut, str(device), 0, True, quick)
+        from glassloop import load_weights
+
+        a, b = cnn((1, 28, 28), 10), cnn((1, 28, 28), 10)
+        load_weights(a, Path(straight) / "model.safetensors")
+        load_weights(b, Path(cut) / "model.safetensors")
+        pairs = zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+        same = all(torch.equal(p, q) for p, q in pairs)
+    row("kill -9 mid-run + resume (deterministic)",
+        f"killed: {killed}, final weights bitwise equal: {same}",
+        "ok" if killed and same else "FAIL")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument("--child", metavar="RUN_DIR", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:  # the process the kill check kills
+        resume_run(args.child, args.device, 11, False, args.quick)
+        return
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_check: no CUDA device here; pass --device cpu for the smoke test")
+    n, reps = (1024, 3) if args.quick else (12_800, 11)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    start = time.perf_counter()
+    batches = data(n, 64, device)
+    mlp_build = lambda: mlp((1, 28, 28), 10, [512, 512])  # noqa: E731
+    cnn_build = lambda: cnn((1, 28, 28), 10)  # noqa: E731
+    per_step = {}
+    for precision in ("32", "bf16"):
+        per_step[precision] = overhead("tutorial MLP", mlp_build, precision, batches, device, reps)
+        overhead("small CNN", cnn_build, precision, batches, device, reps)
+    row("bf16 speed-up over fp32 (hand loop, MLP)", f"x{per_step['32'] / per_step['bf16']:.2f}")
+    fp16_check(batches, device)
+    memory_check(batches, device)
+    compile_check(batches, device, args.quick)
+    loader_check(n * 4, 256, device)
+    kill_resume_check(device, args.quick)
+    width = max(len(r[0]) for r in ROWS)
+    print(f"glassloop GPU check on {name}, torch {torch.__version__}, "
+          f"{time.perf_counter() - start:.0f} s")  # fmt: skip
+    print(f"| {'check':<{width}} | result | verdict |\n|{'-' * (width + 2)}|---|---|")
+    for check, value, verdict in ROWS:
+        print(f"| {check:<{width}} | {value} | {verdict} |")
+
+
+if __name__ == "__main__":
+    main()
