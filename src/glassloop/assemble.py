@@ -177,6 +177,7 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
         compile_dynamic=t.compile_dynamic,
         world=world,
         tensorboard=t.tensorboard,
+        tracking=cfg.tracking,
         checkpoint=cfg.checkpoint,
         config=to_dict(cfg),
         model_spec=model_spec(cfg, data),

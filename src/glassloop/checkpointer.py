@@ -198,7 +198,7 @@ RESUME_SAFE_KEYS = (
 # Keys that build() fills in from train.epochs when the user leaves them out: a change of
 # epochs shows up as a change of these, and the message names the key the user changed.
 DERIVED_FROM_EPOCHS = ("scheduler.T_max", "scheduler.total_steps")
-RESUME_SAFE_PREFIXES = ("checkpoint.",)
+RESUME_SAFE_PREFIXES = ("checkpoint.", "tracking.")
 
 
 def config_differences(saved: Any, current: Any) -> list[str]:

@@ -14,6 +14,7 @@ Sections and keys (every key has a default; see the README's config reference)::
                  tensorboard, task, metrics, validate_every_n_steps, limit_batches
     [checkpoint] every_n_steps, every_n_epochs, keep_last, monitor, mode
     [early_stopping] monitor, patience, min_delta, mode
+    [tracking]   backend, uri, experiment, run_name, tags
 
 ``--set section.key=value`` overrides any key; the value is read as TOML (``3e-4``,
 ``true``, ``[256, 128]``) and falls back to a plain string (``--set data.name=digits``).
@@ -32,6 +33,7 @@ from glassloop.checkpointer import CheckpointConfig
 from glassloop.errors import ConfigError
 from glassloop.metric_names import check_metric_name
 from glassloop.optimizers import optimizer_kwargs, scheduler_kwargs
+from glassloop.tracking import TrackingConfig
 from glassloop.validation import (
     AT_LEAST_0,
     AT_LEAST_1,
@@ -182,6 +184,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -193,6 +196,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
     "early_stopping": EarlyStoppingConfig,
+    "tracking": TrackingConfig,
 }
 # Sections whose unknown keys are keyword arguments of the class they name.
 OPEN_SECTIONS = {"optim", "scheduler"}
@@ -220,6 +224,7 @@ CHOICES: dict[tuple[str, str], tuple[Any, ...]] = {
     ),
     ("train", "task"): ("auto", "classification", "multilabel", "regression", "language-model"),
     ("early_stopping", "mode"): ("auto", "min", "max"),
+    ("tracking", "backend"): ("", "mlflow"),
     ("train", "nonfinite"): ("raise", "skip"),
     ("train", "compile_mode"): (
         "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs",

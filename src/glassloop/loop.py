@@ -64,6 +64,7 @@ from glassloop.sinks import ProgressReporter
 from glassloop.state import EpochRecord, TrainState
 from glassloop.summary import end_summary, start_header
 from glassloop.tasks import model_loss, resolve_task
+from glassloop.tracking import TrackingConfig
 from glassloop.validation import check_trainer_options
 
 
@@ -152,6 +153,7 @@ class Trainer:
         compile_dynamic: bool = False,
         world: World | None = None,
         tensorboard: bool = False,
+        tracking: TrackingConfig | None = None,
         checkpoint: CheckpointConfig | None = None,
         config: Mapping[str, Any] | None = None,
         model_spec: Mapping[str, Any] | None = None,
@@ -217,7 +219,9 @@ class Trainer:
         self.callbacks = list(callbacks)
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.checkpointer = Checkpointer(self.run_dir, checkpoint, world=self.world)
-        self.run_log = RunLog(self.run_dir, world=self.world, tensorboard=tensorboard)
+        self.run_log = RunLog(
+            self.run_dir, world=self.world, tensorboard=tensorboard, tracking=tracking
+        )
         self.config = dict(config) if config is not None else None
         # How to rebuild the model from its weights file alone (glassloop.load_model).
         self.model_spec = dict(model_spec) if model_spec is not None else None

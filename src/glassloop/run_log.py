@@ -33,6 +33,7 @@ from glassloop.errors import GlassloopError
 from glassloop.run_lock import RunLock
 from glassloop.serialization import stable_repr
 from glassloop.sinks import CSVSink, JSONLSink, TensorBoardSink, truncate_rows
+from glassloop.tracking import MLflowTracker, TrackingConfig, make_tracker
 
 if TYPE_CHECKING:
     from glassloop.loop import Trainer
@@ -49,11 +50,18 @@ class RunLog:
     """Writes the run directory's files (rank 0 only; nothing without a run directory)."""
 
     def __init__(
-        self, run_dir: Path | None, *, world: World = SINGLE, tensorboard: bool = False
+        self,
+        run_dir: Path | None,
+        *,
+        world: World = SINGLE,
+        tensorboard: bool = False,
+        tracking: TrackingConfig | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.active = run_dir is not None and world.is_main
         self.tensorboard = tensorboard
+        self.tracking = tracking
+        self._tracker: MLflowTracker | None = None
         self._sinks: list[Sink] = []
         self._last_step = (time.perf_counter(), 0)  # when the last step row was, its samples
         self._last_report = time.monotonic()  # the first report after REPORT_EVERY_S
@@ -112,9 +120,14 @@ class RunLog:
             raise write_failure(self.run_dir, err) from err
         if self.tensorboard:
             self._sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
+        self._tracker = make_tracker(self.tracking)
+        if self._tracker is not None:
+            self._tracker.start(self.run_dir, config, resume=not fresh)
 
     def write(self, row: dict[str, Any]) -> None:
         """One metrics row to every sink; a full disk is a write failure (exit 3)."""
+        if self._tracker is not None:
+            self._tracker.log(row)  # never raises: a failing backend turns itself off
         try:
             for sink in self._sinks:
                 sink.write(row)
@@ -202,6 +215,11 @@ class RunLog:
             if status == "finished":
                 self.write_weights(model, model_spec)
             self.write_status(status, info)
+            if self._tracker is not None:
+                assert self.run_dir is not None  # a tracker exists only with a run directory
+                report = sorted((self.run_dir / "report").glob("*"))
+                self._tracker.finish(status, [*report, self.run_dir / "model.safetensors"])
+                self._tracker = None
         except (OSError, CheckpointError) as err:
             assert self.run_dir is not None
             failure = write_failure(self.run_dir, err)

@@ -20,7 +20,7 @@ from glassloop.config import from_dict
 
 ROOT = Path(__file__).parents[2]
 FILES = ["README.md", "docs/datasets.md", "docs/distributed.md", "docs/recipes.md",
-         "docs/benchmarks.md"]  # fmt: skip
+         "docs/benchmarks.md", "docs/tracking.md"]  # fmt: skip
 # Blocks not run, by file and their first line (or a line of the block), with the reason.
 NOT_RUN = {
     (
@@ -36,6 +36,8 @@ NOT_RUN = {
     ("docs/recipes.md", "recipes/NAME.toml"): "a template: test_recipes.py trains the recipes",
     ("docs/datasets.md", "from glassloop.data import make_loader, pad_collate"): "an API "
     "sketch over your own data; test_loaders.py checks each call",
+    ("docs/tracking.md", "pip install 'glassloop[mlflow]'"): "installs (network); the dev "
+    "extra has mlflow",
 }
 BENCHMARKS = "benchmarks/"  # run by hand (minutes each); their results are in benchmarks.md
 
