@@ -13,7 +13,7 @@ import copy
 import functools
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from glassloop.config import Config, config_task, to_dict
 from glassloop.data import Splits, load_splits, loaders_for_splits, make_loader, pad_collate
 from glassloop.data.loaders import InMemoryLoader, ResumableLoader
 from glassloop.data.text import TextData, load_text
+
+if TYPE_CHECKING:
+    from glassloop.data.parquet import DiskData
 from glassloop.device import resolve_device
 from glassloop.distributed import SINGLE, World, init_from_env, local_device
 from glassloop.loop import Trainer
@@ -37,13 +40,13 @@ class Run:
     """Everything a configured run needs: the resolved config, data, and the trainer."""
 
     config: Config
-    splits: Splits | TextData
+    splits: Splits | TextData | DiskData
     train_loader: InMemoryLoader | ResumableLoader
     val_loader: InMemoryLoader | ResumableLoader
     trainer: Trainer
 
 
-def model_spec(cfg: Config, data: Splits | TextData) -> dict[str, Any]:
+def model_spec(cfg: Config, data: Splits | TextData | DiskData) -> dict[str, Any]:
     """What :func:`glassloop.load_model` needs to rebuild the model from a weights file."""
     spec = {
         "model": asdict(cfg.model),
@@ -65,7 +68,7 @@ class Parts:
     ``report`` need."""
 
     config: Config
-    data: Splits | TextData
+    data: Splits | TextData | DiskData
     train_loader: InMemoryLoader | ResumableLoader
     val_loader: InMemoryLoader | ResumableLoader
     model: nn.Module
@@ -74,13 +77,24 @@ class Parts:
     task: str  # what the model is trained to do (glassloop.tasks)
 
 
+def parquet_data(cfg: Config) -> DiskData:
+    from glassloop.data.parquet import DiskData, parquet_splits
+
+    d = cfg.data
+    train, val, preprocessing, classes = parquet_splits(
+        d.path, label_column=d.label_column, image_column=d.image_column,
+        image_size=d.image_size, channels=d.channels, val_fraction=d.val_fraction, seed=d.seed,
+    )  # fmt: skip
+    return DiskData(train, val, preprocessing, classes)
+
+
 def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
     """Seed, load the data, make the loaders, build the model and the loss."""
     cfg = copy.deepcopy(cfg)
     device = local_device(resolve_device(cfg.train.device), world)
     seed_everything(cfg.train.seed)  # before building the model: reproducible initial weights
     task = config_task(cfg)
-    data: Splits | TextData
+    data: Splits | TextData | DiskData
     if cfg.data.name == "text-csv":
         data = load_text(cfg.data)
         model = build_model(
@@ -100,6 +114,17 @@ def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
         val_loader: InMemoryLoader | ResumableLoader = make_loader(
             data.val, batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
             lengths=data.val.lengths if buckets else None, shard="strided", **common,
+        )  # fmt: skip
+    elif cfg.data.name == "parquet":  # rows read lazily from disk, in worker processes
+        data = parquet_data(cfg)
+        model = build_model(cfg.model, data.input_shape, data.num_classes)
+        common = {"num_workers": cfg.data.num_workers, "seed": cfg.train.seed, "world": world}
+        train_loader = make_loader(
+            data.train, batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle, **common
+        )
+        val_loader = make_loader(
+            data.val, batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
+            shard="strided", **common,
         )  # fmt: skip
     else:
         data = load_splits(cfg.data, task)

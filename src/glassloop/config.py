@@ -82,6 +82,7 @@ class DataConfig:
     download: bool = False  # mnist, fashion-mnist: fetch with torchvision (glassloop[vision])
     label_column: str = "label"  # csv: the target column
     label_columns: list[str] = field(default_factory=list)  # csv: several (multilabel, outputs)
+    image_column: str = ""  # parquet: a column of encoded images (else: numeric columns)
     image_size: int = 0  # image-folder: resize to this square size (0: keep; all must match)
     channels: int = 0  # image-folder: 1 (grayscale) or 3 (RGB); 0: from the first image
     text_column: str = "text"  # text-csv
@@ -213,6 +214,7 @@ CHOICES: dict[tuple[str, str], tuple[Any, ...]] = {
         "fashion-mnist",
         "cifar10",
         "text-csv",
+        "parquet",
     ),
     ("data", "channels"): (0, 1, 3),
     ("model", "encoder"): ("gru", "transformer"),

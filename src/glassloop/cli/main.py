@@ -375,7 +375,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     parts, weights, result = evaluate_weights(Path(args.source), args.overrides, args.trust_code)
     print(f"weights: {weights.path}")
-    print(f"validation samples: {len(parts.data.y_val)}")
+    print(f"validation samples: {len(parts.val_loader.dataset)}")
     print(f"task: {parts.task}")
     for name, value in result.items():
         if is_number(value):

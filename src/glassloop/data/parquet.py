@@ -1,0 +1,218 @@
+"""Parquet tables on disk, read lazily: a dataset larger than memory trains like one in it.
+
+Why pyarrow directly (not the Hugging Face ``datasets`` library): a Parquet file opened with
+``memory_map=True`` is already what ``datasets`` builds its Arrow cache from, without the
+cache copy on disk, the fingerprinting, or the extra dependency tree; one row is one
+``Table.slice`` away. Each worker process opens the file itself (the dataset pickles as a
+path, never as data), so memory does not grow with the data set: pages are the operating
+system's cache, read when a row is asked for.
+
+A row's inputs are the numeric ``feature_columns`` (standardised with the training split's
+statistics) or one ``image_column`` of encoded image bytes (PNG/JPEG, decoded in the worker,
+scaled to [0, 1] and standardised per channel); the target is ``label_column`` (integer
+class indices or strings). Order, sharding and exact resume are :class:`ResumableLoader`'s,
+as for every map-style dataset: per-epoch seeded order, position in batches, no global RNG.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from glassloop.errors import DataError
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow.parquet as pq  # type: ignore[import-untyped]
+    except ImportError as err:
+        raise DataError(
+            "data: data.name = 'parquet' needs pyarrow: pip install 'glassloop[parquet]'"
+        ) from err
+    return pq
+
+
+class ParquetRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Rows ``indices`` of a Parquet file as ``(inputs, label)``; opened lazily per process.
+
+    ``features``: numeric columns, standardised with ``mean``/``std``; or ``image_column``:
+    encoded images decoded to ``image_shape`` ``(C, H, W)`` and standardised per channel.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        indices: np.ndarray,
+        labels: np.ndarray,
+        *,
+        features: list[str],
+        image_column: str = "",
+        image_shape: tuple[int, int, int] = (1, 0, 0),
+        mean: list[float],
+        std: list[float],
+    ) -> None:
+        self.path = Path(path)
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.labels = torch.as_tensor(np.asarray(labels)[self.indices], dtype=torch.int64)
+        self.features = features
+        self.image_column = image_column
+        self.image_shape = image_shape
+        self.mean = torch.tensor(mean, dtype=torch.float32)
+        self.std = torch.tensor(std, dtype=torch.float32)
+        self._table: Any = None  # the memory-mapped table, opened in the process that reads
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_table": None}  # workers open the file themselves
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._table is None:
+            columns = [self.image_column] if self.image_column else self.features
+            self._table = _pyarrow().read_table(self.path, columns=columns, memory_map=True)
+        row = self._table.slice(int(self.indices[index]), 1).to_pylist()[0]
+        if self.image_column:
+            x = decode_image(row[self.image_column], self.image_shape)
+            x = (x - self.mean[:, None, None]) / self.std[:, None, None]
+        else:
+            x = torch.tensor([row[c] for c in self.features], dtype=torch.float32) - self.mean
+            x = x / self.std
+        return x, self.labels[index]
+
+
+def decode_image(data: bytes, shape: tuple[int, int, int]) -> torch.Tensor:
+    """Encoded image bytes to a float tensor ``(C, H, W)`` in [0, 1] (resized to ``shape``)."""
+    from PIL import Image
+
+    channels, height, width = shape
+    with Image.open(io.BytesIO(data)) as opened:
+        image = opened.convert("L" if channels == 1 else "RGB")
+    if height and (image.height, image.width) != (height, width):
+        image = image.resize((width, height))
+    pixels = np.asarray(image, dtype=np.float32) / 255.0
+    return torch.from_numpy(pixels.reshape(pixels.shape[0], pixels.shape[1], -1)).permute(2, 0, 1)
+
+
+def parquet_splits(
+    path: str, *, label_column: str, image_column: str, image_size: int, channels: int,
+    val_fraction: float, seed: int,
+) -> tuple[ParquetRows, ParquetRows, dict[str, Any], list[str]]:  # fmt: skip
+    """Training and validation rows of one Parquet file (a seeded random split), the
+    preprocessing to save with the weights, and the class names. Only the label column (and,
+    for numeric features, their columns) is read here, column by column."""
+    pq = _pyarrow()
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"data: file '{file}' not found (data.path, a .parquet file)")
+    try:
+        schema = pq.read_schema(file)
+    except Exception as err:  # pyarrow's own errors for a file that is not Parquet
+        raise DataError(f"data: '{file}' is not a readable Parquet file: {err}") from err
+    names = list(schema.names)
+    for column in [label_column, *([image_column] if image_column else [])]:
+        if column not in names:
+            raise DataError(f"data: '{file}' has no column {column!r}; columns: {', '.join(names)}")
+    raw = pq.read_table(file, columns=[label_column], memory_map=True).column(0).to_pylist()
+    labels, classes = _class_indices(raw, label_column, file)
+    order = np.random.default_rng(seed).permutation(len(labels))
+    n_val = max(1, round(val_fraction * len(labels)))
+    val_idx, train_idx = np.sort(order[:n_val]), np.sort(order[n_val:])
+    if image_column:
+        first = pq.read_table(file, columns=[image_column]).slice(0, 1).column(0)[0].as_py()
+        probe = decode_image(first, (channels or 1, image_size, image_size))
+        if not channels:
+            from PIL import Image
+
+            with Image.open(io.BytesIO(first)) as image:
+                channels = 1 if image.mode in ("L", "1", "I;16") else 3
+            probe = decode_image(first, (channels, image_size, image_size))
+        shape = (channels, int(probe.shape[1]), int(probe.shape[2]))
+        mean, std = _image_stats(file, image_column, train_idx, shape, seed)
+        features: list[str] = []
+        preprocessing = {"scale": 1 / 255, "mean": mean, "std": std, "image_shape": list(shape)}
+    else:
+        numeric = [f.name for f in schema if f.name != label_column and _numeric(f.type)]
+        if not numeric:
+            raise DataError(f"data: '{file}' has no numeric feature columns besides the label")
+        table = pq.read_table(file, columns=numeric, memory_map=True)
+        values = np.column_stack([table.column(c).to_numpy() for c in numeric])[train_idx]
+        std_values = values.std(axis=0)
+        std_values[std_values == 0] = 1.0
+        mean, std = values.mean(axis=0).tolist(), std_values.tolist()
+        features, shape = numeric, (1, 0, 0)
+        preprocessing = {"feature_columns": numeric, "mean": mean, "std": std}
+    common: dict[str, Any] = {
+        "features": features, "image_column": image_column, "image_shape": shape,
+        "mean": mean, "std": std,
+    }  # fmt: skip
+    return (
+        ParquetRows(file, train_idx, labels, **common),
+        ParquetRows(file, val_idx, labels, **common),
+        preprocessing,
+        classes,
+    )
+
+
+def _image_stats(
+    file: Path, column: str, rows: np.ndarray, shape: tuple[int, int, int], seed: int
+) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std of up to 1,000 training images (a seeded sample)."""
+    pq = _pyarrow()
+    table = pq.read_table(file, columns=[column], memory_map=True)
+    sample = np.random.default_rng(seed).choice(rows, size=min(1000, len(rows)), replace=False)
+    images = torch.stack([decode_image(table.slice(int(i), 1).column(0)[0].as_py(), shape)
+                          for i in sample])  # fmt: skip
+    std = images.std(dim=(0, 2, 3))
+    std[std == 0] = 1.0
+    return images.mean(dim=(0, 2, 3)).tolist(), std.tolist()
+
+
+def _numeric(kind: Any) -> bool:
+    import pyarrow.types as pt  # type: ignore[import-untyped]
+
+    return bool(pt.is_integer(kind) or pt.is_floating(kind) or pt.is_boolean(kind))
+
+
+def _class_indices(values: list[Any], column: str, file: Path) -> tuple[np.ndarray, list[str]]:
+    """Integer labels as they are; strings sorted into class indices; anything else refused."""
+    if any(v is None for v in values):
+        raise DataError(f"data: '{file}' column {column!r} has missing labels")
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        labels = np.asarray(values, dtype=np.int64)
+        if labels.min() < 0:
+            raise DataError(f"data: '{file}' labels must be class indices >= 0")
+        return labels, [str(c) for c in range(int(labels.max()) + 1)]
+    if all(isinstance(v, str) for v in values):
+        names = sorted(set(values))
+        index = {name: i for i, name in enumerate(names)}
+        return np.asarray([index[v] for v in values], dtype=np.int64), names
+    raise DataError(
+        f"data: '{file}' column {column!r} holds {type(values[0]).__name__} values, not class "
+        "labels (integers or strings)"
+    )
+
+
+class DiskData:
+    """A Parquet data set as the rest of glassloop sees one: its training and validation
+    rows, the classes, the input shape and the preprocessing saved with the weights."""
+
+    def __init__(
+        self, train: ParquetRows, val: ParquetRows, preprocessing: dict[str, Any],
+        class_names: list[str],
+    ) -> None:  # fmt: skip
+        self.train, self.val = train, val
+        self.preprocessing = preprocessing
+        self.class_names = class_names
+        self.num_classes = len(class_names)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        if self.train.image_column:
+            return tuple(self.train.image_shape)
+        return (len(self.train.features),)
