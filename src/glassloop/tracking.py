@@ -8,8 +8,9 @@ around its fluent global state, so two trainers in one process never mix their r
   step and epoch row's numbers are metrics at their optimizer step; at the end the report's
   files and ``model.safetensors`` are artifacts and the run's status is set. The default
   store is ``sqlite:///mlflow.db`` in the current directory (MLflow's own default: no server;
-  ``mlflow ui --backend-store-uri sqlite:///mlflow.db`` shows it); ``uri`` may be any MLflow
-  tracking URI (``http://host:5000``).
+  ``mlflow ui --backend-store-uri sqlite:///mlflow.db`` shows it), its artifacts in
+  ``mlartifacts/`` beside the file; ``uri`` may be any MLflow tracking URI
+  (``http://host:5000``).
 * Rank 0 only, like every file of the run directory. A resumed run continues the same
   tracked run (its id is kept in ``RUN_DIR/tracking.json``).
 * A backend that fails (server gone, disk full) never stops training: one warning, then
@@ -112,7 +113,20 @@ class MLflowTracker:
         found = self.client.get_experiment_by_name(self.config.experiment)
         if found is not None:
             return str(found.experiment_id)
-        return str(self.client.create_experiment(self.config.experiment))
+        return str(
+            self.client.create_experiment(
+                self.config.experiment, artifact_location=self._artifacts()
+            )
+        )
+
+    def _artifacts(self) -> str | None:
+        """For a SQLite store, artifacts go beside its file (``mlartifacts/``), so the store
+        is one folder wherever glassloop was started; a server decides for itself."""
+        uri = self.client.tracking_uri
+        if not uri.startswith("sqlite:///"):
+            return None
+        database = Path(uri.removeprefix("sqlite:///")).resolve()
+        return (database.parent / "mlartifacts").as_uri()
 
     def _call(self, action: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``action(*args, **kwargs)``: one backend call; the first failure turns tracking

@@ -49,8 +49,11 @@ def run_id(run_dir: Path) -> str:
 
 
 def test_a_local_store_gets_params_metrics_artifacts_and_status_and_a_resume_continues(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the store is one folder: nothing lands where we started
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracking = TrackingConfig(backend="mlflow", uri=uri, experiment="tests", tags={"team": "a"})
     run = tmp_path / "run"
@@ -69,6 +72,8 @@ def test_a_local_store_gets_params_metrics_artifacts_and_status_and_a_resume_con
     artifacts = {a.path for a in client.list_artifacts(first)}
     assert {"model.safetensors", "report"} <= artifacts
     assert "report/index.html" in {a.path for a in client.list_artifacts(first, "report")}
+
+    assert (tmp_path / "mlartifacts").is_dir() and list(elsewhere.iterdir()) == []
 
     trainer(run, tracking).fit(batches(), batches(), epochs=4, resume="auto")
     assert run_id(run) == first  # the same tracked run, continued
