@@ -254,7 +254,7 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device here; pass --device cpu for the smoke test")
-    n, reps = (1024, 3) if args.quick else (12_800, 11)
+    n, reps = (512, 2) if args.quick else (12_800, 11)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     start = time.perf_counter()
     batches = data(n, 64, device)

@@ -1,11 +1,15 @@
 """Parquet tables on disk, read lazily: a dataset larger than memory trains like one in it.
 
-Why pyarrow directly (not the Hugging Face ``datasets`` library): a Parquet file opened with
-``memory_map=True`` is already what ``datasets`` builds its Arrow cache from, without the
-cache copy on disk, the fingerprinting, or the extra dependency tree; one row is one
-``Table.slice`` away. Each worker process opens the file itself (the dataset pickles as a
-path, never as data), so memory does not grow with the data set: pages are the operating
-system's cache, read when a row is asked for.
+How: Parquet is compressed and column-chunked, so reading a row means decoding its whole
+row group; random access over a shuffled epoch would decode the file again and again, and
+reading a column decodes all of it into memory. So the file is converted once, streamed a
+batch at a time, into an uncompressed Arrow IPC file in the cache directory (keyed by the
+file's path, size and time), which every process then memory-maps: zero-copy, one row one
+``Table.slice`` away, pages read when a row is asked for and dropped by the operating system
+when memory is needed. This is what the Hugging Face ``datasets`` library does too; pyarrow
+directly does it without that library's fingerprinting and dependency tree. Each worker
+opens the file itself (the dataset pickles as a path and row indices, never as data), so
+memory that is the process's own (not file cache) does not grow with the data set.
 
 A row's inputs are the numeric ``feature_columns`` (standardised with the training split's
 statistics) or one ``image_column`` of encoded image bytes (PNG/JPEG, decoded in the worker,
@@ -17,6 +21,7 @@ as for every map-style dataset: per-epoch seeded order, position in batches, no 
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +79,7 @@ class ParquetRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._table is None:
-            columns = [self.image_column] if self.image_column else self.features
-            self._table = _pyarrow().read_table(self.path, columns=columns, memory_map=True)
+            self._table = open_arrow(self.path)
         row = self._table.slice(int(self.indices[index]), 1).to_pylist()[0]
         if self.image_column:
             x = decode_image(row[self.image_column], self.image_shape)
@@ -84,6 +88,37 @@ class ParquetRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             x = torch.tensor([row[c] for c in self.features], dtype=torch.float32) - self.mean
             x = x / self.std
         return x, self.labels[index]
+
+
+def arrow_copy(parquet: Path) -> Path:
+    """The uncompressed Arrow IPC copy of ``parquet`` in the cache directory, written once
+    (a batch at a time, so memory stays bounded) and atomically."""
+    import hashlib
+
+    import pyarrow as pa
+
+    from glassloop.data.datasets import cache_dir
+
+    stat = parquet.stat()
+    key = hashlib.sha256(f"{parquet.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    target = cache_dir() / "arrow" / f"{parquet.stem}-{key.hexdigest()[:16]}.arrow"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    source = _pyarrow().ParquetFile(parquet)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, source.schema_arrow) as out:
+        for batch in source.iter_batches(batch_size=1024):
+            out.write_batch(batch)
+    tmp.replace(target)
+    return target
+
+
+def open_arrow(path: Path) -> Any:
+    """The memory-mapped, zero-copy table of an Arrow IPC file."""
+    import pyarrow as pa
+
+    return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
 
 
 def decode_image(data: bytes, shape: tuple[int, int, int]) -> torch.Tensor:
@@ -118,13 +153,14 @@ def parquet_splits(
     for column in [label_column, *([image_column] if image_column else [])]:
         if column not in names:
             raise DataError(f"data: '{file}' has no column {column!r}; columns: {', '.join(names)}")
-    raw = pq.read_table(file, columns=[label_column], memory_map=True).column(0).to_pylist()
+    arrow = arrow_copy(file)  # what every process reads rows from
+    raw = open_arrow(arrow).column(label_column).to_pylist()
     labels, classes = _class_indices(raw, label_column, file)
     order = np.random.default_rng(seed).permutation(len(labels))
     n_val = max(1, round(val_fraction * len(labels)))
     val_idx, train_idx = np.sort(order[:n_val]), np.sort(order[n_val:])
     if image_column:
-        first = pq.read_table(file, columns=[image_column]).slice(0, 1).column(0)[0].as_py()
+        first = open_arrow(arrow).column(image_column)[0].as_py()
         probe = decode_image(first, (channels or 1, image_size, image_size))
         if not channels:
             from PIL import Image
@@ -133,14 +169,14 @@ def parquet_splits(
                 channels = 1 if image.mode in ("L", "1", "I;16") else 3
             probe = decode_image(first, (channels, image_size, image_size))
         shape = (channels, int(probe.shape[1]), int(probe.shape[2]))
-        mean, std = _image_stats(file, image_column, train_idx, shape, seed)
+        mean, std = _image_stats(arrow, image_column, train_idx, shape, seed)
         features: list[str] = []
         preprocessing = {"scale": 1 / 255, "mean": mean, "std": std, "image_shape": list(shape)}
     else:
         numeric = [f.name for f in schema if f.name != label_column and _numeric(f.type)]
         if not numeric:
             raise DataError(f"data: '{file}' has no numeric feature columns besides the label")
-        table = pq.read_table(file, columns=numeric, memory_map=True)
+        table = open_arrow(arrow)
         values = np.column_stack([table.column(c).to_numpy() for c in numeric])[train_idx]
         std_values = values.std(axis=0)
         std_values[std_values == 0] = 1.0
@@ -152,19 +188,18 @@ def parquet_splits(
         "mean": mean, "std": std,
     }  # fmt: skip
     return (
-        ParquetRows(file, train_idx, labels, **common),
-        ParquetRows(file, val_idx, labels, **common),
+        ParquetRows(arrow, train_idx, labels, **common),
+        ParquetRows(arrow, val_idx, labels, **common),
         preprocessing,
         classes,
     )
 
 
 def _image_stats(
-    file: Path, column: str, rows: np.ndarray, shape: tuple[int, int, int], seed: int
+    arrow: Path, column: str, rows: np.ndarray, shape: tuple[int, int, int], seed: int
 ) -> tuple[list[float], list[float]]:
     """Per-channel mean and std of up to 1,000 training images (a seeded sample)."""
-    pq = _pyarrow()
-    table = pq.read_table(file, columns=[column], memory_map=True)
+    table = open_arrow(arrow)
     sample = np.random.default_rng(seed).choice(rows, size=min(1000, len(rows)), replace=False)
     images = torch.stack([decode_image(table.slice(int(i), 1).column(0)[0].as_py(), shape)
                           for i in sample])  # fmt: skip
