@@ -149,9 +149,10 @@ def main() -> None:
                 print(f"{mode}: failed: {done.stderr.strip().splitlines()[-1]}")
                 continue
             result = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"{mode:<10} {result['samples'] / result['seconds']:>9,.0f} samples/s  "
-                  f"peak own memory (process + workers) {result['peak_own_mib']:,.0f} MiB  "
-                  f"peak RSS incl. mapped file pages {result['peak_rss_mib']:,.0f} MiB")  # fmt: skip
+            rate = result["samples"] / result["seconds"]
+            print(f"{mode:<10} {rate:>9,.0f} samples/s  own memory (process + workers) "
+                  f"{result['peak_own_mib']:,.0f} MiB  RSS with mapped file pages "
+                  f"{result['peak_rss_mib']:,.0f} MiB")  # fmt: skip
 
 
 if __name__ == "__main__":
