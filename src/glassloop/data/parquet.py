@@ -92,7 +92,7 @@ class ParquetRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 def arrow_copy(parquet: Path) -> Path:
     """The uncompressed Arrow IPC copy of ``parquet`` in the cache directory, written once
-    (a batch at a time, so memory stays bounded) and atomically."""
+    (a row group at a time: memory is bounded by the largest row group) and atomically."""
     import hashlib
 
     import pyarrow as pa
@@ -107,9 +107,15 @@ def arrow_copy(parquet: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     source = _pyarrow().ParquetFile(parquet)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, source.schema_arrow) as out:
-        for batch in source.iter_batches(batch_size=1024):
-            out.write_batch(batch)
+    try:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, source.schema_arrow) as out:
+            # One row group at a time: iter_batches() over the whole file kept every decoded
+            # page in Arrow's memory pool until the reader was gone (533 MB for 0.5 GB).
+            for group in range(source.num_row_groups):
+                out.write_table(source.read_row_group(group))
+    finally:
+        source.close()
+    pa.default_memory_pool().release_unused()  # give the conversion's buffers back
     tmp.replace(target)
     return target
 
