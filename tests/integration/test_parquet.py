@@ -25,6 +25,12 @@ from glassloop.assemble import build  # noqa: E402
 from glassloop.config import load_config  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Arrow copies go to this test's folder, not the user's cache."""
+    monkeypatch.setenv("GLASSLOOP_CACHE_DIR", str(tmp_path / "cache"))
+
+
 def digits_parquet(path: Path) -> Path:
     """scikit-learn's 8x8 digits as PNG bytes with string labels."""
     digits = load_digits()
@@ -122,4 +128,5 @@ def test_a_worker_gets_a_path_not_the_data(tmp_path: Path) -> None:
     dataset[0]  # opens the memory-mapped table in this process
     assert dataset._table is not None
     assert len(pickle.dumps(dataset)) < 50_000 < table.stat().st_size  # indices, no pixels
+    assert dataset.path.suffix == ".arrow" and dataset.path.is_relative_to(tmp_path / "cache")
     assert pickle.loads(pickle.dumps(dataset))._table is None
