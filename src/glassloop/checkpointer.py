@@ -36,7 +36,7 @@ from glassloop.checkpoint import (
 from glassloop.distributed import SINGLE, World, all_reduce
 from glassloop.errors import ConfigError, GlassloopError
 from glassloop.metrics import improves, is_number, monitor_mode
-from glassloop.serialization import stable_repr
+from glassloop.serialization import dotted, stable_repr
 
 
 @dataclass
@@ -208,8 +208,8 @@ def config_differences(saved: Any, current: Any) -> list[str]:
     >>> config_differences({"optim": {"lr": 0.1}}, {"optim": {"lr": 0.2}})
     ['optim.lr: 0.1 -> 0.2']
     """
-    old = _dotted(json.loads(json.dumps(saved, default=stable_repr)))
-    new = _dotted(json.loads(json.dumps(current, default=stable_repr)))
+    old = dotted(json.loads(json.dumps(saved, default=stable_repr)))
+    new = dotted(json.loads(json.dumps(current, default=stable_repr)))
     epochs = f"train.epochs: {old.get('train.epochs')} -> {new.get('train.epochs')}"
     changes = []
     for key in sorted(old.keys() | new.keys()):
@@ -222,16 +222,3 @@ def config_differences(saved: Any, current: Any) -> list[str]:
             change = f"{epochs} (the learning-rate schedule spans the run: {change})"
         changes.append(change)
     return changes
-
-
-def _dotted(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, dict) and value:
-            out.update(_dotted(value, name))
-        else:
-            out[name] = value
-    return out

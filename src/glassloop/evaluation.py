@@ -16,7 +16,14 @@ from glassloop.distributed import distributed_job
 from glassloop.errors import DataError
 from glassloop.metric_names import check_metric_name, make_metric
 from glassloop.metrics import ClassificationSums, MultilabelSums, RegressionSums
-from glassloop.tasks import activate, class_scores, model_loss, prediction_of, resolve_task
+from glassloop.tasks import (
+    LABEL_TASKS,
+    activate,
+    class_scores,
+    model_loss,
+    prediction_of,
+    resolve_task,
+)
 
 LossFn = Callable[..., torch.Tensor]
 TaskSums = ClassificationSums | MultilabelSums | RegressionSums
@@ -165,7 +172,7 @@ def metric_inputs(
     """What a :class:`Metric` is updated with: class probabilities ``(M, C)`` and labels
     ``(M,)`` for classification (tokens flattened), label probabilities and 0/1 integer
     targets for multilabel, outputs and targets (``(N,)`` for one output) otherwise."""
-    if labels is not None and task in ("classification", "language-model", "auto"):
+    if labels is not None and task in LABEL_TASKS:
         return activate(task, labels[0]), labels[1]
     if task == "multilabel" and isinstance(target, torch.Tensor):
         return activate(task, prediction), target.round().long()
@@ -183,7 +190,7 @@ def task_sums(
     batch does not have the task's shape, only the loss is reported)."""
     if not isinstance(target, torch.Tensor):
         return None
-    if task in ("classification", "language-model", "auto"):
+    if task in LABEL_TASKS:
         labels = class_scores(prediction, target)
         if labels is None:
             return None

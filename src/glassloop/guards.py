@@ -19,7 +19,7 @@ from glassloop.errors import DataError, GlassloopError, ModelError, NonFiniteErr
 from glassloop.evaluation import check_same_shape
 from glassloop.precision import autocast
 from glassloop.state import TrainState
-from glassloop.tasks import class_scores, prediction_of
+from glassloop.tasks import LABEL_TASKS, class_scores, prediction_of
 
 
 def check_first_batch(
@@ -49,7 +49,7 @@ def check_first_batch(
             )
     if not isinstance(target, torch.Tensor) or task in ("custom", "multilabel"):
         return  # nothing about the outputs to check
-    if task in ("classification", "language-model", "auto") and target.is_floating_point():
+    if task in LABEL_TASKS and target.is_floating_point():
         return  # soft targets (probabilities)
     was_training = model.training
     model.eval()

@@ -20,6 +20,7 @@ from glassloop.data.files import IMAGE_SUFFIXES, open_image
 from glassloop.errors import DataError
 from glassloop.evaluation import predict as predict_probs
 from glassloop.export import ModelClass, model_description, model_from, read_weights
+from glassloop.tasks import LABEL_TASKS
 
 # How far (in training standard deviations) an input's mean may be from the training mean
 # before predict warns: per-image means of MNIST digits stay within about 1 of it.
@@ -214,7 +215,7 @@ class Predictor:
     def top_k(self, sources: list[str], probs: torch.Tensor, k: int) -> list[Prediction]:
         """Per input: the ``k`` likeliest classes (classification); every label or output
         (multilabel, regression: ``k`` does not apply)."""
-        if self.task not in ("classification", "language-model", "auto"):
+        if self.task not in LABEL_TASKS:
             outputs = range(probs.shape[1])
             names = [self.class_names[i] if i < len(self.class_names) else str(i) for i in outputs]
             return [

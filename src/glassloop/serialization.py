@@ -117,3 +117,18 @@ def stable_repr(value: Any) -> str:
         module = getattr(value, "__module__", None) or "?"
         return f"{module}.{value.__qualname__}"
     return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+
+
+def dotted(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict flattened to ``{"section.key": value}`` (empty dicts kept as values).
+
+    >>> dotted({"optim": {"lr": 0.1, "kwargs": {}}, "seed": 0})
+    {'optim.lr': 0.1, 'optim.kwargs': {}, 'seed': 0}
+    """
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        out.update(dotted(value, name) if isinstance(value, dict) and value else {name: value})
+    return out

@@ -41,6 +41,9 @@ from torch.nn import functional as F
 from glassloop.errors import ConfigError, ModelError
 
 TASKS = ("classification", "multilabel", "regression", "language-model", "custom")
+# Tasks whose targets are class labels (per sample or per token); "auto" is treated as one
+# when its targets turn out to be labels that fit the outputs.
+LABEL_TASKS = ("classification", "language-model", "auto")
 LOSS_TASKS = {
     nn.CrossEntropyLoss: "classification",
     nn.NLLLoss: "classification",
@@ -133,7 +136,7 @@ def activate(task: str, prediction: torch.Tensor, classes: int | None = None) ->
     are; in float32. Classes are the last dimension, or dimension 1 (torch's ``(N, C, T)``
     layout) when ``classes`` says the last one is not them."""
     prediction = prediction.float()
-    if task in ("classification", "language-model", "auto"):
+    if task in LABEL_TASKS:
         layout_n_c_t = prediction.ndim > 2 and prediction.shape[-1] != classes
         if classes is not None and layout_n_c_t and prediction.shape[1] == classes:
             prediction = prediction.movedim(1, -1)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from glassloop.errors import ConfigError
+from glassloop.serialization import dotted
 
 
 @dataclass
@@ -78,7 +79,7 @@ class MLflowTracker:
         )
         from mlflow.entities import Param
 
-        flat = [Param(k, str(v)[:6000]) for k, v in sorted(_flatten(params).items())]
+        flat = [Param(k, str(v)[:6000]) for k, v in sorted(dotted(params).items())]
         for start in range(0, len(flat), 100):  # MLflow takes at most 100 params a batch
             self._call(self.client.log_batch, self.run_id, params=flat[start : start + 100])
 
@@ -155,16 +156,6 @@ def make_tracker(
             f"config: tracking.backend must be '' or 'mlflow', got {config.backend!r}"
         )
     return MLflowTracker(config, warn)
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        out.update(_flatten(value, name) if isinstance(value, dict) and value else {name: value})
-    return out
 
 
 def _is_number(value: Any) -> bool:
