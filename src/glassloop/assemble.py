@@ -23,9 +23,10 @@ from glassloop.config import Config, config_task, to_dict
 from glassloop.data import Splits, load_splits, loaders_for_splits, make_loader, pad_collate
 from glassloop.data.loaders import InMemoryLoader, ResumableLoader
 from glassloop.data.text import TextData, load_text
+from glassloop.errors import ConfigError
 
 if TYPE_CHECKING:
-    from glassloop.data.parquet import DiskData
+    from glassloop.data.lazy import DiskData
 from glassloop.device import resolve_device
 from glassloop.distributed import SINGLE, World, init_from_env, local_device
 from glassloop.loop import Trainer
@@ -78,14 +79,24 @@ class Parts:
 
 
 def parquet_data(cfg: Config) -> DiskData:
-    from glassloop.data.parquet import DiskData, parquet_splits
+    from glassloop.data.lazy import DiskData
+    from glassloop.data.parquet import parquet_splits
 
     d = cfg.data
     train, val, preprocessing, classes = parquet_splits(
         d.path, label_column=d.label_column, image_column=d.image_column,
         image_size=d.image_size, channels=d.channels, val_fraction=d.val_fraction, seed=d.seed,
     )  # fmt: skip
-    return DiskData(train, val, preprocessing, classes)
+    shape = tuple(train.image_shape) if train.image_column else (len(train.features),)
+    return DiskData(train, val, preprocessing, classes, shape)
+
+
+def lazy_images(cfg: Config) -> DiskData | None:
+    if cfg.data.name != "image-folder":
+        return None
+    from glassloop.data.files import image_folder_on_disk
+
+    return image_folder_on_disk(cfg.data)
 
 
 def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
@@ -95,6 +106,8 @@ def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
     seed_everything(cfg.train.seed)  # before building the model: reproducible initial weights
     task = config_task(cfg)
     data: Splits | TextData | DiskData
+    # Parquet, or image files too many to decode into memory: DiskData (else None).
+    on_disk = parquet_data(cfg) if cfg.data.name == "parquet" else lazy_images(cfg)
     if cfg.data.name == "text-csv":
         data = load_text(cfg.data)
         model = build_model(
@@ -115,8 +128,13 @@ def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
             data.val, batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
             lengths=data.val.lengths if buckets else None, shard="strided", **common,
         )  # fmt: skip
-    elif cfg.data.name == "parquet":  # rows read lazily from disk, in worker processes
-        data = parquet_data(cfg)
+    elif on_disk is not None:  # read row by row from disk, in the loader's workers
+        if cfg.data.augment:
+            raise ConfigError(
+                "config: data.augment works on the in-memory path; this data set is read "
+                "from disk (parquet, or an image folder above data.in_memory_mb)"
+            )
+        data = on_disk
         model = build_model(cfg.model, data.input_shape, data.num_classes)
         common = {"num_workers": cfg.data.num_workers, "seed": cfg.train.seed, "world": world}
         train_loader = make_loader(

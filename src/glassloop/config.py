@@ -83,6 +83,7 @@ class DataConfig:
     label_column: str = "label"  # csv: the target column
     label_columns: list[str] = field(default_factory=list)  # csv: several (multilabel, outputs)
     image_column: str = ""  # parquet: a column of encoded images (else: numeric columns)
+    in_memory_mb: int = 4096  # image-folder: larger once decoded, images are read in workers
     image_size: int = 0  # image-folder: resize to this square size (0: keep; all must match)
     channels: int = 0  # image-folder: 1 (grayscale) or 3 (RGB); 0: from the first image
     text_column: str = "text"  # text-csv
@@ -252,6 +253,7 @@ RANGES: dict[tuple[str, str], Range] = {
     ("data", "batch_size"): AT_LEAST_1,
     ("data", "eval_batch_size"): AT_LEAST_0,
     ("data", "num_workers"): Range(0, 256),
+    ("data", "in_memory_mb"): AT_LEAST_0,
     ("data", "val_fraction"): Range(0.0, 1.0, open_low=True, open_high=True),
     ("data", "num_samples"): AT_LEAST_1,
     ("data", "num_features"): Range(1, 2**24),

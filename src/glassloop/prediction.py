@@ -16,7 +16,8 @@ from torch import nn
 
 from glassloop.data.collate import pad_collate
 from glassloop.data.datasets import load_arrays
-from glassloop.data.files import IMAGE_SUFFIXES, open_image
+from glassloop.data.files import IMAGE_SUFFIXES
+from glassloop.data.lazy import open_image
 from glassloop.errors import DataError
 from glassloop.evaluation import predict as predict_probs
 from glassloop.export import ModelClass, model_description, model_from, read_weights

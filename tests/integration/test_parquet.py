@@ -130,3 +130,28 @@ def test_a_worker_gets_a_path_not_the_data(tmp_path: Path) -> None:
     assert len(pickle.dumps(dataset)) < 50_000 < table.stat().st_size  # indices, no pixels
     assert dataset.path.suffix == ".arrow" and dataset.path.is_relative_to(tmp_path / "cache")
     assert pickle.loads(pickle.dumps(dataset))._table is None
+
+
+def test_an_image_folder_too_large_for_memory_is_read_in_workers(tmp_path: Path) -> None:
+    from glassloop.assemble import build_parts
+    from glassloop.data.lazy import DiskData
+
+    digits = load_digits()
+    for i, (image, label) in enumerate(zip(digits.images[:600], digits.target[:600], strict=True)):
+        folder = tmp_path / "digits" / str(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray((image * 255 / 16).astype(np.uint8)).save(folder / f"{i}.png")
+    common = [f"data.path={tmp_path / 'digits'}", "data.name=image-folder", "model.name=cnn"]
+    in_memory = build_parts(load_config(None, common))
+    assert not isinstance(in_memory.data, DiskData)  # 600 tiny images: decoded up front
+    lazy = [*common, "data.in_memory_mb=0", "data.num_workers=2", "train.epochs=4",
+            "train.progress=none", "optim.lr=0.003"]  # fmt: skip
+    assert isinstance(build_parts(load_config(None, lazy)).data, DiskData)
+    with pytest.raises(glassloop.ConfigError, match=r"data\.augment works on the in-memory path"):
+        build_parts(load_config(None, [*lazy, "data.augment=['hflip']"]))  # never ignored
+    run = tmp_path / "run"
+    done = run_glassloop("train", "--run-dir", str(run), *sets(lazy))
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["val_accuracy"] > 0.7
+    predicted = run_glassloop("predict", str(run), str(tmp_path / "digits" / "3" / "3.png"))
+    assert predicted.returncode == 0 and ": 3 " in predicted.stdout, predicted.stdout

@@ -237,23 +237,3 @@ def _class_indices(values: list[Any], column: str, file: Path) -> tuple[np.ndarr
         f"data: '{file}' column {column!r} holds {type(values[0]).__name__} values, not class "
         "labels (integers or strings)"
     )
-
-
-class DiskData:
-    """A Parquet data set as the rest of glassloop sees one: its training and validation
-    rows, the classes, the input shape and the preprocessing saved with the weights."""
-
-    def __init__(
-        self, train: ParquetRows, val: ParquetRows, preprocessing: dict[str, Any],
-        class_names: list[str],
-    ) -> None:  # fmt: skip
-        self.train, self.val = train, val
-        self.preprocessing = preprocessing
-        self.class_names = class_names
-        self.num_classes = len(class_names)
-
-    @property
-    def input_shape(self) -> tuple[int, ...]:
-        if self.train.image_column:
-            return tuple(self.train.image_shape)
-        return (len(self.train.features),)
