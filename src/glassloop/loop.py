@@ -62,7 +62,7 @@ from glassloop.rng import (
 from glassloop.run_log import RunLog, python_config
 from glassloop.sinks import ProgressReporter
 from glassloop.state import EpochRecord, TrainState
-from glassloop.summary import end_summary, start_header
+from glassloop.summary import end_summary, samples_in, start_header
 from glassloop.tasks import model_loss, resolve_task
 from glassloop.tracking import TrackingConfig
 from glassloop.validation import check_trainer_options
@@ -328,7 +328,7 @@ class Trainer:
         epoch = state.epoch + 1
         start = time.perf_counter()
         done = sum(self.record.sizes)  # a resumed epoch's bar starts where it was
-        self.console.epoch_start(epoch, epochs, _num_samples(train_loader), done)
+        self.console.epoch_start(epoch, epochs, samples_in(train_loader), done)
         self.model.train()  # dropout on, batch-norm updates its running statistics
         batches: Iterable[Any] = train_loader
         if not hasattr(train_loader, "load_state_dict"):
@@ -752,11 +752,3 @@ class Trainer:
                 self.eval_model, data, task=self.task, batch_size=batch_size,
                 device=self.device, classes=classes,
             )  # fmt: skip
-
-
-def _num_samples(loader: Iterable[Any]) -> int | None:
-    dataset = getattr(loader, "dataset", None)
-    try:
-        return len(dataset) if dataset is not None else None
-    except TypeError:
-        return None

@@ -3,7 +3,6 @@ the classification report as text, and an ``index.html`` showing the run at a gl
 
 from __future__ import annotations
 
-import contextlib
 import html
 import json
 from pathlib import Path
@@ -14,7 +13,7 @@ from glassloop.errors import GlassloopError
 if TYPE_CHECKING:
     import torch
 from glassloop.metrics import format_report
-from glassloop.runs import read_epochs, summarise
+from glassloop.runs import read_epochs, read_json_object, read_rows, summarise
 from glassloop.summary import best_epoch
 
 
@@ -119,13 +118,8 @@ def write_report(
 def _html(
     run_dir: Path, rows: list[dict[str, Any]], images: list[tuple[str, str]], report: str
 ) -> str:
-    def load(name: str) -> Any:
-        try:
-            return json.loads((run_dir / name).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}
-
-    info, config = load("run.json"), load("config.json")
+    info = read_json_object(run_dir / "run.json")
+    config = read_json_object(run_dir / "config.json")
     last = rows[-1] if rows else {}
     summary = summarise(run_dir)
     best = best_epoch(rows, (config.get("checkpoint") or {}).get("monitor", ""))
@@ -196,14 +190,7 @@ def _command(argv: Any) -> str:
 
 def read_steps(run_dir: Path) -> list[dict[str, Any]]:
     """The step rows of ``RUN_DIR/metrics.jsonl`` that carry a loss."""
-    rows = []
-    with contextlib.suppress(OSError):
-        for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-            with contextlib.suppress(ValueError, RecursionError):
-                row = json.loads(line)
-                if isinstance(row, dict) and row.get("kind") == "step" and _number(row.get("loss")):
-                    rows.append(row)
-    return rows
+    return [row for row in read_rows(run_dir, "step") if _number(row.get("loss"))]
 
 
 def _number(value: Any) -> bool:

@@ -10,7 +10,6 @@ reason; checkpoints themselves are :mod:`glassloop.checkpointer`'s job.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +30,7 @@ from glassloop.checkpoint import (
 from glassloop.distributed import SINGLE, World
 from glassloop.errors import GlassloopError
 from glassloop.run_lock import RunLock
+from glassloop.runs import read_json_object
 from glassloop.serialization import stable_repr
 from glassloop.sinks import CSVSink, JSONLSink, TensorBoardSink, truncate_rows
 from glassloop.tracking import MLflowTracker, TrackingConfig, make_tracker
@@ -102,7 +102,7 @@ class RunLog:
             fields[5:5] = ["val_loss", "val_accuracy"]
         fresh = step == 0  # a new run replaces the metrics of one that never saved
         # When the run began (a resumed run keeps its first start), for `glassloop runs`.
-        earlier = None if fresh else _read_json(self.run_dir / "run.json").get("started")
+        earlier = None if fresh else read_json_object(self.run_dir / "run.json").get("started")
         self._started = earlier if isinstance(earlier, str) else _now()
         try:
             if not fresh:  # rows a killed process wrote after its last checkpoint go
@@ -257,16 +257,8 @@ class RunLog:
 
 
 def _status(run_dir: Path) -> str | None:
-    status = _read_json(run_dir / "run.json").get("status")
+    status = read_json_object(run_dir / "run.json").get("status")
     return status if isinstance(status, str) else None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return info if isinstance(info, dict) else {}
 
 
 def _now() -> str:

@@ -71,9 +71,9 @@ def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
-def read_epochs(run_dir: Path) -> list[dict[str, Any]]:
-    """The epoch rows of ``RUN_DIR/metrics.jsonl`` (none if it is missing); a line cut
-    short by a kill, or one that is not a row, is skipped."""
+def read_rows(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    """The rows of one ``kind`` ("epoch", "step", "val") of ``RUN_DIR/metrics.jsonl`` (none
+    if it is missing); a line cut short by a kill, or one that is not a row, is skipped."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
@@ -83,9 +83,24 @@ def read_epochs(run_dir: Path) -> list[dict[str, Any]]:
             row = json.loads(line)
         except (ValueError, RecursionError):
             continue
-        if isinstance(row, dict) and row.get("kind") == "epoch":
+        if isinstance(row, dict) and row.get("kind") == kind:
             rows.append(row)
     return rows
+
+
+def read_epochs(run_dir: Path) -> list[dict[str, Any]]:
+    """The epoch rows of ``RUN_DIR/metrics.jsonl``."""
+    return read_rows(run_dir, "epoch")
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file of a run directory (run.json, config.json, tracking.json) as a dict;
+    ``{}`` when it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def best_metric(rows: list[dict[str, Any]]) -> str:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from glassloop.errors import ConfigError
+from glassloop.runs import read_json_object
 from glassloop.serialization import dotted
 
 
@@ -60,7 +61,7 @@ class MLflowTracker:
     def start(self, run_dir: Path, params: dict[str, Any], *, resume: bool) -> None:
         """Create the run (or, resuming, continue the one ``tracking.json`` names) and log
         the flattened config as its params."""
-        saved = _read(run_dir / "tracking.json") if resume else {}
+        saved = read_json_object(run_dir / "tracking.json") if resume else {}
         if saved.get("run_id"):
             self.run_id = str(saved["run_id"])
             self._call(self.client.update_run, self.run_id, status="RUNNING")
@@ -160,11 +161,3 @@ def make_tracker(
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -436,14 +435,14 @@ def report_for(run_dir: Path, *, trust_code: bool = False) -> Path:
     from glassloop.data.splits import Splits
     from glassloop.errors import GlassloopError
     from glassloop.report import write_report
+    from glassloop.runs import read_json_object
 
     if not (run_dir / "config.json").is_file():
         raise GlassloopError(f"report: '{run_dir}' is not a run directory (no config.json)")
-    with contextlib.suppress(OSError, ValueError):
-        if made_in_python(json.loads((run_dir / "config.json").read_text(encoding="utf-8"))):
-            # Its model and data live in the user's code: the report of its files (curves,
-            # metrics), without a fresh evaluation.
-            return write_report(run_dir)
+    if made_in_python(read_json_object(run_dir / "config.json")):
+        # Its model and data live in the user's code: the report of its files (curves,
+        # metrics), without a fresh evaluation.
+        return write_report(run_dir)
     parts, _, evaluation = evaluate_weights(run_dir, [], trust_code)
     pairs = None
     if parts.task == "regression" and isinstance(parts.data, Splits):
