@@ -142,64 +142,14 @@ def _existing(path: str, what: str) -> Path:
     return resolved
 
 
-def image_folder(cfg: DataConfig) -> Splits:
-    """``data.path/<class>/<image>``: one folder per class, PNG/JPEG/...; decoded with Pillow
-    (no torchvision needed), resized to ``image_size``, normalised per channel with the
-    training split's statistics. ``train/`` and ``val/`` subfolders, if present, are the
-    split; otherwise ``val_fraction`` of each class is held out (stratified, seeded)."""
-    root = _existing(cfg.path, "data.path (a folder with one sub-folder per class)")
-    parts = [root / "train", root / "val"]
-    fixed_split = all(p.is_dir() for p in parts)
-    class_root = parts[0] if fixed_split else root
-    names = sorted(p.name for p in class_root.iterdir() if p.is_dir())
-    if not names:
-        raise DataError(f"data: '{class_root}' has no class sub-folders (<class>/<image>.png)")
-    channels = cfg.channels
-
-    def load(folder: Path) -> tuple[np.ndarray, np.ndarray]:
-        nonlocal channels
-        images, labels = [], []
-        for label, name in enumerate(names):
-            for file in sorted((folder / name).iterdir()) if (folder / name).is_dir() else []:
-                if file.suffix.lower() not in IMAGE_SUFFIXES:
-                    continue
-                with open_image(file, "data") as opened:
-                    if channels == 0:
-                        channels = 1 if opened.mode in ("L", "1", "I", "I;16") else 3
-                    image = opened.convert("L" if channels == 1 else "RGB")
-                    if cfg.image_size:
-                        image = image.resize((cfg.image_size, cfg.image_size))
-                    pixels = np.asarray(image, dtype=np.uint8)
-                images.append(pixels.reshape(pixels.shape[0], pixels.shape[1], channels))
-                labels.append(label)
-        if not images:
-            raise DataError(
-                f"data: no images ({', '.join(sorted(IMAGE_SUFFIXES))}) under '{folder}'"
-            )
-        shapes = {im.shape for im in images}
-        if len(shapes) > 1:
-            raise DataError(
-                f"data: images under '{folder}' have different sizes {sorted(shapes)[:3]}...; "
-                "set data.image_size to resize them"
-            )
-        return np.stack(images).transpose(0, 3, 1, 2), np.array(labels, dtype=np.int64)
-
-    if fixed_split:
-        x_tr, y_tr = load(parts[0])
-        x_va, y_va = load(parts[1])
-    else:
-        x, y = load(root)
-        x_tr, y_tr, x_va, y_va = stratified_split(x, y, val_size=cfg.val_fraction, seed=cfg.seed)
-    return _normalised(x_tr, y_tr, x_va, y_va, names, None if cfg.normalize else _unit(x_tr))
+Listing = tuple[list[Path], np.ndarray]  # image files and their class indices
 
 
-def image_folder_on_disk(cfg: DataConfig) -> DiskData | None:
-    """The ``image-folder`` data set read in the loader's workers, when decoding it into
-    memory would take more than ``data.in_memory_mb`` (float32 pixels); ``None`` when it
-    fits (then :func:`image_folder` decodes it up front: faster per epoch). The same split,
-    normalisation (from a 1,000-image sample) and class names either way."""
-    from glassloop.data.lazy import DiskData, ImageFiles, channel_stats
-
+def image_listing(cfg: DataConfig) -> tuple[list[str], list[Listing]]:
+    """The class names and the image files with their labels: ``data.path/<class>/<image>``;
+    ``[train, val]`` when ``train/`` and ``val/`` subfolders are the split, else one listing
+    of everything (split by :func:`stratified_split`: ``val_fraction`` of each class held out,
+    seeded). Nothing is decoded here."""
     root = _existing(cfg.path, "data.path (a folder with one sub-folder per class)")
     parts = [root / "train", root / "val"]
     fixed_split = all(p.is_dir() for p in parts)
@@ -208,7 +158,7 @@ def image_folder_on_disk(cfg: DataConfig) -> DiskData | None:
     if not names:
         raise DataError(f"data: '{class_root}' has no class sub-folders (<class>/<image>.png)")
 
-    def listed(folder: Path) -> tuple[list[Path], np.ndarray]:
+    def listed(folder: Path) -> Listing:
         files, labels = [], []
         for label, name in enumerate(names):
             for file in sorted((folder / name).iterdir()) if (folder / name).is_dir() else []:
@@ -221,35 +171,81 @@ def image_folder_on_disk(cfg: DataConfig) -> DiskData | None:
             )
         return files, np.array(labels, dtype=np.int64)
 
-    if fixed_split:
-        (train, y_tr), (val, y_va) = listed(parts[0]), listed(parts[1])
-    else:
-        every, labels = listed(root)
-        index = np.arange(len(every))
+    return names, [listed(parts[0]), listed(parts[1])] if fixed_split else [listed(root)]
+
+
+def image_shape(cfg: DataConfig, first: Path) -> tuple[int, int, int]:
+    """``(C, H, W)``: channels and size from the config, else from the first image."""
+    with open_image(first, "data") as opened:
+        channels = cfg.channels or (1 if opened.mode in ("L", "1", "I", "I;16") else 3)
+        size = (cfg.image_size, cfg.image_size) if cfg.image_size else opened.size[::-1]
+    return channels, size[0], size[1]
+
+
+def image_folder(cfg: DataConfig) -> Splits:
+    """The ``image-folder`` data set (:func:`image_listing`) decoded into memory with Pillow
+    (no torchvision needed), resized to ``image_size``, normalised per channel with the
+    training split's statistics."""
+    names, listings = image_listing(cfg)
+    channels = image_shape(cfg, listings[0][0][0])[0]  # (from the first file listed)
+
+    def decoded(files: list[Path]) -> np.ndarray:
+        images = []
+        for file in files:
+            with open_image(file, "data") as opened:
+                image = opened.convert("L" if channels == 1 else "RGB")
+                if cfg.image_size:
+                    image = image.resize((cfg.image_size, cfg.image_size))
+                pixels = np.asarray(image, dtype=np.uint8)
+            images.append(pixels.reshape(pixels.shape[0], pixels.shape[1], channels))
+        shapes = {im.shape for im in images}
+        if len(shapes) > 1:
+            raise DataError(
+                f"data: images under '{cfg.path}' have different sizes {sorted(shapes)[:3]}...; "
+                "set data.image_size to resize them"
+            )
+        return np.stack(images).transpose(0, 3, 1, 2)
+
+    if len(listings) == 2:
+        (train, y_tr), (val, y_va) = listings
+        x_tr, x_va = decoded(train), decoded(val)
+    else:  # every image decoded (each one's errors first), then split
+        (every, labels) = listings[0]
+        x_tr, y_tr, x_va, y_va = stratified_split(
+            decoded(every), labels, val_size=cfg.val_fraction, seed=cfg.seed
+        )
+    return _normalised(x_tr, y_tr, x_va, y_va, names, None if cfg.normalize else _unit(x_tr))
+
+
+def image_folder_on_disk(cfg: DataConfig) -> DiskData | None:
+    """The ``image-folder`` data set read in the loader's workers, when decoding it into
+    memory would take more than ``data.in_memory_mb`` (float32 pixels); ``None`` when it
+    fits (then :func:`image_folder` decodes it up front: faster per epoch). The same split,
+    normalisation (from a 1,000-image sample) and class names either way."""
+    from glassloop.data.lazy import DiskData, ImageFiles, channel_stats
+
+    names, listings = image_listing(cfg)
+    shape = image_shape(cfg, listings[0][0][0])
+    if len(listings) == 2:
+        (train, y_tr), (val, y_va) = listings
+    else:  # split the indices: the same split as of decoded images
+        every, labels = listings[0]
         i_tr, y_tr, i_va, y_va = stratified_split(
-            index, labels, val_size=cfg.val_fraction, seed=cfg.seed
+            np.arange(len(every)), labels, val_size=cfg.val_fraction, seed=cfg.seed
         )
         train, val = [every[i] for i in i_tr], [every[i] for i in i_va]
-    with open_image(train[0], "data") as first:
-        channels = cfg.channels or (1 if first.mode in ("L", "1", "I", "I;16") else 3)
-        height, width = (cfg.image_size, cfg.image_size) if cfg.image_size else first.size[::-1]
-    shape = (channels, height, width)
-    decoded = (len(train) + len(val)) * channels * height * width * 4
-    if decoded <= cfg.in_memory_mb * 2**20:
+    channels, height, width = shape
+    if (len(train) + len(val)) * channels * height * width * 4 <= cfg.in_memory_mb * 2**20:
         return None
-    mean, std = (
-        channel_stats(train, shape, cfg.seed)
-        if cfg.normalize
-        else ([0.0] * channels, [1.0] * channels)
-    )
+    if cfg.normalize:
+        mean, std = channel_stats(train, shape, cfg.seed)
+    else:  # pixels in [0, 1] only
+        mean, std = [0.0] * channels, [1.0] * channels
     preprocessing = {"scale": 1 / 255, "mean": mean, "std": std, "image_shape": list(shape)}
     return DiskData(
-        ImageFiles(train, y_tr, shape, mean, std),
-        ImageFiles(val, y_va, shape, mean, std),
-        preprocessing,
-        names,
-        shape,
-    )
+        ImageFiles(train, y_tr, shape, mean, std), ImageFiles(val, y_va, shape, mean, std),
+        preprocessing, names, shape,
+    )  # fmt: skip
 
 
 def _unit(x: np.ndarray) -> tuple[list[float], list[float]]:
