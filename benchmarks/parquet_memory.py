@@ -95,7 +95,7 @@ def measure(path: str, mode: str, workers: int) -> None:
     from glassloop.assemble import parquet_data
     from glassloop.config import load_config
     from glassloop.data import make_loader
-    from glassloop.data.parquet import decode_image
+    from glassloop.data.lazy import read_image
 
     cfg = load_config(None, [
         "data.name=parquet", f"data.path={path}", "data.image_column=png",
@@ -112,7 +112,7 @@ def measure(path: str, mode: str, workers: int) -> None:
 
         pngs = pq.read_table(path, columns=["png"]).column(0).to_pylist()
         rows = data.train
-        images = torch.stack([decode_image(pngs[i], rows.image_shape) for i in rows.indices])
+        images = torch.stack([read_image(pngs[i], rows.image_shape) for i in rows.indices])
         del pngs
         loader = make_loader((images, rows.labels), batch_size=256, shuffle=True)
     seen = sum(len(batch[1]) for batch in loader)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from glassloop.config import DataConfig
-from glassloop.data.lazy import open_image
+from glassloop.data.lazy import open_image, probe_shape
 from glassloop.data.splits import Splits, from_arrays, stratified_split, target_values
 from glassloop.errors import DataError
 
@@ -176,10 +176,7 @@ def image_listing(cfg: DataConfig) -> tuple[list[str], list[Listing]]:
 
 def image_shape(cfg: DataConfig, first: Path) -> tuple[int, int, int]:
     """``(C, H, W)``: channels and size from the config, else from the first image."""
-    with open_image(first, "data") as opened:
-        channels = cfg.channels or (1 if opened.mode in ("L", "1", "I", "I;16") else 3)
-        size = (cfg.image_size, cfg.image_size) if cfg.image_size else opened.size[::-1]
-    return channels, size[0], size[1]
+    return probe_shape(first, cfg.channels, cfg.image_size)
 
 
 def image_folder(cfg: DataConfig) -> Splits:
@@ -222,7 +219,7 @@ def image_folder_on_disk(cfg: DataConfig) -> DiskData | None:
     memory would take more than ``data.in_memory_mb`` (float32 pixels); ``None`` when it
     fits (then :func:`image_folder` decodes it up front: faster per epoch). The same split,
     normalisation (from a 1,000-image sample) and class names either way."""
-    from glassloop.data.lazy import DiskData, ImageFiles, channel_stats
+    from glassloop.data.lazy import DiskData, ImageFiles, channel_stats, read_image, stats_sample
 
     names, listings = image_listing(cfg)
     shape = image_shape(cfg, listings[0][0][0])
@@ -238,7 +235,8 @@ def image_folder_on_disk(cfg: DataConfig) -> DiskData | None:
     if (len(train) + len(val)) * channels * height * width * 4 <= cfg.in_memory_mb * 2**20:
         return None
     if cfg.normalize:
-        mean, std = channel_stats(train, shape, cfg.seed)
+        sample = stats_sample(len(train), cfg.seed)
+        mean, std = channel_stats([read_image(train[int(i)], shape) for i in sample])
     else:  # pixels in [0, 1] only
         mean, std = [0.0] * channels, [1.0] * channels
     preprocessing = {"scale": 1 / 255, "mean": mean, "std": std, "image_shape": list(shape)}

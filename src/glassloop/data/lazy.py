@@ -10,6 +10,7 @@ as paths and indices, never as decoded data.
 from __future__ import annotations
 
 import contextlib
+import io
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,19 +62,21 @@ class ImageFiles(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         ]
 
 
-def read_image(path: Path, shape: tuple[int, int, int]) -> torch.Tensor:
-    """One image file as a float tensor ``(C, H, W)`` in [0, 1], resized to ``shape``."""
+def read_image(source: Path | bytes, shape: tuple[int, int, int]) -> torch.Tensor:
+    """An image file (or its encoded bytes) as a float tensor ``(C, H, W)`` in [0, 1],
+    resized to ``shape`` (a height of 0 keeps the image's size)."""
     channels, height, width = shape
-    with open_image(path, "data") as opened:
+    opened_from = io.BytesIO(source) if isinstance(source, bytes) else source
+    with open_image(opened_from, "data") as opened:
         image = opened.convert("L" if channels == 1 else "RGB")
-    if (image.height, image.width) != (height, width):
+    if height and (image.height, image.width) != (height, width):
         image = image.resize((width, height))
     pixels = np.asarray(image, dtype=np.float32) / 255.0
-    return torch.from_numpy(pixels.reshape(height, width, channels)).permute(2, 0, 1)
+    return torch.from_numpy(pixels.reshape(pixels.shape[0], pixels.shape[1], -1)).permute(2, 0, 1)
 
 
 @contextlib.contextmanager
-def open_image(path: Path, who: str) -> Iterator[Any]:
+def open_image(path: Path | io.BytesIO, who: str) -> Iterator[Any]:
     """Pillow's ``Image.open``, with every way an image file can fail (unreadable, not an
     image, a decompression bomb: a small file that claims billions of pixels) turned into
     one :class:`DataError` line. Pillow only warns between 89M and 179M pixels; here that
@@ -86,16 +89,27 @@ def open_image(path: Path, who: str) -> Iterator[Any]:
             with Image.open(path) as opened:
                 yield opened
     except (OSError, Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-        raise DataError(f"{who}: cannot read image '{path}': {err}") from err
+        name = "image bytes" if isinstance(path, io.BytesIO) else f"image '{path}'"
+        raise DataError(f"{who}: cannot read {name}: {err}") from err
 
 
-def channel_stats(
-    files: list[Path], shape: tuple[int, int, int], seed: int
-) -> tuple[list[float], list[float]]:
-    """Per-channel mean and std of up to 1,000 of ``files`` (a seeded sample)."""
-    rng = np.random.default_rng(seed)
-    sample = rng.choice(len(files), size=min(1000, len(files)), replace=False)
-    images = torch.stack([read_image(files[int(i)], shape) for i in sample])
-    std = images.std(dim=(0, 2, 3))
+def probe_shape(source: Path | bytes, channels: int, size: int) -> tuple[int, int, int]:
+    """``(C, H, W)``: ``channels`` and ``size`` (a square) when given, else the image's own."""
+    opened_from = io.BytesIO(source) if isinstance(source, bytes) else source
+    with open_image(opened_from, "data") as opened:
+        channels = channels or (1 if opened.mode in ("L", "1", "I", "I;16") else 3)
+        height, width = (size, size) if size else opened.size[::-1]
+    return channels, height, width
+
+
+def stats_sample(count: int, seed: int) -> np.ndarray:
+    """The positions of up to 1,000 of ``count`` images (seeded) that give the statistics."""
+    return np.random.default_rng(seed).choice(count, size=min(1000, count), replace=False)
+
+
+def channel_stats(images: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std of a sample of images (see :func:`stats_sample`)."""
+    stacked = torch.stack(images)
+    std = stacked.std(dim=(0, 2, 3))
     std[std == 0] = 1.0
-    return images.mean(dim=(0, 2, 3)).tolist(), std.tolist()
+    return stacked.mean(dim=(0, 2, 3)).tolist(), std.tolist()

@@ -20,7 +20,6 @@ as for every map-style dataset: per-epoch seeded order, position in batches, no 
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from glassloop.data.lazy import channel_stats, probe_shape, read_image, stats_sample
 from glassloop.errors import DataError
 
 
@@ -82,7 +82,7 @@ class ParquetRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             self._table = open_arrow(self.path)
         row = self._table.slice(int(self.indices[index]), 1).to_pylist()[0]
         if self.image_column:
-            x = decode_image(row[self.image_column], self.image_shape)
+            x = read_image(row[self.image_column], self.image_shape)
             x = (x - self.mean[:, None, None]) / self.std[:, None, None]
         else:
             x = torch.tensor([row[c] for c in self.features], dtype=torch.float32) - self.mean
@@ -127,19 +127,6 @@ def open_arrow(path: Path) -> Any:
     return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
 
 
-def decode_image(data: bytes, shape: tuple[int, int, int]) -> torch.Tensor:
-    """Encoded image bytes to a float tensor ``(C, H, W)`` in [0, 1] (resized to ``shape``)."""
-    from PIL import Image
-
-    channels, height, width = shape
-    with Image.open(io.BytesIO(data)) as opened:
-        image = opened.convert("L" if channels == 1 else "RGB")
-    if height and (image.height, image.width) != (height, width):
-        image = image.resize((width, height))
-    pixels = np.asarray(image, dtype=np.float32) / 255.0
-    return torch.from_numpy(pixels.reshape(pixels.shape[0], pixels.shape[1], -1)).permute(2, 0, 1)
-
-
 def parquet_splits(
     path: str, *, label_column: str, image_column: str, image_size: int, channels: int,
     val_fraction: float, seed: int,
@@ -167,14 +154,7 @@ def parquet_splits(
     val_idx, train_idx = np.sort(order[:n_val]), np.sort(order[n_val:])
     if image_column:
         first = open_arrow(arrow).column(image_column)[0].as_py()
-        probe = decode_image(first, (channels or 1, image_size, image_size))
-        if not channels:
-            from PIL import Image
-
-            with Image.open(io.BytesIO(first)) as image:
-                channels = 1 if image.mode in ("L", "1", "I;16") else 3
-            probe = decode_image(first, (channels, image_size, image_size))
-        shape = (channels, int(probe.shape[1]), int(probe.shape[2]))
+        shape = probe_shape(first, channels, image_size)
         mean, std = _image_stats(arrow, image_column, train_idx, shape, seed)
         features: list[str] = []
         preprocessing = {"scale": 1 / 255, "mean": mean, "std": std, "image_shape": list(shape)}
@@ -204,14 +184,10 @@ def parquet_splits(
 def _image_stats(
     arrow: Path, column: str, rows: np.ndarray, shape: tuple[int, int, int], seed: int
 ) -> tuple[list[float], list[float]]:
-    """Per-channel mean and std of up to 1,000 training images (a seeded sample)."""
-    table = open_arrow(arrow)
-    sample = np.random.default_rng(seed).choice(rows, size=min(1000, len(rows)), replace=False)
-    images = torch.stack([decode_image(table.slice(int(i), 1).column(0)[0].as_py(), shape)
-                          for i in sample])  # fmt: skip
-    std = images.std(dim=(0, 2, 3))
-    std[std == 0] = 1.0
-    return images.mean(dim=(0, 2, 3)).tolist(), std.tolist()
+    """Per-channel mean and std of a seeded sample of the training images."""
+    images = open_arrow(arrow).column(column)
+    sample = rows[stats_sample(len(rows), seed)]
+    return channel_stats([read_image(images[int(i)].as_py(), shape) for i in sample])
 
 
 def _numeric(kind: Any) -> bool:
