@@ -96,7 +96,7 @@ def evaluate(
                 loss_sum += loss.detach().to(torch.float64) * n
                 weight += n
                 if sums is None:
-                    sums = task_sums(task, prediction, target, device, ignore_index)
+                    sums = task_sums(task, prediction, target, labels, device, ignore_index)
                     extra = metric_objects(wanted, task, prediction, labels, device)
                 if sums is not None:
                     update_sums(sums, prediction, target, labels)
@@ -184,14 +184,19 @@ def metric_inputs(
 
 
 def task_sums(
-    task: str, prediction: torch.Tensor, target: Any, device: torch.device, ignore_index: int
+    task: str,
+    prediction: torch.Tensor,
+    target: Any,
+    labels: tuple[torch.Tensor, torch.Tensor] | None,
+    device: torch.device,
+    ignore_index: int,
 ) -> TaskSums | None:
-    """The sums that give ``task``'s metrics, sized from the first batch (``None``: the
-    batch does not have the task's shape, only the loss is reported)."""
+    """The sums that give ``task``'s metrics, sized from the first batch (``labels``: its
+    :func:`class_scores`; ``None``: the batch does not have the task's shape, only the loss
+    is reported)."""
     if not isinstance(target, torch.Tensor):
         return None
     if task in LABEL_TASKS:
-        labels = class_scores(prediction, target)
         if labels is None:
             return None
         return ClassificationSums(int(labels[0].shape[-1]), device, ignore_index)

@@ -53,15 +53,12 @@ def make_metric(name: str, task: str, num_outputs: int) -> Any:
     import torchmetrics.regression as tr
 
     kind, _, average = name.partition("_")
-    by_kind: dict[str, Any]
+    # precision_macro -> MulticlassPrecision(average="macro"), or Multilabel... for labels
+    averaged = {"precision": "Precision", "recall": "Recall", "f1": "F1Score"}
     if task == "multilabel":
         if name == "auroc":
             return tc.MultilabelAUROC(num_labels=num_outputs)
-        by_kind = {
-            "precision": tc.MultilabelPrecision, "recall": tc.MultilabelRecall,
-            "f1": tc.MultilabelF1Score,
-        }  # fmt: skip
-        return by_kind[kind](num_labels=num_outputs, average=average)
+        return getattr(tc, f"Multilabel{averaged[kind]}")(num_labels=num_outputs, average=average)
     if task == "regression":
         if name == "mape":
             return tr.MeanAbsolutePercentageError()
@@ -75,11 +72,7 @@ def make_metric(name: str, task: str, num_outputs: int) -> Any:
         return tc.MulticlassAccuracy(num_classes=num_outputs, average="macro")
     if name == "auroc":
         return tc.MulticlassAUROC(num_classes=num_outputs)
-    by_kind = {
-        "precision": tc.MulticlassPrecision, "recall": tc.MulticlassRecall,
-        "f1": tc.MulticlassF1Score,
-    }  # fmt: skip
-    return by_kind[kind](num_classes=num_outputs, average=average)
+    return getattr(tc, f"Multiclass{averaged[kind]}")(num_classes=num_outputs, average=average)
 
 
 def _top_k(name: str) -> int:
