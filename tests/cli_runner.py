@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import os
 import subprocess
+import sys
 import traceback
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -34,6 +35,17 @@ def run_glassloop(*args: str, cwd: Path | None = None) -> subprocess.CompletedPr
     finally:
         os.chdir(previous)
     return subprocess.CompletedProcess(["glassloop", *args], code, out.getvalue(), err.getvalue())
+
+
+def run_python(code: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    """``code`` as a script in a fresh interpreter in ``cwd`` (as a user runs a copied
+    example): stdout and stderr captured."""
+    script = cwd / "example.py"
+    script.write_text(code, encoding="utf-8")
+    return subprocess.run(
+        [sys.executable, str(script)], cwd=cwd, capture_output=True, text=True,
+        timeout=timeout, check=False,
+    )  # fmt: skip
 
 
 def sets(items: list[str]) -> list[str]:

@@ -4,11 +4,10 @@ prose around it), each in a fresh interpreter in an empty directory."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import run_python
 
 DOCS = Path(__file__).parents[2] / "docs"
 
@@ -43,11 +42,6 @@ def test_every_example_is_checked() -> None:
 
 @pytest.mark.parametrize(("heading", "code"), TASKS, ids=[name for name, _ in TASKS])
 def test_docs_tasks_example_runs(heading: str, code: str, tmp_path: Path) -> None:
-    script = tmp_path / "example.py"
-    script.write_text(code, encoding="utf-8")
-    done = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-        timeout=300, check=False,
-    )  # fmt: skip
+    done = run_python(code, tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert EXPECTED[heading] in done.stdout, done.stdout

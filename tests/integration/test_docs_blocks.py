@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from cli_runner import run_glassloop
+from cli_runner import run_glassloop, run_python
 
 from glassloop.config import from_dict
 
@@ -92,12 +92,7 @@ def run_line(line: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def run_block(language: str, code: str, cwd: Path) -> None:
     if language == "python":
-        script = cwd / "block.py"
-        script.write_text(code, encoding="utf-8")
-        done = subprocess.run(
-            [sys.executable, str(script)], cwd=cwd, capture_output=True, text=True,
-            timeout=600, check=False,
-        )  # fmt: skip
+        done = run_python(code, cwd)
         assert done.returncode == 0, f"{code}\n{done.stderr[-3000:]}"
         return
     for line in code.splitlines():
