@@ -219,6 +219,7 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
         compile_mode=t.compile_mode,
         compile_dynamic=t.compile_dynamic,
         world=world,
+        strategy=t.strategy,
         tensorboard=t.tensorboard,
         tracking=cfg.tracking,
         checkpoint=cfg.checkpoint,

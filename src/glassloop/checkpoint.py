@@ -63,6 +63,8 @@ LEFTOVER_FILE = re.compile(
     r"\.tmp(-\d+)?$"
 )
 FILES = ("model.safetensors", "state.safetensors", "state.json", "meta.json")
+SHARDS = "shards"  # a sharded (FSDP) checkpoint's folder of tensors, instead of model.safetensors
+SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)?$")  # manifest names: no escape
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
 MAX_JSON_BYTES = 256 * 1024 * 1024
 SAFETENSORS_DTYPES = {
@@ -151,12 +153,14 @@ def sha256_of(path: Path) -> str:
 
 
 # ---------------------------------------------------------------------------- weights files
-def weights_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every key of the unwrapped state dict as its own dense CPU tensor (tied weights are
-    stored once per name, so every key is present and checkable on load)."""
+def weights_dict(model: nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every key of the unwrapped state dict (or of a dict of tensors) as its own dense CPU
+    tensor (tied weights are stored once per name, so every key is present and checkable
+    on load)."""
     out: dict[str, torch.Tensor] = {}
     storages: set[int] = set()
-    for key, tensor in unwrap_model(model).state_dict().items():
+    tensors = model if isinstance(model, dict) else unwrap_model(model).state_dict()
+    for key, tensor in tensors.items():
         tensor = tensor.detach().to("cpu")
         ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else -1
         if ptr in storages or not tensor.is_contiguous():
@@ -166,8 +170,11 @@ def weights_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_weights(model: nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Save the model's weights (unwrapped) to a safetensors file, atomically."""
+def save_weights(
+    model: nn.Module | dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    """Save the model's weights (unwrapped; or a dict of tensors) to a safetensors file,
+    atomically."""
     with atomic_path(Path(path)) as tmp:
         write_safetensors(weights_dict(model), tmp, metadata)
         tmp.chmod(0o644)  # safetensors creates 0600; weights are meant to be shared
@@ -396,6 +403,21 @@ class Checkpoint:
     state: dict[str, Any]
     model_tensors: dict[str, torch.Tensor]  # model.safetensors, already read and checked
     model_metadata: dict[str, str]
+    sharded: bool = False  # an FSDP run's: the weights are in shards/ (glassloop.fsdp)
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The model's whole weights (a sharded checkpoint's gathered from its shards)."""
+        if not self.sharded:
+            return self.model_tensors
+        from glassloop.fsdp import read_full_weights  # torch.distributed, only when needed
+
+        tensors = read_full_weights(self.path / SHARDS)
+        bad = [k for k, t in tensors.items() if not _finite(t)]
+        if bad:
+            raise CheckpointError(
+                f"checkpoint: '{self.path}': the shards hold NaN/inf values (in '{bad[0]}')"
+            )
+        return tensors
 
     @property
     def step(self) -> int:
@@ -513,20 +535,37 @@ def all_finite(model: nn.Module) -> bool:
     return bool(torch.stack([t.isfinite().all() for t in tensors]).all())
 
 
-def write_checkpoint_dir(
-    target: Path, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]
-) -> None:
-    """Write a complete checkpoint into ``target`` atomically (see the module docstring)."""
-    tree, tensors = flatten(state)
-    tmp = target.parent / f"{TMP_PREFIX}{target.name}-{os.getpid()}"
+def staging_dir(target: Path, owner: int) -> Path:
+    """Where the checkpoint for ``target`` is written before it is renamed into place
+    (``owner``: the writing process's pid; rank 0's in a sharded save)."""
+    return target.parent / f"{TMP_PREFIX}{target.name}-{owner}"
+
+
+def begin_staging(tmp: Path) -> None:
+    """An empty staging directory, marked as glassloop's (see :func:`clean_temporaries`)."""
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp.mkdir(parents=True)
+    (tmp / MARKER).touch()  # says "glassloop made this" to clean_temporaries
+
+
+def write_checkpoint_dir(
+    target: Path, weights: dict[str, torch.Tensor] | None, state: dict[str, Any],
+    meta: dict[str, Any], *, staged: Path | None = None,
+) -> None:  # fmt: skip
+    """Write a complete checkpoint into ``target`` atomically (see the module docstring).
+
+    ``weights=None``: a sharded checkpoint, whose tensors the processes already wrote into
+    ``staged/shards/`` (:mod:`glassloop.fsdp`); the manifest covers those files too."""
+    tree, tensors = flatten(state)
+    tmp = staged if staged is not None else staging_dir(target, os.getpid())
+    if staged is None:
+        begin_staging(tmp)
     try:
-        (tmp / MARKER).touch()  # says "glassloop made this" to clean_temporaries
-        write_safetensors(
-            weights_dict(model), tmp / "model.safetensors", weights_metadata(meta.get("model_spec"))
-        )
+        if weights is not None:
+            write_safetensors(
+                weights, tmp / "model.safetensors", weights_metadata(meta.get("model_spec"))
+            )
         write_safetensors(tensors, tmp / "state.safetensors", None)
         (tmp / "state.json").write_text(json.dumps(tree, allow_nan=False), encoding="utf-8")
         (tmp / "meta.json").write_text(
@@ -534,9 +573,14 @@ def write_checkpoint_dir(
             encoding="utf-8",
         )
         files = {}
-        for name in FILES:
-            fsync_file(tmp / name)
-            files[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_of(tmp / name)}
+        for file in sorted(tmp.rglob("*")):
+            if file.is_dir() or file.name == MARKER:
+                continue
+            name = file.relative_to(tmp).as_posix()
+            fsync_file(file)
+            files[name] = {"size": file.stat().st_size, "sha256": sha256_of(file)}
+        if (tmp / SHARDS).is_dir():
+            fsync_dir(tmp / SHARDS)
         manifest = {"creator": CREATOR, "format": FORMAT_VERSION, "files": files}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         fsync_file(tmp / "manifest.json")
@@ -578,8 +622,9 @@ def finite_json(value: Any) -> Any:
 
 
 def save_checkpoint(
-    run_dir: Path, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]
-) -> Path:
+    run_dir: Path, model: nn.Module | None, state: dict[str, Any], meta: dict[str, Any],
+    *, staged: Path | None = None,
+) -> Path:  # fmt: skip
     """Commit ``checkpoints/step-<step>/`` and move ``latest`` to it; return its path.
 
     A checkpoint of the same step is replaced: the state after an epoch's end (evaluation,
@@ -587,19 +632,19 @@ def save_checkpoint(
 
     Refuses non-finite weights; a failed write removes its temporary directory, keeps every
     earlier checkpoint and raises :class:`CheckpointWriteError` naming the last good one.
+    ``model=None``: a sharded checkpoint already in ``staged`` (its weights were checked by
+    every process, see :class:`glassloop.checkpointer.Checkpointer`).
     """
     root = checkpoints_dir(run_dir)
     target = root / step_dir_name(int(meta["step"]))
     last = latest_pointer(run_dir)
     last_text = str(last) if last is not None else "none"
-    if not all_finite(model):
-        raise CheckpointError(
-            f"checkpoint: the weights at step {meta['step']} are not finite (NaN/inf); not "
-            f"saving them over good checkpoints. Last good checkpoint: {last_text}"
-        )
+    if model is not None and not all_finite(model):
+        raise not_finite(meta["step"], last_text)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        write_checkpoint_dir(target, model, state, meta)
+        weights = weights_dict(model) if model is not None else None
+        write_checkpoint_dir(target, weights, state, meta, staged=staged)
         with atomic_path(root / LATEST) as tmp:
             tmp.write_text(target.name + "\n", encoding="utf-8")
     except UnserializableError as err:
@@ -609,11 +654,22 @@ def save_checkpoint(
     return target
 
 
-def save_best(run_dir: Path, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]) -> Path:
+def not_finite(step: int, last_good: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint: the weights at step {step} are not finite (NaN/inf); not saving them "
+        f"over good checkpoints. Last good checkpoint: {last_good}"
+    )
+
+
+def save_best(
+    run_dir: Path, model: nn.Module | None, state: dict[str, Any], meta: dict[str, Any],
+    *, staged: Path | None = None,
+) -> Path:  # fmt: skip
     """Write (or replace) ``RUN_DIR/best/`` with a full checkpoint, atomically."""
     target = Path(run_dir) / BEST
     try:
-        write_checkpoint_dir(target, model, state, meta)
+        weights = weights_dict(model) if model is not None else None
+        write_checkpoint_dir(target, weights, state, meta, staged=staged)
     except OSError as err:
         raise CheckpointWriteError(
             f"checkpoint: could not write '{target}': {err.strerror or err}; the previous "
@@ -655,12 +711,18 @@ def read_checkpoint(path: Path) -> Checkpoint:
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint: '{path}' has an unknown manifest format")
-    for name in FILES:
-        entry = files.get(name)
-        file = path / name
-        if not isinstance(entry, dict):
+    sharded = any(isinstance(name, str) and name.startswith(f"{SHARDS}/") for name in files)
+    required = [name for name in FILES if not (sharded and name == "model.safetensors")]
+    for name in required:
+        if not isinstance(files.get(name), dict):
             raise CheckpointError(f"checkpoint: '{path}': {name} is not in the manifest")
-        if not file.is_file():
+    if sharded:
+        _check_shard_names(path, files)
+    for name, entry in files.items():
+        file = path / name
+        if not isinstance(entry, dict) or not SAFE_NAME.match(name) or ".." in name:
+            raise CheckpointError(f"checkpoint: '{path}': the manifest names {name!r}")
+        if not file.is_file() or file.is_symlink():
             raise CheckpointError(f"checkpoint: '{path}': {name} is missing")
         size = file.stat().st_size
         if size != entry.get("size"):
@@ -674,7 +736,10 @@ def read_checkpoint(path: Path) -> Checkpoint:
             )
     meta = _read_json(path / "meta.json", path)
     tree = _read_json(path / "state.json", path)
-    model_tensors, model_metadata = read_safetensors(path / "model.safetensors")
+    model_tensors: dict[str, torch.Tensor] = {}
+    model_metadata: dict[str, str] = {}
+    if not sharded:  # (a sharded one's weights are read by whoever needs them)
+        model_tensors, model_metadata = read_safetensors(path / "model.safetensors")
     state_tensors, _ = read_safetensors(path / "state.safetensors")
     for name, tensors in (("model", model_tensors), ("state", state_tensors)):
         bad = [k for k, t in tensors.items() if not _finite(t)]
@@ -690,7 +755,23 @@ def read_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(
             f"checkpoint: '{path}': the training state is malformed ({type(err).__name__}: {err})"
         ) from err
-    return Checkpoint(path, meta, state, model_tensors, model_metadata)
+    if sharded:  # the weights file's metadata, as model.safetensors would carry it
+        model_metadata = weights_metadata(meta.get("model_spec"))
+    return Checkpoint(path, meta, state, model_tensors, model_metadata, sharded)
+
+
+def _check_shard_names(path: Path, files: dict[str, Any]) -> None:
+    """A sharded checkpoint's ``shards/`` holds exactly the files its manifest lists: DCP's
+    reader reads every safetensors file in it, so an extra one would be loaded too."""
+    listed = {name for name in files if name.startswith(f"{SHARDS}/")}
+    present = (
+        {f"{SHARDS}/{p.name}" for p in (path / SHARDS).iterdir()}
+        if (path / SHARDS).is_dir()
+        else set()
+    )
+    extra = sorted(present - listed)
+    if extra:
+        raise CheckpointError(f"checkpoint: '{path}': {extra[0]} is not in the manifest")
 
 
 def _finite(tensor: torch.Tensor) -> bool:

@@ -12,7 +12,9 @@ The Trainer hands it the model and one dict of every stateful part's ``state_dic
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,20 +23,31 @@ from typing import Any
 import torch
 from torch import nn
 
+from glassloop import fsdp
 from glassloop.checkpoint import (
+    BEST,
+    SHARDS,
     Checkpoint,
     CheckpointError,
+    CheckpointWriteError,
+    begin_staging,
     checkpoints_dir,
     find_resumable,
+    latest_pointer,
+    not_finite,
     prune,
     read_checkpoint,
+    remove_marked,
     save_best,
     save_checkpoint,
+    staging_dir,
     step_dir_name,
     step_dirs,
+    write_failure,
 )
-from glassloop.distributed import SINGLE, World, all_reduce
+from glassloop.distributed import SINGLE, World, all_reduce, gather_objects
 from glassloop.errors import ConfigError, GlassloopError
+from glassloop.fsdp import ShardedState
 from glassloop.metrics import improves, is_number, monitor_mode
 from glassloop.serialization import dotted, stable_repr
 
@@ -91,31 +104,83 @@ class Checkpointer:
         return value if improves(value, best, mode) else None
 
     # ------------------------------------------------------------------------------ save
-    def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]) -> Path | None:
+    def save(
+        self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any],
+        shards: ShardedState | None = None,
+    ) -> Path | None:  # fmt: skip
         """Commit ``checkpoints/step-<step>/`` and prune to ``keep_last``; the path (None
-        without a run directory)."""
+        without a run directory). ``shards``: an FSDP run's weights and optimizer state,
+        written by every process into the checkpoint before rank 0 commits it."""
         if self.run_dir is None:
             return None
         path = checkpoints_dir(self.run_dir) / step_dir_name(int(meta["step"]))
+        staged = self._stage(path, shards, int(meta["step"])) if shards is not None else None
         failure: Exception | None = None
         if self.world.is_main:  # one writer; the others wait for its verdict below
             try:
-                path = save_checkpoint(self.run_dir, model, state, meta)
+                weights = model if shards is None else None
+                path = save_checkpoint(self.run_dir, weights, state, meta, staged=staged)
                 prune(self.run_dir, self.policy.keep_last)
             except GlassloopError as err:
                 failure = err
+        self._agree(failure, path)
+        return path
+
+    def save_best(
+        self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any],
+        shards: ShardedState | None = None,
+    ) -> None:  # fmt: skip
+        """``RUN_DIR/best/`` (rank 0 commits; the state was gathered by every process, and
+        every process writes its shards of an FSDP run)."""
+        if self.run_dir is None:
+            return
+        target = self.run_dir / BEST
+        staged = self._stage(target, shards, int(meta["step"])) if shards is not None else None
+        failure: Exception | None = None
+        if self.world.is_main:
+            try:
+                save_best(
+                    self.run_dir, model if shards is None else None, state, meta, staged=staged
+                )
+            except GlassloopError as err:
+                failure = err
+        self._agree(failure, target)
+
+    def _stage(self, target: Path, shards: ShardedState, step: int) -> Path:
+        """Every process writes its part of the weights and optimizer state into the staging
+        directory of ``target`` (named by rank 0's pid); rank 0 then commits it whole."""
+        assert self.run_dir is not None
+        if not fsdp.all_finite(shards.model):  # decided alike in every process
+            last = latest_pointer(self.run_dir)
+            raise not_finite(step, str(last) if last is not None else "none")
+        staged = staging_dir(target, gather_objects(os.getpid())[0])
+        failure: Exception | None = None
+        if self.world.is_main:
+            try:
+                begin_staging(staged)
+            except OSError as err:
+                failure = write_failure(target, err)
+        self._agree(failure, target)
+        try:
+            shards.save(staged / SHARDS)  # a collective: each process writes its own file
+        except Exception as err:  # DCP reports any process's failure in every process
+            if self.world.is_main:
+                with contextlib.suppress(OSError):
+                    remove_marked(staged)
+            raise CheckpointWriteError(
+                f"checkpoint: could not write the shards of '{target}': "
+                f"{str(err).splitlines()[0][:300]}; nothing was lost"
+            ) from err
+        return staged
+
+    def _agree(self, failure: Exception | None, path: Path) -> None:
+        """Raise in every process when rank 0's write failed (its own error in rank 0)."""
         if self.world.distributed:
             failed = all_reduce(torch.tensor([float(failure is not None)]), "max").item()
             if failed and failure is None:
                 raise CheckpointError(f"checkpoint: rank 0 could not write '{path}'; see its error")
         if failure is not None:
             raise failure
-        return path
-
-    def save_best(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        """``RUN_DIR/best/`` (rank 0; the state was gathered by every process)."""
-        if self.run_dir is not None and self.world.is_main:
-            save_best(self.run_dir, model, state, meta)
 
     # --------------------------------------------------------------------------- restore
     def refuse_overwrite(self) -> None:
@@ -152,13 +217,35 @@ class Checkpointer:
         config: Any,
         allow_config_change: bool,
         warn: Callable[[str], None] = print,
+        *,
+        sharded: bool = False,
     ) -> None:
         """The same number of processes (each one's data shard and RNG are in the state) and
         the same config, but for keys that do not change the result. Keys the checkpoint's
         config does not have (settings added by a newer glassloop) cannot be compared: they
-        are named in a warning instead, so an upgrade never blocks a resume."""
+        are named in a warning instead, so an upgrade never blocks a resume.
+
+        ``sharded`` (an FSDP run): the checkpoint must be sharded too, and may come from
+        another number of processes (DCP reshards it), with a warning saying what changes."""
+        if checkpoint.sharded != sharded:
+            raise ConfigError(
+                f"config: '{checkpoint.path}' was written by an FSDP run; resume it with "
+                "train.strategy = 'fsdp' (any number of processes)"
+                if checkpoint.sharded
+                else f"config: '{checkpoint.path}' was written without FSDP; train.strategy "
+                "= 'fsdp' resumes only FSDP checkpoints: resume with the strategy it was "
+                "written with (its weights start an FSDP run: glassloop.load_weights)"
+            )
         saved_world = checkpoint.meta.get("world_size", 1)  # checked to be an int >= 1
-        if saved_world != self.world.size:
+        if saved_world != self.world.size and sharded:
+            warn(
+                f"resharding '{checkpoint.path}' from {saved_world} to {self.world.size} "
+                "process(es): the weights and the optimizer state are resharded exactly; "
+                "each process's data shard and RNG differ from the saved run's, so the run "
+                "goes on from the same point but not bit for bit as it would have (keep "
+                "data.batch_size x processes the same to keep the global batch)"
+            )
+        elif saved_world != self.world.size:
             raise ConfigError(
                 f"config: '{checkpoint.path}' was written by {saved_world} process(es), this "
                 f"job has {self.world.size}; resume with the same number (--nproc "

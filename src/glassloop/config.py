@@ -157,7 +157,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (checkpoints load with or without it)
     compile_mode: str = "default"  # torch.compile mode: "reduce-overhead", "max-autotune", ...
     compile_dynamic: bool = False  # false: static shapes (a resumed run compiles the same)
-    strategy: str = "auto"  # several processes (torchrun): "auto"/"ddp" = DDP; "dp" is refused
+    strategy: str = "auto"  # several processes (torchrun): "auto"/"ddp" = DDP; "fsdp" = FSDP2
     dist_timeout_s: float = 300.0  # a collective waiting longer (a dead process) fails the job
     tensorboard: bool = False  # also write RUN_DIR/tensorboard/ (glassloop[tensorboard])
     task: str = "auto"  # auto: from loss.name; classification, multilabel, regression, ...
@@ -220,7 +220,7 @@ CHOICES: dict[tuple[str, str], tuple[Any, ...]] = {
     ("data", "channels"): (0, 1, 3),
     ("model", "encoder"): ("gru", "transformer"),
     ("model", "name"): ("mlp", "cnn", "text-classifier"),
-    ("train", "strategy"): ("auto", "ddp", "dp"),
+    ("train", "strategy"): ("auto", "ddp", "fsdp", "dp"),
     ("checkpoint", "mode"): ("auto", "min", "max"),
     ("loss", "name"): (
         "cross_entropy", "nll", "bce_with_logits", "mse", "l1", "huber", "smooth_l1",

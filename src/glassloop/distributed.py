@@ -70,8 +70,10 @@ def init_from_env(
     to its GPU. Returns the single-process world outside torchrun."""
     if strategy == "dp":
         raise ConfigError(WHY_NOT_DATAPARALLEL)
-    if strategy not in ("auto", "ddp"):
-        raise ConfigError(f"config: train.strategy must be 'auto' or 'ddp', got {strategy!r}")
+    if strategy not in ("auto", "ddp", "fsdp"):
+        raise ConfigError(
+            f"config: train.strategy must be 'auto', 'ddp' or 'fsdp', got {strategy!r}"
+        )
     world = world_from_env()
     if not world.distributed:
         return world

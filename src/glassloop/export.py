@@ -78,7 +78,7 @@ def read_weights(source: str | Path) -> Weights:
         raise CheckpointError(
             f"checkpoint: '{source}' is not a run directory, a checkpoint or a .safetensors file"
         )
-    tensors = checkpoint.model_tensors  # read and verified with the checkpoint
+    tensors = checkpoint.full_weights()  # verified with the checkpoint (FSDP: gathered)
     ema = checkpoint.state.get("ema")
     if isinstance(ema, dict):  # AveragedModel's state: "module.<key>" plus "n_averaged"
         tensors = {k[len("module.") :]: v for k, v in ema.items() if k.startswith("module.")}

@@ -9,11 +9,10 @@ the loop itself, in the order it runs: ``fit`` → ``_train`` → ``_run_epoch``
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -23,9 +22,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from glassloop import fsdp
 from glassloop.batch import Inputs, batch_size_of, split_batch
 from glassloop.callbacks import Callback
-from glassloop.checkpoint import FORMAT_VERSION, CheckpointError, load_checked, unwrap_model
+from glassloop.checkpoint import (
+    FORMAT_VERSION,
+    SHARDS,
+    CheckpointError,
+    load_checked,
+    unwrap_model,
+)
 from glassloop.checkpointer import CheckpointConfig, Checkpointer
 from glassloop.device import move_to_device, resolve_device
 from glassloop.distributed import (
@@ -46,6 +52,7 @@ from glassloop.evaluation import (
     predict,
     predictions_and_targets,
 )
+from glassloop.fsdp import ShardedState, gradient_sync
 from glassloop.guards import NonFinitePolicy, check_first_batch, explain
 from glassloop.metrics import is_number
 from glassloop.precision import autocast, check_precision, make_scaler
@@ -152,6 +159,7 @@ class Trainer:
         compile_mode: str = "default",
         compile_dynamic: bool = False,
         world: World | None = None,
+        strategy: str = "auto",
         tensorboard: bool = False,
         tracking: TrackingConfig | None = None,
         checkpoint: CheckpointConfig | None = None,
@@ -178,7 +186,7 @@ class Trainer:
         # Several processes (torchrun): join their process group (a no-op in one process),
         # this process's rank, and its own device.
         resolved = resolve_device(device)
-        self.world = world if world is not None else init_from_env(resolved)
+        self.world = world if world is not None else init_from_env(resolved, strategy=strategy)
         self.device = local_device(resolved, self.world)
         check_precision(precision, self.device)
         model = model.to(self.device)
@@ -191,9 +199,20 @@ class Trainer:
         if compile:
             compiled = torch.compile(model, mode=compile_mode, dynamic=compile_dynamic)
             model = cast(nn.Module, compiled)
-        # DistributedDataParallel with several processes: gradients are averaged across them
-        # during backward (once per optimizer step, see no_sync in train_step).
-        self.model: nn.Module = wrap(model, self.world, self.device)
+        # Several processes: DistributedDataParallel (gradients averaged across them during
+        # backward, once per optimizer step, see gradient_sync in train_step), or with
+        # strategy="fsdp" FSDP2 (parameters, gradients and optimizer state sharded; the
+        # optimizer is pointed at the sharded parameters; glassloop.fsdp).
+        self.strategy = strategy
+        self.sharded: ShardedState | None = None  # an FSDP run's weights and optimizer state
+        if strategy == "fsdp":
+            fsdp.check_options(precision=precision, ema=bool(ema_decay), compile=compile)
+            if self.world.distributed:
+                model = fsdp.shard_model(model, optimizer, self.world, self.device, precision)
+            self.model: nn.Module = model
+            self.sharded = ShardedState(model, optimizer)
+        else:
+            self.model = wrap(model, self.world, self.device)
         self._parameters = list(self.model.parameters())
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -319,7 +338,8 @@ class Trainer:
             info = {"step": self.state.step, "epoch": self.state.epoch, **self._environment}
             if self._failure is not None and status == "failed":
                 info["error"] = self._failure
-            self.run_log.close(status, model=self.eval_model, model_spec=self.model_spec, info=info)
+            weights = self._final_weights() if status == "finished" else self.eval_model
+            self.run_log.close(status, model=weights, model_spec=self.model_spec, info=info)
 
     def _run_epoch(
         self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
@@ -452,14 +472,9 @@ class Trainer:
         for i, (((args, kwargs), target), weight) in enumerate(
             zip(window, window.weights, strict=True)
         ):
-            # DDP: all-reduce gradients only on the window's last micro-batch (no_sync is
-            # entered once and spans its forward and backward).
-            sync = (
-                self.model.no_sync()  # type: ignore[operator]
-                if self.world.distributed and i != last
-                else contextlib.nullcontext()
-            )
-            with sync:
+            # Several processes: gradients are reduced across them only in the window's last
+            # micro-batch's backward (DDP's no_sync, FSDP's requires_gradient_sync).
+            with gradient_sync(self.model, i == last):
                 with autocast(self.precision, self.device):
                     output = self.model(*args, **kwargs)  # forward
                     # The model's own loss (e.g. a Hugging Face model given labels) or ours.
@@ -508,12 +523,16 @@ class Trainer:
         checked = [window_loss]  # what one host sync reads: the loss and gradient norms
         if self.clip_grad_norm:
             # Returns the norm before clipping: what is logged as grad_norm.
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+            self.last_grad_norm = fsdp.full(norm)  # FSDP: the norm over every process's shard
             checked.append(self.last_grad_norm)
         elif not self.scaler.is_enabled() and params:  # (fp16: the scaler checks gradients)
             # Fused L2 norms (one kernel on GPU; 51 us/step on the tutorial MLP on this CPU;
             # the inf-norm would be 885 us): finite exactly when every gradient is.
-            checked.extend(torch._foreach_norm([cast(torch.Tensor, p.grad) for p in params]))
+            # (FSDP: this process's shard of each gradient; the verdict is shared below.)
+            checked.extend(
+                torch._foreach_norm([fsdp.local(cast(torch.Tensor, p.grad)) for p in params])
+            )
         # One host sync checks the loss and the gradients (a sum is finite only if all its
         # terms are; item() is ~25x cheaper than torch.isfinite on a CPU scalar): the price
         # of never stepping on a NaN, also one with a finite loss.
@@ -550,7 +569,7 @@ class Trainer:
                 # epoch, which then writes both again, so they never disagree for good.
                 state = self.state_dict()  # collective: every process takes part
                 self.run_log.check_exists()
-                self.checkpointer.save_best(self.model, state, self.checkpoint_meta())
+                self.checkpointer.save_best(self.model, state, self.checkpoint_meta(), self.sharded)
         if self.checkpointer.due_after_epoch(self.state.epoch):
             self.save_checkpoint()
         self._write_report(self._val_loader, final=False)  # when due: a long run's live view
@@ -574,7 +593,9 @@ class Trainer:
         pairs = None
         # (At the end only: iterating a DataLoader draws from the global RNG, which must not
         # depend on when a refresh fell due.)
-        if final and self.task == "regression" and val_loader is not None:
+        # (Not for a sharded model: its forward needs every process, and this is rank 0.)
+        sharded = fsdp.is_sharded(self.model)
+        if final and self.task == "regression" and val_loader is not None and not sharded:
             with autocast(self.precision, self.device):
                 pairs = predictions_and_targets(self.eval_model, val_loader, self.device)
         names = (self.model_spec or {}).get("class_names")
@@ -600,7 +621,8 @@ class Trainer:
         """Commit a checkpoint of the current step under ``run_dir`` (None without one)."""
         state = self.state_dict()  # collective (RNG of every process): all processes call it
         self.run_log.check_exists()
-        return self.checkpointer.save(self.model, state, self.checkpoint_meta(finished=finished))
+        meta = self.checkpoint_meta(finished=finished)
+        return self.checkpointer.save(self.model, state, meta, self.sharded)
 
     def stateful(self) -> dict[str, Any]:
         """What a checkpoint holds besides the weights, by name: objects with ``state_dict()``
@@ -610,7 +632,8 @@ class Trainer:
         loader = self._train_loader
         return {
             "loop": self.state,
-            "optimizer": self.optimizer,
+            # (FSDP: the weights' and the optimizer's shards, see glassloop.fsdp.ShardedState)
+            "optimizer": self.sharded if self.sharded is not None else self.optimizer,
             "scheduler": self.scheduler,
             "scaler": self.scaler if self.scaler.is_enabled() else None,
             "ema": self.ema,
@@ -641,8 +664,10 @@ class Trainer:
         for callback, saved in zip(self.callbacks, state["callbacks"], strict=False):
             if saved is not None and hasattr(callback, "load_state_dict"):
                 callback.load_state_dict(saved)
-        per_rank = state.get("rng_per_rank")
-        restore_rng_state(per_rank[self.world.rank] if per_rank else state["rng"])
+        per_rank = state.get("rng_per_rank") or []
+        # (A resharded FSDP resume has another number of processes: rank 0's RNG for all.)
+        same_world = len(per_rank) == self.world.size
+        restore_rng_state(per_rank[self.world.rank] if same_world else state["rng"])
 
     def checkpoint_meta(self, *, finished: bool = False) -> dict[str, Any]:
         """meta.json of a checkpoint: where the run stands, its config, what ran it."""
@@ -660,9 +685,13 @@ class Trainer:
             return
         config = self.config or python_config(self)
         self.checkpointer.check_compatible(
-            checkpoint, config, allow_config_change, self.console.message
-        )
-        load_checked(self.model, checkpoint.model_tensors, checkpoint.weights)  # read once
+            checkpoint, config, allow_config_change, self.console.message,
+            sharded=self.sharded is not None,
+        )  # fmt: skip
+        if self.sharded is not None:  # FSDP: weights and optimizer come from shards/ below
+            self.sharded.source = checkpoint.path / SHARDS
+        else:
+            load_checked(self.model, checkpoint.model_tensors, checkpoint.weights)  # read once
         try:
             self.load_state_dict(checkpoint.state)
         except (KeyError, ValueError, TypeError, RuntimeError) as err:
@@ -686,7 +715,7 @@ class Trainer:
         state = self.state
         info = {"step": state.step, "epoch": state.epoch, **self._environment}
         missing = self.run_log.complete(
-            model=self.eval_model, model_spec=self.model_spec, info=info
+            model=self._final_weights(), model_spec=self.model_spec, info=info
         )
         why = "stopped early" if state.stopped else "already finished"
         done = f"; wrote what its end left out: {', '.join(missing)}" if missing else ""
@@ -708,6 +737,13 @@ class Trainer:
         # Evaluation needs no gradient sync: the module under DDP, each process on its shard.
         return self.model.module if isinstance(self.model, DDP) else self.model
 
+    def _final_weights(self) -> nn.Module | dict[str, torch.Tensor]:
+        """What RUN_DIR/model.safetensors gets: :attr:`eval_model`; a sharded model's
+        weights gathered into rank 0 (a collective: every process calls this)."""
+        if fsdp.is_sharded(self.model):
+            return fsdp.full_weights(self.model)
+        return self.eval_model
+
     def evaluate(self, loader: Iterable[Any]) -> dict[str, Any]:
         """The loss (mean over samples) and the task's metrics (:func:`glassloop.evaluate`),
         plus ``metrics``. Override it to add your own: returned numbers become ``val_*``."""
@@ -722,8 +758,17 @@ class Trainer:
         """:meth:`evaluate` between the validation hooks of the callbacks."""
         for callback in self.callbacks:
             callback.on_validation_start(self)
+        count = len(loader) if isinstance(loader, Sized) else None
         if self.limit_batches:
             loader = itertools.islice(loader, self.limit_batches)
+            count = min(count, self.limit_batches) if count is not None else None
+        if fsdp.is_sharded(self.model):  # every process runs as many (collective) forwards
+            if count is None:
+                raise DataError(
+                    "data: with train.strategy = 'fsdp' the validation loader needs a len()"
+                )
+            own = self.loss_fn is None
+            loader = fsdp.even_batches(loader, count, self.model, self.device, own)
         metrics = self.evaluate(loader)
         for callback in self.callbacks:
             callback.on_validation_end(self, metrics)

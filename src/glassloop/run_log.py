@@ -15,8 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
+from glassloop import fsdp
 from glassloop.checkpoint import (
     CheckpointError,
     CheckpointWriteError,
@@ -197,7 +199,7 @@ class RunLog:
         self,
         status: str,
         *,
-        model: nn.Module,
+        model: nn.Module | dict[str, torch.Tensor],
         model_spec: dict[str, Any] | None,
         info: dict[str, Any],
     ) -> None:
@@ -227,7 +229,9 @@ class RunLog:
                 raise failure from err
             print(f"warning: {failure}")
 
-    def write_weights(self, model: nn.Module, model_spec: dict[str, Any] | None) -> None:
+    def write_weights(
+        self, model: nn.Module | dict[str, torch.Tensor], model_spec: dict[str, Any] | None
+    ) -> None:
         assert self.run_dir is not None
         save_weights(model, self.run_dir / "model.safetensors", weights_metadata(model_spec))
 
@@ -237,7 +241,11 @@ class RunLog:
         write_json(self.run_dir / "run.json", {"status": status, **times, **info})
 
     def complete(
-        self, *, model: nn.Module, model_spec: dict[str, Any] | None, info: dict[str, Any]
+        self,
+        *,
+        model: nn.Module | dict[str, torch.Tensor],
+        model_spec: dict[str, Any] | None,
+        info: dict[str, Any],
     ) -> list[str]:
         """For a finished run resumed: write the final files a kill left out; their names."""
         if not self.active:
@@ -268,7 +276,7 @@ def _now() -> str:
 def python_config(trainer: Trainer) -> dict[str, Any]:
     """The configuration of a run built in Python (no config file): what a resume compares."""
     return {
-        "model": type(unwrap_model(trainer.model)).__name__,
+        "model": model_class_name(unwrap_model(trainer.model)),
         "num_parameters": sum(p.numel() for p in trainer.model.parameters()),
         "optimizer": type(trainer.optimizer).__name__,
         "optimizer_defaults": {
@@ -288,6 +296,13 @@ def python_config(trainer: Trainer) -> dict[str, Any]:
         "compile": trainer.model is not unwrap_model(trainer.model),
         "device": str(trainer.device),
     }
+
+
+def model_class_name(model: nn.Module) -> str:
+    """The model's class name (FSDP2 renames a sharded module's class ``FSDP<name>``: the
+    same model, sharded or not, has the same name)."""
+    name = type(model).__name__
+    return name.removeprefix("FSDP") if fsdp.is_sharded(model) else name
 
 
 def _jsonable(value: Any) -> Any:

@@ -367,7 +367,9 @@ def test_settings_added_by_a_newer_version_warn_instead_of_blocking_a_resume() -
 
     from glassloop.checkpointer import Checkpointer
 
-    old = SimpleNamespace(path=Path("ck"), meta={"world_size": 1, "config": {"optim": {"lr": 0.1}}})
+    old = SimpleNamespace(
+        path=Path("ck"), sharded=False, meta={"world_size": 1, "config": {"optim": {"lr": 0.1}}}
+    )
     current = {"optim": {"lr": 0.1}, "loss": {"name": "cross_entropy"}, "task": "auto"}
     said: list[str] = []
     Checkpointer(None).check_compatible(old, current, False, said.append)  # type: ignore[arg-type]

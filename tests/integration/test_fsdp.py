@@ -1,0 +1,160 @@
+"""FSDP2 (train.strategy = "fsdp") on CPU with gloo: two sharded processes equal one process,
+a kill -9 resumes bit for bit with the same number of processes, a checkpoint reshards to
+another number of processes, accumulation syncs once per step, and export gathers the
+shards. Checkpoints hold no pickle."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_distributed import KILLABLE, last_epoch, train
+
+# 640 training samples = 20 global batches of 32 per epoch (16 per process with 2 processes).
+CONFIG = """
+[data]
+name = "synthetic"
+num_samples = 800
+batch_size = 16
+[model]
+hidden = [32]
+[scheduler]
+interval = "step"
+[train]
+epochs = 2
+progress = "none"
+dist_timeout_s = 30
+strategy = "fsdp"
+"""
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("fsdp")
+    (path / "cfg.toml").write_text(CONFIG)
+    shutil.copy(KILLABLE, path / "killable.py")
+    return path
+
+
+def close(a: Path, b: Path, atol: float = 1e-6) -> None:
+    x, y = load_file(a), load_file(b)
+    assert sorted(x) == sorted(y)
+    for key in x:
+        assert torch.allclose(x[key], y[key], rtol=1e-5, atol=atol), key
+
+
+@pytest.fixture(scope="module")
+def two(workdir: Path) -> Path:
+    """A finished two-process FSDP run (2 epochs, 40 steps, a checkpoint per epoch)."""
+    result = train(workdir, "--run-dir", "two", nproc=2)
+    assert result.returncode == 0, result.stderr
+    return workdir / "two"
+
+
+def test_two_sharded_processes_equal_one_process(workdir: Path, two: Path) -> None:
+    one = train(workdir, "--run-dir", "one", "--set", "data.batch_size=32",
+                "--set", "train.strategy=auto")  # fmt: skip
+    assert one.returncode == 0, one.stderr
+    close(workdir / "one" / "model.safetensors", two / "model.safetensors")
+    ra, rb = last_epoch(workdir / "one"), last_epoch(two)
+    assert ra["val_accuracy"] == rb["val_accuracy"]  # every validation sample once
+    assert ra["val_loss"] == pytest.approx(rb["val_loss"], abs=1e-6)
+
+
+def test_a_sharded_checkpoint_is_one_safetensors_file_per_process_and_no_pickle(
+    two: Path,
+) -> None:
+    checkpoint = two / "checkpoints" / "step-00000040"
+    shards = sorted(p.name for p in (checkpoint / "shards").iterdir())
+    assert len(shards) == 2 and all(name.endswith(".safetensors") for name in shards)
+    assert not (checkpoint / "model.safetensors").exists()  # the weights are the shards
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert {f"shards/{name}" for name in shards} <= set(manifest["files"])
+    for file in checkpoint.rglob("*"):  # DCP's default writer would add a pickled .metadata
+        if file.is_file() and file.name != ".glassloop":
+            assert file.suffix in (".json", ".safetensors"), file
+    # Each process holds half of every sharded weight (rows split in two).
+    halves = [load_file(checkpoint / "shards" / name) for name in shards]
+    full = load_file(two / "model.safetensors")
+    assert (
+        halves[0]["model.1.weight"].shape[0] + halves[1]["model.1.weight"].shape[0]
+        == (full["1.weight"].shape[0])
+    )
+
+
+def test_export_gathers_the_shards_into_the_final_weights(workdir: Path, two: Path) -> None:
+    from glassloop import load_model
+    from glassloop.export import export_model
+
+    out = export_model(two / "checkpoints" / "step-00000040", workdir / "exported.safetensors")
+    a, b = load_file(out), load_file(two / "model.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert isinstance(load_model(out), torch.nn.Module)  # it describes its model
+
+
+def test_accumulation_with_fsdp_equals_one_process(workdir: Path) -> None:
+    # 2 processes x batch 8 x 2 micro-batches (gradients reduced on the second only)
+    two = train(workdir, "--run-dir", "two-accum", "--set", "data.batch_size=8",
+                "--set", "train.grad_accum_steps=2", nproc=2)  # fmt: skip
+    assert two.returncode == 0, two.stderr
+    one = workdir / "one" / "model.safetensors"  # batch 32, one process
+    if not one.exists():
+        pytest.skip("needs test_two_sharded_processes_equal_one_process")
+    close(one, workdir / "two-accum" / "model.safetensors")
+
+
+def test_kill_and_resume_with_the_same_processes_is_bitwise(workdir: Path) -> None:
+    common = ("--set", "model.target=killable.py:KillableMLP",
+              "--set", "checkpoint.every_n_steps=4")  # fmt: skip
+    reference = train(workdir, "--run-dir", "ref", *common, nproc=2)
+    assert reference.returncode == 0, reference.stderr
+    killed = train(workdir, "--run-dir", "cut", *common, nproc=2,
+                   env={"KILL_RANK": "1", "KILL_AT_FORWARD": "27"})  # fmt: skip
+    assert killed.returncode != 0
+    resumed = train(workdir, "--run-dir", "cut", "--resume", *common, nproc=2)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from 'cut/checkpoints/step-00000024' at step 24" in resumed.stdout
+    a, b = (
+        load_file(workdir / "ref" / "model.safetensors"),
+        load_file(workdir / "cut" / "model.safetensors"),
+    )
+    assert all(torch.equal(a[k], b[k]) for k in a)  # dropout too: each process's RNG resumed
+    for name in ("shard-00001-model-00001-of-00001.safetensors",
+                 "shard-00002-model-00001-of-00001.safetensors"):  # fmt: skip
+        shard = Path("checkpoints/step-00000040/shards") / name
+        x, y = load_file(workdir / "ref" / shard), load_file(workdir / "cut" / shard)
+        assert all(torch.equal(x[k], y[k]) for k in x)  # weights and optimizer state
+
+
+def test_a_checkpoint_reshards_from_two_processes_to_one_and_back(workdir: Path, two: Path) -> None:
+    # Epoch 2 of the two-process run, continued in one process with the same global batch.
+    one = train(workdir, "--run-dir", "to-one", "--resume", str(two / "checkpoints/step-00000020"),
+                "--set", "data.batch_size=32", "--allow-config-change")  # fmt: skip
+    assert one.returncode == 0, one.stderr
+    assert "resharding" in one.stdout and "from 2 to 1 process(es)" in one.stdout
+    close(workdir / "to-one" / "model.safetensors", two / "model.safetensors")
+    # And a one-process checkpoint continued by two processes.
+    first = train(workdir, "--run-dir", "single", "--set", "data.batch_size=32")
+    assert first.returncode == 0, first.stderr
+    back = train(workdir, "--run-dir", "to-two", "--resume",
+                 str(workdir / "single" / "checkpoints/step-00000020"), "--allow-config-change",
+                 nproc=2)  # fmt: skip
+    assert back.returncode == 0, back.stderr
+    assert "from 1 to 2 process(es)" in back.stdout
+    close(workdir / "to-two" / "model.safetensors", two / "model.safetensors")
+
+
+def test_bf16_shards_train_and_strategy_mismatches_are_refused(workdir: Path, two: Path) -> None:
+    bf16 = train(workdir, "--run-dir", "bf16", "--set", "train.precision=bf16",
+                 "--set", "train.epochs=1", nproc=2)  # fmt: skip
+    assert bf16.returncode == 0, bf16.stderr
+    assert last_epoch(workdir / "bf16")["val_loss"] < 2.3  # learned something (ln 10 = 2.30)
+    fp16 = train(workdir, "--run-dir", "fp16", "--set", "train.precision=fp16")
+    assert fp16.returncode == 2 and "use 'bf16'" in fp16.stderr
+    ddp = train(workdir, "--run-dir", "two", "--resume", "--set", "train.strategy=ddp",
+                "--allow-config-change", nproc=2)  # fmt: skip
+    assert ddp.returncode == 2 and "resume it with train.strategy = 'fsdp'" in ddp.stderr
