@@ -17,6 +17,7 @@ from torch import nn
 from glassloop.batch import Inputs, describe_batch
 from glassloop.errors import DataError, GlassloopError, ModelError, NonFiniteError
 from glassloop.evaluation import check_same_shape
+from glassloop.fsdp import local
 from glassloop.precision import autocast
 from glassloop.state import TrainState
 from glassloop.tasks import LABEL_TASKS, class_scores, prediction_of
@@ -115,7 +116,8 @@ class NonFinitePolicy:
             (
                 name
                 for name, p in model.named_parameters()
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+                # (FSDP: this process's shard; a sharded whole would need every process)
+                if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())
             ),
             None,
         )

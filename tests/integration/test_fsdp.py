@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import load_file
 from test_distributed import KILLABLE, last_epoch, train
 
+from glassloop.checkpoint import read_checkpoint
+
 # 640 training samples = 20 global batches of 32 per epoch (16 per process with 2 processes).
 CONFIG = """
 [data]
@@ -150,9 +152,12 @@ def test_a_checkpoint_reshards_from_two_processes_to_one_and_back(workdir: Path,
 
 def test_bf16_shards_train_and_strategy_mismatches_are_refused(workdir: Path, two: Path) -> None:
     bf16 = train(workdir, "--run-dir", "bf16", "--set", "train.precision=bf16",
-                 "--set", "train.epochs=1", nproc=2)  # fmt: skip
+                 "--set", "train.epochs=1", "--set", "checkpoint.monitor=val_loss",
+                 nproc=2)  # fmt: skip
     assert bf16.returncode == 0, bf16.stderr
     assert last_epoch(workdir / "bf16")["val_loss"] < 2.3  # learned something (ln 10 = 2.30)
+    best = read_checkpoint(workdir / "bf16" / "best")  # written sharded too, and verified
+    assert best.sharded and len(list((best.path / "shards").iterdir())) == 2
     fp16 = train(workdir, "--run-dir", "fp16", "--set", "train.precision=fp16")
     assert fp16.returncode == 2 and "use 'bf16'" in fp16.stderr
     ddp = train(workdir, "--run-dir", "two", "--resume", "--set", "train.strategy=ddp",

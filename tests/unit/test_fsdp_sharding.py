@@ -18,7 +18,7 @@ from torch import nn
 from glassloop import Trainer, fsdp
 from glassloop.checkpoint import read_checkpoint
 from glassloop.distributed import World
-from glassloop.errors import CheckpointError, ConfigError
+from glassloop.errors import CheckpointError, ConfigError, NonFiniteError
 
 
 @pytest.fixture
@@ -69,6 +69,18 @@ def test_accumulation_defers_the_gradient_reduction_to_the_last_micro_batch(
     (2 * reference(x).sum()).backward()
     for p, q in zip(sharded, reference.parameters(), strict=True):
         assert torch.allclose(fsdp.full(p.grad), q.grad)  # type: ignore[arg-type]
+
+
+def test_a_non_finite_sharded_gradient_is_named(one_rank_group: World) -> None:
+    from glassloop.guards import NonFinitePolicy
+    from glassloop.state import TrainState
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    fsdp.shard_model(model, torch.optim.SGD(model.parameters()), one_rank_group,
+                     torch.device("cpu"), "32")  # fmt: skip
+    model(torch.full((1, 4), float("inf"))).sum().backward()
+    with pytest.raises(NonFiniteError, match=re.escape("first non-finite gradient: '0.weight'")):
+        NonFinitePolicy("raise")(model, torch.tensor(1.0), TrainState(), 1)
 
 
 def test_an_optimizer_that_already_stepped_is_refused(one_rank_group: World) -> None:
