@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from glassloop import fsdp
+import glassloop.fsdp as fsdp
 from glassloop.checkpoint import (
     BEST,
     SHARDS,

@@ -227,7 +227,7 @@ CHOICES: dict[tuple[str, str], tuple[Any, ...]] = {
     ),
     ("train", "task"): ("auto", "classification", "multilabel", "regression", "language-model"),
     ("early_stopping", "mode"): ("auto", "min", "max"),
-    ("tracking", "backend"): ("", "mlflow"),
+    ("tracking", "backend"): ("", "mlflow", "wandb"),
     ("train", "nonfinite"): ("raise", "skip"),
     ("train", "compile_mode"): (
         "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs",

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from glassloop import fsdp
+import glassloop.fsdp as fsdp
 from glassloop.batch import Inputs, batch_size_of, split_batch
 from glassloop.callbacks import Callback
 from glassloop.checkpoint import (

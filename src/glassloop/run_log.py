@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from glassloop import fsdp
+import glassloop.fsdp as fsdp
 from glassloop.checkpoint import (
     CheckpointError,
     CheckpointWriteError,
@@ -35,7 +35,7 @@ from glassloop.run_lock import RunLock
 from glassloop.runs import read_json_object
 from glassloop.serialization import stable_repr
 from glassloop.sinks import CSVSink, JSONLSink, TensorBoardSink, truncate_rows
-from glassloop.tracking import MLflowTracker, TrackingConfig, make_tracker
+from glassloop.tracking import Tracker, TrackingConfig, make_tracker
 
 if TYPE_CHECKING:
     from glassloop.loop import Trainer
@@ -63,7 +63,7 @@ class RunLog:
         self.active = run_dir is not None and world.is_main
         self.tensorboard = tensorboard
         self.tracking = tracking
-        self._tracker: MLflowTracker | None = None
+        self._tracker: Tracker | None = None
         self._sinks: list[Sink] = []
         self._last_step = (time.perf_counter(), 0)  # when the last step row was, its samples
         self._last_report = time.monotonic()  # the first report after REPORT_EVERY_S

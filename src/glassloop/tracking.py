@@ -1,8 +1,10 @@
-"""Experiment tracking: a run's config, metrics, report and weights in MLflow.
+"""Experiment tracking: a run's config, metrics, report and weights in MLflow or Weights &
+Biases.
 
 The run directory stays the record (config.json, metrics.csv/jsonl, checkpoints); a tracker
 copies it to where a team compares runs. MLflow's client API is used as is (no wrapper
-around its fluent global state, so two trainers in one process never mix their runs).
+around its fluent global state, so two trainers in one process never mix their runs); W&B's
+``Run`` object likewise (``wandb.init`` returns it, glassloop never uses ``wandb.log``).
 
 * ``backend = "mlflow"``: params are the resolved config, flattened (``optim.lr``); every
   step and epoch row's numbers are metrics at their optimizer step; at the end the report's
@@ -11,6 +13,12 @@ around its fluent global state, so two trainers in one process never mix their r
   ``mlflow ui --backend-store-uri sqlite:///mlflow.db`` shows it), its artifacts in
   ``mlartifacts/`` beside the file; ``uri`` may be any MLflow tracking URI
   (``http://host:5000``).
+* ``backend = "wandb"``: the same params (the run's config), metrics (``run.log`` at the
+  optimizer step), the report's files (``run.save``, the run's Files) and the weights (an
+  artifact of type ``model``); ``experiment`` is the W&B project, ``uri`` the server
+  (``WANDB_BASE_URL``; "": W&B's default). W&B keeps its local files in ``RUN_DIR/wandb/``;
+  with ``WANDB_MODE=offline`` that is all it does (``wandb sync RUN_DIR/wandb/offline-run-*``
+  uploads them later).
 * Rank 0 only, like every file of the run directory. A resumed run continues the same
   tracked run (its id is kept in ``RUN_DIR/tracking.json``).
 * A backend that fails (server gone, disk full) never stops training: one warning, then
@@ -35,26 +43,24 @@ from glassloop.serialization import dotted
 class TrackingConfig:
     """Where a run is tracked (``[tracking]`` in a config; ``backend = ""``: nowhere)."""
 
-    backend: str = ""  # "" (off) or "mlflow"
-    uri: str = ""  # the tracking URI; "": sqlite:///mlflow.db in the current directory
-    experiment: str = "glassloop"  # the MLflow experiment
+    backend: str = ""  # "" (off), "mlflow" or "wandb"
+    uri: str = ""  # MLflow: the tracking URI ("": sqlite:///mlflow.db here); W&B: the server
+    experiment: str = "glassloop"  # the MLflow experiment, the W&B project
     run_name: str = ""  # "": the run directory's name
     tags: dict[str, Any] = field(default_factory=dict)
 
 
-class MLflowTracker:
-    """One MLflow run for one glassloop run directory (see the module docstring)."""
+class Tracker:
+    """What every backend does with a run: :meth:`start` (create or continue it, log the
+    params), :meth:`log` (a metrics row), :meth:`finish` (artifacts, status). Every call to
+    the backend goes through :meth:`_call`: its first failure turns tracking off with one
+    warning, and training goes on."""
+
+    name = ""
 
     def __init__(self, config: TrackingConfig, warn: Callable[[str], None] = print) -> None:
-        try:
-            from mlflow.tracking import MlflowClient
-        except ImportError as err:
-            raise ConfigError(
-                "config: tracking.backend = 'mlflow' needs MLflow: pip install 'glassloop[mlflow]'"
-            ) from err
         self.config = config
         self.warn = warn
-        self.client = MlflowClient(tracking_uri=config.uri or "sqlite:///mlflow.db")
         self.run_id: str | None = None
         self.failed = False
 
@@ -62,54 +68,104 @@ class MLflowTracker:
         """Create the run (or, resuming, continue the one ``tracking.json`` names) and log
         the flattened config as its params."""
         saved = read_json_object(run_dir / "tracking.json") if resume else {}
-        if saved.get("run_id"):
-            self.run_id = str(saved["run_id"])
-            self._call(self.client.update_run, self.run_id, status="RUNNING")
-            return
-        experiment = self._call(self._experiment_id)
-        if experiment is None:
-            return
-        tags = {str(k): str(v) for k, v in self.config.tags.items()}
-        name = self.config.run_name or run_dir.name
-        run = self._call(self.client.create_run, experiment, run_name=name, tags=tags)
-        if run is None:
-            return
-        self.run_id = run.info.run_id
-        (run_dir / "tracking.json").write_text(
-            json.dumps({"backend": "mlflow", "run_id": self.run_id}), encoding="utf-8"
-        )
-        from mlflow.entities import Param
-
-        flat = [Param(k, str(v)[:6000]) for k, v in sorted(dotted(params).items())]
-        for start in range(0, len(flat), 100):  # MLflow takes at most 100 params a batch
-            self._call(self.client.log_batch, self.run_id, params=flat[start : start + 100])
+        previous = str(saved["run_id"]) if saved.get("run_id") else None
+        self.run_id = self._call(self._open, run_dir, dotted(params), previous)
+        if self.run_id is not None and previous is None:
+            (run_dir / "tracking.json").write_text(
+                json.dumps({"backend": self.name, "run_id": self.run_id}), encoding="utf-8"
+            )
 
     def log(self, row: dict[str, Any]) -> None:
-        """The numbers of a metrics row, at its optimizer step."""
+        """The numbers of a metrics row, at its optimizer step (a step row's as ``step/*``:
+        its loss is not the epoch's)."""
         if self.run_id is None or self.failed:
             return
-        from mlflow.entities import Metric
-
-        now, step = int(time.time() * 1000), int(row.get("step") or 0)
-        prefix = "step/" if row.get("kind") == "step" else ""  # a step row's loss vs an epoch's
-        metrics = [
-            Metric(prefix + key, float(value), now, step)
+        prefix = "step/" if row.get("kind") == "step" else ""
+        numbers = {
+            prefix + key: float(value)
             for key, value in row.items()
             if key not in ("kind", "step") and _is_number(value)
-        ]
-        if metrics:
-            self._call(self.client.log_batch, self.run_id, metrics=metrics)
+        }
+        if numbers:
+            self._call(self._log, numbers, int(row.get("step") or 0))
 
     def finish(self, status: str, files: list[Path]) -> None:
-        """Upload ``files`` as artifacts (when finished) and set the run's status."""
+        """Upload ``files`` (when finished: the report's and the weights) and set the run's
+        status."""
         if self.run_id is None or self.failed:
             return
-        if status == "finished":
-            for path in files:
-                folder = "report" if path.parent.name == "report" else None
-                self._call(self.client.log_artifact, self.run_id, str(path), folder)
+        self._call(self._finish, status, files if status == "finished" else [])
+
+    def _open(self, run_dir: Path, params: dict[str, Any], previous: str | None) -> str:
+        raise NotImplementedError
+
+    def _log(self, numbers: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def _finish(self, status: str, files: list[Path]) -> None:
+        raise NotImplementedError
+
+    def _call(self, action: Callable[..., Any], *args: Any) -> Any:
+        """``action(*args)``: one backend call; the first failure turns tracking off with
+        one warning."""
+        if self.failed:
+            return None
+        try:
+            return action(*args)
+        except Exception as err:  # the backend's errors are its own (HTTP, SQL, OS, ...)
+            self.failed = True
+            self.warn(
+                f"warning: tracking ({self.name}) failed and is off for the rest of this run; "
+                f"the run directory has everything: {type(err).__name__}: {str(err)[:300]}"
+            )
+            return None
+
+
+class MLflowTracker(Tracker):
+    """One MLflow run for one glassloop run directory (see the module docstring)."""
+
+    name = "mlflow"
+
+    def __init__(self, config: TrackingConfig, warn: Callable[[str], None] = print) -> None:
+        super().__init__(config, warn)
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError as err:
+            raise ConfigError(
+                "config: tracking.backend = 'mlflow' needs MLflow: pip install 'glassloop[mlflow]'"
+            ) from err
+        self.client = MlflowClient(tracking_uri=config.uri or "sqlite:///mlflow.db")
+
+    def _open(self, run_dir: Path, params: dict[str, Any], previous: str | None) -> str:
+        if previous is not None:
+            self.client.update_run(previous, status="RUNNING")
+            return previous
+        tags = {str(k): str(v) for k, v in self.config.tags.items()}
+        name = self.config.run_name or run_dir.name
+        run = self.client.create_run(self._experiment_id(), run_name=name, tags=tags)
+        run_id = str(run.info.run_id)
+        from mlflow.entities import Param
+
+        flat = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
+        for start in range(0, len(flat), 100):  # MLflow takes at most 100 params a batch
+            self.client.log_batch(run_id, params=flat[start : start + 100])
+        return run_id
+
+    def _log(self, numbers: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        assert self.run_id is not None
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, value, now, step) for key, value in numbers.items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def _finish(self, status: str, files: list[Path]) -> None:
+        assert self.run_id is not None
+        for path in files:
+            folder = "report" if path.parent.name == "report" else None
+            self.client.log_artifact(self.run_id, str(path), folder)
         state = {"finished": "FINISHED", "interrupted": "KILLED"}.get(status, "FAILED")
-        self._call(self.client.set_terminated, self.run_id, status=state)
+        self.client.set_terminated(self.run_id, status=state)
 
     def _experiment_id(self) -> str:
         found = self.client.get_experiment_by_name(self.config.experiment)
@@ -130,33 +186,70 @@ class MLflowTracker:
         database = Path(uri.removeprefix("sqlite:///")).resolve()
         return (database.parent / "mlartifacts").as_uri()
 
-    def _call(self, action: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``action(*args, **kwargs)``: one backend call; the first failure turns tracking
-        off with one warning."""
-        if self.failed:
-            return None
+
+class WandbTracker(Tracker):
+    """One W&B run for one glassloop run directory (see the module docstring)."""
+
+    name = "wandb"
+
+    def __init__(self, config: TrackingConfig, warn: Callable[[str], None] = print) -> None:
+        super().__init__(config, warn)
         try:
-            return action(*args, **kwargs)
-        except Exception as err:  # the backend's errors are its own (HTTP, SQL, OS)
-            self.failed = True
-            self.warn(
-                f"warning: tracking (mlflow) failed and is off for the rest of this run; the "
-                f"run directory has everything: {type(err).__name__}: {str(err)[:300]}"
-            )
-            return None
+            import wandb
+        except ImportError as err:
+            raise ConfigError(
+                "config: tracking.backend = 'wandb' needs Weights & Biases: "
+                "pip install 'glassloop[wandb]'"
+            ) from err
+        self.wandb = wandb
+        self.run: Any = None
+
+    def _open(self, run_dir: Path, params: dict[str, Any], previous: str | None) -> str:
+        # console="off": glassloop's own output stays as it is (W&B would wrap stdout).
+        settings = self.wandb.Settings(console="off", silent=True)
+        if self.config.uri:
+            settings.base_url = self.config.uri  # checked by W&B: a bad one fails here
+        self.run = self.wandb.init(
+            project=self.config.experiment, name=self.config.run_name or run_dir.name,
+            tags=[f"{k}={v}" for k, v in self.config.tags.items()], config=params,
+            dir=str(run_dir), id=previous, resume="allow" if previous else None,
+            settings=settings, reinit="create_new",
+        )  # fmt: skip
+        return str(self.run.id)
+
+    def _log(self, numbers: dict[str, float], step: int) -> None:
+        # (W&B keeps one row per step and drops a step lower than one it has: after a
+        # resume, the steps between the checkpoint and the kill are already there.)
+        self.run.log(numbers, step=step)
+
+    def _finish(self, status: str, files: list[Path]) -> None:
+        weights = [path for path in files if path.suffix == ".safetensors"]
+        for path in files:
+            if path not in weights:
+                self.run.save(str(path), base_path=str(path.parent.parent), policy="now")
+        if weights:
+            artifact = self.wandb.Artifact(f"{self.run.name}-model", type="model")
+            for path in weights:
+                artifact.add_file(str(path))
+            self.run.log_artifact(artifact)
+        self.run.summary["status"] = status
+        self.run.finish(exit_code={"finished": 0, "interrupted": 130}.get(status, 1))
+
+
+TRACKERS: dict[str, type[Tracker]] = {"mlflow": MLflowTracker, "wandb": WandbTracker}
 
 
 def make_tracker(
     config: TrackingConfig | None, warn: Callable[[str], None] = print
-) -> MLflowTracker | None:
+) -> Tracker | None:
     """The tracker ``config`` asks for (``None`` when tracking is off)."""
     if config is None or not config.backend:
         return None
-    if config.backend != "mlflow":
+    if config.backend not in TRACKERS:
         raise ConfigError(
-            f"config: tracking.backend must be '' or 'mlflow', got {config.backend!r}"
+            f"config: tracking.backend must be '', 'mlflow' or 'wandb', got {config.backend!r}"
         )
-    return MLflowTracker(config, warn)
+    return TRACKERS[config.backend](config, warn)
 
 
 def _is_number(value: Any) -> bool:

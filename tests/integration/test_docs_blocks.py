@@ -38,6 +38,8 @@ NOT_RUN = {
     "sketch over your own data; test_loaders.py checks each call",
     ("docs/tracking.md", "pip install 'glassloop[mlflow]'"): "installs (network); the dev "
     "extra has mlflow",
+    ("docs/tracking.md", "pip install 'glassloop[wandb]'"): "installs (network); the dev "
+    "extra has wandb",
 }
 BENCHMARKS = "benchmarks/"  # run by hand (minutes each); their results are in benchmarks.md
 
