@@ -13,10 +13,11 @@ import copy
 import functools
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from glassloop.callbacks import Callback, EarlyStopping
 from glassloop.config import Config, config_task, to_dict
@@ -78,11 +79,19 @@ class Parts:
     task: str  # what the model is trained to do (glassloop.tasks)
 
 
-def parquet_data(cfg: Config) -> DiskData:
+def parquet_data(cfg: Config) -> DiskData | TextData:
     from glassloop.data.lazy import DiskData
-    from glassloop.data.parquet import parquet_splits
+    from glassloop.data.parquet import input_kind, parquet_splits, parquet_texts
 
     d = cfg.data
+    kind = input_kind(d.path, label_column=d.label_column, image_column=d.image_column,
+                      text_column=d.text_column)  # fmt: skip
+    if kind == "text":
+        return parquet_texts(
+            d.path, label_column=d.label_column, text_column=d.text_column,
+            tokenizer=d.tokenizer, vocab_size=d.vocab_size, max_length=d.max_length,
+            val_fraction=d.val_fraction, seed=d.seed,
+        )  # fmt: skip
     train, val, preprocessing, classes = parquet_splits(
         d.path, label_column=d.label_column, image_column=d.image_column,
         image_size=d.image_size, channels=d.channels, val_fraction=d.val_fraction, seed=d.seed,
@@ -108,8 +117,11 @@ def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
     data: Splits | TextData | DiskData
     # Parquet, or image files too many to decode into memory: DiskData (else None).
     on_disk = parquet_data(cfg) if cfg.data.name == "parquet" else lazy_images(cfg)
-    if cfg.data.name == "text-csv":
-        data = load_text(cfg.data)
+    texts = load_text(cfg.data) if cfg.data.name == "text-csv" else None
+    if isinstance(on_disk, TextData):  # a Parquet text column, tokenized as it is read
+        texts, on_disk = on_disk, None
+    if texts is not None:
+        data = texts
         model = build_model(
             cfg.model, data.input_shape, data.num_classes,
             vocab_size=data.vocab_size, pad_id=data.pad_id,
@@ -120,12 +132,14 @@ def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
             "world": world,
         }  # fmt: skip
         buckets = cfg.data.bucket_by_length
+        # (TextRows: a TextDataset in memory or ParquetTexts on disk, both Datasets)
         train_loader: InMemoryLoader | ResumableLoader = make_loader(
-            data.train, batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle,
-            lengths=data.train.lengths if buckets else None, **common,
+            cast(Dataset[Any], data.train), batch_size=cfg.data.batch_size,
+            shuffle=cfg.data.shuffle, lengths=data.train.lengths if buckets else None, **common,
         )  # fmt: skip
         val_loader: InMemoryLoader | ResumableLoader = make_loader(
-            data.val, batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
+            cast(Dataset[Any], data.val),
+            batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
             lengths=data.val.lengths if buckets else None, shard="strided", **common,
         )  # fmt: skip
     elif on_disk is not None:  # read row by row from disk, in the loader's workers

@@ -155,3 +155,74 @@ def test_an_image_folder_too_large_for_memory_is_read_in_workers(tmp_path: Path)
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["val_accuracy"] > 0.7
     predicted = run_glassloop("predict", str(run), str(tmp_path / "digits" / "3" / "3.png"))
     assert predicted.returncode == 0 and ": 3 " in predicted.stdout, predicted.stdout
+
+
+def texts_parquet(path: Path, n: int = 2000, numbers: bool = False) -> list[str]:
+    """Reviews whose sentiment is in one of their words (as tests/unit/test_text.py's)."""
+    import random
+
+    rng = random.Random(0)
+    filler = [
+        "the",
+        "a",
+        "movie",
+        "plot",
+        "actor",
+        "scene",
+        "it",
+        "was",
+        "and",
+        "very",
+        "quite",
+        "film",
+        "story",
+        "ending",
+    ]
+    cues = {"pos": ["good", "great", "lovely", "superb"], "neg": ["bad", "awful", "dismal", "sad"]}
+    texts, labels = [], []
+    for i in range(n):
+        label = "pos" if i % 2 else "neg"
+        words = rng.choices(filler, k=rng.randint(2, 30))
+        words.insert(rng.randrange(len(words) + 1), rng.choice(cues[label]))
+        texts.append(" ".join(words))
+        labels.append(label)
+    columns: dict[str, Any] = {"text": texts, "label": labels}
+    if numbers:
+        columns["stars"] = [float(i % 5) for i in range(n)]
+    pq.write_table(pa.table(columns), path)
+    return texts
+
+
+TEXTS = ["data.name=parquet", "model.name=text-classifier", "model.embed_dim=32",
+         "data.vocab_size=200", "data.num_workers=2", "data.batch_size=32", "optim.lr=3e-3",
+         "train.epochs=3", "train.progress=none"]  # fmt: skip
+
+
+def test_a_text_column_in_parquet_is_tokenized_in_workers(tmp_path: Path) -> None:
+    table = tmp_path / "reviews.parquet"
+    texts = texts_parquet(table)
+    run = tmp_path / "run"
+    done = run_glassloop("train", "--run-dir", str(run), *sets([f"data.path={table}", *TEXTS]))
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["val_accuracy"] > 0.9
+    assert run_glassloop("eval", str(run)).returncode == 0
+    built = build(load_config(None, [f"data.path={table}", *TEXTS]))
+    assert built.splits.class_names == ["neg", "pos"]
+    batch = next(iter(built.train_loader))  # dynamic padding, like text-csv
+    assert batch["attention_mask"].sum(1).tolist() == batch["lengths"].tolist()
+    dataset = built.train_loader.dataset
+    ids, label = dataset[0]
+    assert ids.dtype == torch.long and label.item() in (0, 1)
+    # A worker gets the file's path, the rows and the tokenizer, never the texts.
+    assert len(pickle.dumps(dataset)) < sum(map(len, texts)) / 2
+    assert pickle.loads(pickle.dumps(dataset))._table is None
+
+
+def test_a_text_column_next_to_numeric_columns_is_not_guessed(tmp_path: Path) -> None:
+    table = tmp_path / "mixed.parquet"
+    texts_parquet(table, n=50, numbers=True)
+    with pytest.raises(glassloop.DataError, match="has a text column 'text' and numeric columns"):
+        build(load_config(None, [f"data.path={table}", *TEXTS]))
+    numbers = build(load_config(None, [f"data.path={table}", "data.name=parquet",
+                                       "data.text_column=", "train.progress=none"]))  # fmt: skip
+    assert numbers.splits.input_shape == (1,)  # the stars column

@@ -12,15 +12,19 @@ opens the file itself (the dataset pickles as a path and row indices, never as d
 memory that is the process's own (not file cache) does not grow with the data set.
 
 A row's inputs are the numeric ``feature_columns`` (standardised with the training split's
-statistics) or one ``image_column`` of encoded image bytes (PNG/JPEG, decoded in the worker,
-scaled to [0, 1] and standardised per channel); the target is ``label_column`` (integer
-class indices or strings). Order, sharding and exact resume are :class:`ResumableLoader`'s,
-as for every map-style dataset: per-epoch seeded order, position in batches, no global RNG.
+statistics), one ``image_column`` of encoded image bytes (PNG/JPEG, decoded in the worker,
+scaled to [0, 1] and standardised per channel), or one ``text_column`` of strings (tokenized
+in the worker by a tokenizer trained on the training texts, streamed from the file, or a
+given ``tokenizer.json``; batched with dynamic padding, like ``text-csv``); the target is
+``label_column`` (integer class indices or strings). Order, sharding and exact resume are
+:class:`ResumableLoader`'s, as for every map-style dataset: per-epoch seeded order, position
+in batches, no global RNG.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,7 @@ import torch
 from torch.utils.data import Dataset
 
 from glassloop.data.lazy import channel_stats, probe_shape, read_image, stats_sample
+from glassloop.data.text import PAD, TextData, tokenizer_for
 from glassloop.errors import DataError
 
 
@@ -90,6 +95,42 @@ class ParquetRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return x, self.labels[index]
 
 
+class ParquetTexts(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Rows ``indices`` of a Parquet text column as token ids (cut at ``max_length``) and
+    labels; opened and tokenized lazily per process (the tokenizer travels as its JSON)."""
+
+    def __init__(
+        self, path: Path, indices: np.ndarray, labels: np.ndarray, *, column: str,
+        tokenizer_json: str, max_length: int, pad_id: int, lengths: list[int],
+    ) -> None:  # fmt: skip
+        self.path = Path(path)
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.labels = torch.as_tensor(np.asarray(labels)[self.indices], dtype=torch.int64)
+        self.column = column
+        self.tokenizer_json = tokenizer_json
+        self.max_length = max_length
+        self.pad_id = pad_id
+        self.lengths = lengths  # token counts (for length buckets), computed once
+        self._table: Any = None
+        self._tokenizer: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_table": None, "_tokenizer": None}
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._table is None:
+            from tokenizers import Tokenizer
+
+            self._table = open_arrow(self.path).column(self.column)
+            self._tokenizer = Tokenizer.from_str(self.tokenizer_json)
+        text = self._table[int(self.indices[index])].as_py()
+        ids = self._tokenizer.encode(text).ids[: self.max_length] or [self.pad_id]
+        return torch.tensor(ids, dtype=torch.long), self.labels[index]
+
+
 def arrow_copy(parquet: Path) -> Path:
     """The uncompressed Arrow IPC copy of ``parquet`` in the cache directory, written once
     (a row group at a time: memory is bounded by the largest row group) and atomically."""
@@ -134,24 +175,11 @@ def parquet_splits(
     """Training and validation rows of one Parquet file (a seeded random split), the
     preprocessing to save with the weights, and the class names. Only the label column (and,
     for numeric features, their columns) is read here, column by column."""
-    pq = _pyarrow()
-    file = Path(path)
-    if not file.is_file():
-        raise DataError(f"data: file '{file}' not found (data.path, a .parquet file)")
-    try:
-        schema = pq.read_schema(file)
-    except Exception as err:  # pyarrow's own errors for a file that is not Parquet
-        raise DataError(f"data: '{file}' is not a readable Parquet file: {err}") from err
-    names = list(schema.names)
-    for column in [label_column, *([image_column] if image_column else [])]:
-        if column not in names:
-            raise DataError(f"data: '{file}' has no column {column!r}; columns: {', '.join(names)}")
-    arrow = arrow_copy(file)  # what every process reads rows from
+    file, arrow = _checked(path, [label_column, *([image_column] if image_column else [])])
+    schema = _schema(file)
     raw = open_arrow(arrow).column(label_column).to_pylist()
     labels, classes = _class_indices(raw, label_column, file)
-    order = np.random.default_rng(seed).permutation(len(labels))
-    n_val = max(1, round(val_fraction * len(labels)))
-    val_idx, train_idx = np.sort(order[:n_val]), np.sort(order[n_val:])
+    train_idx, val_idx = _split(len(labels), val_fraction, seed)
     if image_column:
         first = open_arrow(arrow).column(image_column)[0].as_py()
         shape = probe_shape(first, channels, image_size)
@@ -181,6 +209,59 @@ def parquet_splits(
     )
 
 
+def input_kind(path: str, *, label_column: str, image_column: str, text_column: str) -> str:
+    """What a Parquet file's rows give the model: ``"image"`` (``image_column`` set),
+    ``"text"`` (a string column named ``text_column``), else ``"numeric"`` (every numeric
+    column but the label). A file with both a text column and numeric feature columns is
+    refused: which one is meant is not for glassloop to guess."""
+    if image_column:
+        return "image"
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"data: file '{file}' not found (data.path, a .parquet file)")
+    import pyarrow.types as pt  # type: ignore[import-untyped]
+
+    schema = _schema(file)
+    text = text_column in schema.names and (
+        pt.is_string(schema.field(text_column).type)
+        or pt.is_large_string(schema.field(text_column).type)
+    )
+    numeric = [f.name for f in schema if f.name != label_column and _numeric(f.type)]
+    if text and numeric:
+        raise DataError(
+            f"data: '{file}' has a text column {text_column!r} and numeric columns "
+            f"({', '.join(numeric[:5])}); train on the text: drop the numeric columns; on the "
+            "numbers: set data.text_column = ''"
+        )
+    return "text" if text else "numeric"
+
+
+def _schema(file: Path) -> Any:
+    try:
+        return _pyarrow().read_schema(file)
+    except Exception as err:  # pyarrow's own errors for a file that is not Parquet
+        raise DataError(f"data: '{file}' is not a readable Parquet file: {err}") from err
+
+
+def _checked(path: str, columns: list[str]) -> tuple[Path, Path]:
+    """The Parquet file (checked to exist and to have ``columns``) and its Arrow copy."""
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"data: file '{file}' not found (data.path, a .parquet file)")
+    names = list(_schema(file).names)
+    for column in columns:
+        if column not in names:
+            raise DataError(f"data: '{file}' has no column {column!r}; columns: {', '.join(names)}")
+    return file, arrow_copy(file)  # the copy: what every process reads rows from
+
+
+def _split(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Training and validation row indices: a seeded random split, each sorted."""
+    order = np.random.default_rng(seed).permutation(n)
+    n_val = max(1, round(val_fraction * n))
+    return np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
 def _image_stats(
     arrow: Path, column: str, rows: np.ndarray, shape: tuple[int, int, int], seed: int
 ) -> tuple[list[float], list[float]]:
@@ -190,8 +271,51 @@ def _image_stats(
     return channel_stats([read_image(images[int(i)].as_py(), shape) for i in sample])
 
 
+def parquet_texts(
+    path: str, *, label_column: str, text_column: str, tokenizer: str, vocab_size: int,
+    max_length: int, val_fraction: float, seed: int,
+) -> TextData:  # fmt: skip
+    """Training and validation texts of one Parquet file (a seeded random split) with their
+    tokenizer: ``tokenizer`` (a ``tokenizer.json``) or one trained on the training texts,
+    streamed from the memory-mapped file a chunk at a time. The texts stay on disk; only the
+    labels and each text's token count (for length buckets) are kept in memory."""
+    file, arrow = _checked(path, [label_column, text_column])
+    table = open_arrow(arrow)
+    column = table.column(text_column)
+    if column.null_count:
+        raise DataError(
+            f"data: '{file}' column {text_column!r} has {column.null_count} missing texts"
+        )
+    labels, classes = _class_indices(table.column(label_column).to_pylist(), label_column, file)
+    train_idx, val_idx = _split(len(labels), val_fraction, seed)
+    tokenizer_json = tokenizer_for(tokenizer, _chunks(column, train_idx), vocab_size)
+    from tokenizers import Tokenizer
+
+    encoder = Tokenizer.from_str(tokenizer_json)
+    pad = encoder.token_to_id(PAD)
+    pad_id = 0 if pad is None else int(pad)
+    common: dict[str, Any] = {"column": text_column, "tokenizer_json": tokenizer_json,
+                              "max_length": max_length, "pad_id": pad_id}  # fmt: skip
+    sets = []
+    for rows in (train_idx, val_idx):
+        lengths = [
+            min(len(e.ids), max_length) or 1
+            for texts in _chunks(column, rows)
+            for e in encoder.encode_batch(texts)
+        ]
+        sets.append(ParquetTexts(arrow, rows, labels, lengths=lengths, **common))
+    return TextData(sets[0], sets[1], encoder.get_vocab_size(), pad_id, len(classes), classes,
+                    tokenizer_json, max_length)  # fmt: skip
+
+
+def _chunks(column: Any, rows: np.ndarray, size: int = 8192) -> Iterator[list[str]]:
+    """The texts of ``rows``, ``size`` at a time (memory: one chunk)."""
+    for start in range(0, len(rows), size):
+        yield column.take(rows[start : start + size]).to_pylist()
+
+
 def _numeric(kind: Any) -> bool:
-    import pyarrow.types as pt  # type: ignore[import-untyped]
+    import pyarrow.types as pt
 
     return bool(pt.is_integer(kind) or pt.is_floating(kind) or pt.is_boolean(kind))
 

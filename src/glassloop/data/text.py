@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -39,12 +40,26 @@ class TextDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return [len(ids) for ids in self.ids]
 
 
+class TextRows(Protocol):
+    """A set of texts as token ids: in memory (:class:`TextDataset`) or read from disk
+    (:class:`glassloop.data.parquet.ParquetTexts`)."""
+
+    labels: torch.Tensor
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @property
+    def lengths(self) -> list[int]: ...
+
+
 @dataclass
 class TextData:
     """Training and validation sets plus what the model and prediction need."""
 
-    train: TextDataset
-    val: TextDataset
+    train: TextRows
+    val: TextRows
     vocab_size: int
     pad_id: int
     num_classes: int
@@ -89,8 +104,9 @@ def read_texts(path: Path, text_column: str, label_column: str) -> tuple[list[st
     return [str(r[text_column]) for r in records], [str(r[label_column]) for r in records]
 
 
-def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
-    """A lower-casing BPE tokenizer learnt from ``texts`` (the training split only)."""
+def train_tokenizer(texts: Iterable[str] | Iterable[list[str]], vocab_size: int) -> Any:
+    """A lower-casing BPE tokenizer learnt from ``texts`` (the training split only; strings,
+    or lists of them: one pass, so an iterator streamed from disk works)."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE(unk_token=UNK))
@@ -101,13 +117,22 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
     return tokenizer
 
 
-def load_text(cfg: DataConfig) -> TextData:
+def tokenizer_for(path: str, texts: Iterable[str] | Iterable[list[str]], vocab_size: int) -> str:
+    """The tokenizer (as JSON) in ``path``, or, without one, one trained on ``texts``."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise DataError(
-            "data: 'text-csv' needs the tokenizers package: pip install 'glassloop[text]'"
+            "data: text columns need the tokenizers package: pip install 'glassloop[text]'"
         ) from None
+    if path:
+        if not Path(path).is_file():
+            raise DataError(f"data: tokenizer '{path}' not found (data.tokenizer)")
+        return str(Tokenizer.from_file(path).to_str())
+    return str(train_tokenizer(texts, vocab_size).to_str())
+
+
+def load_text(cfg: DataConfig) -> TextData:
     if not cfg.path:
         raise DataError("data: data.name = 'text-csv' needs data.path = 'texts.csv' (or .jsonl)")
     path = Path(cfg.path)
@@ -120,12 +145,11 @@ def load_text(cfg: DataConfig) -> TextData:
     train_idx, y_tr, val_idx, y_va = stratified_split(
         order, labels, val_size=cfg.val_fraction, seed=cfg.seed
     )
-    if cfg.tokenizer:
-        if not Path(cfg.tokenizer).is_file():
-            raise DataError(f"data: tokenizer '{cfg.tokenizer}' not found (data.tokenizer)")
-        tokenizer = Tokenizer.from_file(cfg.tokenizer)
-    else:
-        tokenizer = train_tokenizer([texts[i] for i in train_idx], cfg.vocab_size)
+    training = [texts[i] for i in train_idx] if not cfg.tokenizer else []
+    tokenizer_json = tokenizer_for(cfg.tokenizer, training, cfg.vocab_size)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(tokenizer_json)
     pad_id = tokenizer.token_to_id(PAD)
     pad_id = 0 if pad_id is None else int(pad_id)
 
