@@ -12,26 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_distributed import CONFIG as DDP_CONFIG
 from test_distributed import KILLABLE, last_epoch, train
 
 from glassloop.checkpoint import read_checkpoint
 
-# 640 training samples = 20 global batches of 32 per epoch (16 per process with 2 processes).
-CONFIG = """
-[data]
-name = "synthetic"
-num_samples = 800
-batch_size = 16
-[model]
-hidden = [32]
-[scheduler]
-interval = "step"
-[train]
-epochs = 2
-progress = "none"
-dist_timeout_s = 30
-strategy = "fsdp"
-"""
+# The DDP tests' config (20 global batches of 32 per epoch), sharded.
+CONFIG = DDP_CONFIG + 'strategy = "fsdp"\n'
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from cli_runner import run_glassloop, sets
+from corpora import reviews
 from PIL import Image
 from sklearn.datasets import load_digits
 
@@ -158,39 +159,13 @@ def test_an_image_folder_too_large_for_memory_is_read_in_workers(tmp_path: Path)
 
 
 def texts_parquet(path: Path, n: int = 2000, numbers: bool = False) -> list[str]:
-    """Reviews whose sentiment is in one of their words (as tests/unit/test_text.py's)."""
-    import random
-
-    rng = random.Random(0)
-    filler = [
-        "the",
-        "a",
-        "movie",
-        "plot",
-        "actor",
-        "scene",
-        "it",
-        "was",
-        "and",
-        "very",
-        "quite",
-        "film",
-        "story",
-        "ending",
-    ]
-    cues = {"pos": ["good", "great", "lovely", "superb"], "neg": ["bad", "awful", "dismal", "sad"]}
-    texts, labels = [], []
-    for i in range(n):
-        label = "pos" if i % 2 else "neg"
-        words = rng.choices(filler, k=rng.randint(2, 30))
-        words.insert(rng.randrange(len(words) + 1), rng.choice(cues[label]))
-        texts.append(" ".join(words))
-        labels.append(label)
-    columns: dict[str, Any] = {"text": texts, "label": labels}
+    """Generated reviews (tests/corpora.py) as a Parquet table; their texts."""
+    rows = reviews(n)
+    columns: dict[str, Any] = {"text": [t for t, _ in rows], "label": [label for _, label in rows]}
     if numbers:
         columns["stars"] = [float(i % 5) for i in range(n)]
     pq.write_table(pa.table(columns), path)
-    return texts
+    return list(columns["text"])
 
 
 TEXTS = ["data.name=parquet", "model.name=text-classifier", "model.embed_dim=32",

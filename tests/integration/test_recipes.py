@@ -5,24 +5,17 @@ docs/recipes.md."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 from cli_runner import run_glassloop
+from corpora import reviews
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
 def generated_corpus(path: Path) -> None:
-    rng = random.Random(0)
-    lines = ["text,label"]
-    for i in range(300):
-        cue = rng.choice(["great", "superb", "lovely"] if i % 2 else ["awful", "dismal", "poor"])
-        filler = " ".join(
-            rng.choices(["the", "film", "plot", "was", "very", "and"], k=rng.randint(1, 20))
-        )
-        lines.append(f"{filler} {cue},{'pos' if i % 2 else 'neg'}")
+    lines = ["text,label", *(f"{text},{label}" for text, label in reviews(300))]
     path.write_text("\n".join(lines) + "\n")
 
 

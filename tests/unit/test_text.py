@@ -3,43 +3,16 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
+from corpora import reviews
 
 from glassloop import DataError, build, load_config
 
-POSITIVE = ["good", "great", "fine", "lovely", "superb", "excellent", "happy", "bright"]
-NEGATIVE = ["bad", "awful", "poor", "dismal", "terrible", "sad", "gloomy", "broken"]
-FILLER = [
-    "the",
-    "a",
-    "movie",
-    "plot",
-    "actor",
-    "scene",
-    "it",
-    "was",
-    "and",
-    "very",
-    "quite",
-    "film",
-    "story",
-    "ending",
-]
-
 
 def corpus(path: Path, n: int = 400, jsonl: bool = False) -> None:
-    rng = random.Random(0)
-    rows = []
-    for i in range(n):
-        label = "pos" if i % 2 else "neg"
-        words = rng.choices(FILLER, k=rng.randint(2, 30))
-        cue = POSITIVE if label == "pos" else NEGATIVE
-        for _ in range(rng.randint(1, 3)):
-            words.insert(rng.randrange(len(words) + 1), rng.choice(cue))
-        rows.append({"review": " ".join(words), "sentiment": label})
+    rows = [{"review": text, "sentiment": label} for text, label in reviews(n)]
     if jsonl:
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     else:

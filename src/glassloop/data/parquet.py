@@ -47,7 +47,29 @@ def _pyarrow() -> Any:
     return pq
 
 
-class ParquetRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+class ArrowRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Rows ``indices`` of an Arrow copy of a Parquet file and their labels. The table is
+    memory-mapped lazily, in the process that reads (pickled, this is a path and indices)."""
+
+    def __init__(self, path: Path, indices: np.ndarray, labels: np.ndarray) -> None:
+        self.path = Path(path)
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.labels = torch.as_tensor(np.asarray(labels)[self.indices], dtype=torch.int64)
+        self._table: Any = None  # opened by the process that reads (workers: their own)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_table": None}
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def table(self) -> Any:
+        if self._table is None:
+            self._table = open_arrow(self.path)
+        return self._table
+
+
+class ParquetRows(ArrowRows):
     """Rows ``indices`` of a Parquet file as ``(inputs, label)``; opened lazily per process.
 
     ``features``: numeric columns, standardised with ``mean``/``std``; or ``image_column``:
@@ -66,26 +88,15 @@ class ParquetRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         mean: list[float],
         std: list[float],
     ) -> None:
-        self.path = Path(path)
-        self.indices = np.asarray(indices, dtype=np.int64)
-        self.labels = torch.as_tensor(np.asarray(labels)[self.indices], dtype=torch.int64)
+        super().__init__(path, indices, labels)
         self.features = features
         self.image_column = image_column
         self.image_shape = image_shape
         self.mean = torch.tensor(mean, dtype=torch.float32)
         self.std = torch.tensor(std, dtype=torch.float32)
-        self._table: Any = None  # the memory-mapped table, opened in the process that reads
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_table": None}  # workers open the file themselves
-
-    def __len__(self) -> int:
-        return len(self.indices)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._table is None:
-            self._table = open_arrow(self.path)
-        row = self._table.slice(int(self.indices[index]), 1).to_pylist()[0]
+        row = self.table().slice(int(self.indices[index]), 1).to_pylist()[0]
         if self.image_column:
             x = read_image(row[self.image_column], self.image_shape)
             x = (x - self.mean[:, None, None]) / self.std[:, None, None]
@@ -95,7 +106,7 @@ class ParquetRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return x, self.labels[index]
 
 
-class ParquetTexts(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+class ParquetTexts(ArrowRows):
     """Rows ``indices`` of a Parquet text column as token ids (cut at ``max_length``) and
     labels; opened and tokenized lazily per process (the tokenizer travels as its JSON)."""
 
@@ -103,30 +114,23 @@ class ParquetTexts(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         self, path: Path, indices: np.ndarray, labels: np.ndarray, *, column: str,
         tokenizer_json: str, max_length: int, pad_id: int, lengths: list[int],
     ) -> None:  # fmt: skip
-        self.path = Path(path)
-        self.indices = np.asarray(indices, dtype=np.int64)
-        self.labels = torch.as_tensor(np.asarray(labels)[self.indices], dtype=torch.int64)
+        super().__init__(path, indices, labels)
         self.column = column
         self.tokenizer_json = tokenizer_json
         self.max_length = max_length
         self.pad_id = pad_id
         self.lengths = lengths  # token counts (for length buckets), computed once
-        self._table: Any = None
         self._tokenizer: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_table": None, "_tokenizer": None}
-
-    def __len__(self) -> int:
-        return len(self.indices)
+        return {**super().__getstate__(), "_tokenizer": None}
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._table is None:
+        if self._tokenizer is None:
             from tokenizers import Tokenizer
 
-            self._table = open_arrow(self.path).column(self.column)
             self._tokenizer = Tokenizer.from_str(self.tokenizer_json)
-        text = self._table[int(self.indices[index])].as_py()
+        text = self.table().column(self.column)[int(self.indices[index])].as_py()
         ids = self._tokenizer.encode(text).ids[: self.max_length] or [self.pad_id]
         return torch.tensor(ids, dtype=torch.long), self.labels[index]
 
