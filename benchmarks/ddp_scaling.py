@@ -1,4 +1,4 @@
-"""Throughput of `glassloop train` with 1 process vs N processes (DDP via torchrun).
+"""Throughput of `glassloop train` with 1 process vs N processes (DDP and FSDP2 via torchrun).
 
     .venv/bin/python benchmarks/ddp_scaling.py [--nproc 2] [--epochs 3]
 
@@ -7,7 +7,9 @@ batch 64 per process (so N processes take N times larger global steps: weak scal
 each epoch's samples/s from metrics.jsonl (rank 0 reports the whole job's samples) and prints
 the median over epochs after the first. On CPU, torchrun gives each process one thread
 (OMP_NUM_THREADS=1) while one process uses every core; on GPUs each process gets its own
-device.
+device. The FSDP run shards the same model over the N processes (train.strategy = "fsdp"):
+per step each process all-gathers every layer's weights twice (forward, backward) and
+reduce-scatters the gradients, where DDP all-reduces the gradients once.
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ every_n_epochs = 0
 """
 
 
-def run(workdir: Path, name: str, nproc: int, epochs: int) -> tuple[float, float]:
+def run(
+    workdir: Path, name: str, nproc: int, epochs: int, strategy: str = "auto"
+) -> tuple[float, float]:
     launch = ["--nproc", str(nproc)] if nproc > 1 else []
     subprocess.run(
         [sys.executable, "-m", "glassloop", "train", "cfg.toml", *launch, "--run-dir", name,
-         "--set", f"train.epochs={epochs}"],
+         "--set", f"train.epochs={epochs}", "--set", f"train.strategy={strategy}"],
         cwd=workdir, check=True, capture_output=True, text=True,
     )  # fmt: skip
     rows = [
@@ -67,10 +71,14 @@ def main() -> None:
         (workdir / "cfg.toml").write_text(CONFIG)
         one = run(workdir, "one", 1, args.epochs)
         many = run(workdir, "many", args.nproc, args.epochs)
-    print(f"{'processes':<10} {'samples/s':>10} {'steps/s':>8}")
-    print(f"{1:<10} {one[0]:>10.0f} {one[1]:>8.1f}")
-    print(f"{args.nproc:<10} {many[0]:>10.0f} {many[1]:>8.1f}")
-    print(f"samples/s ratio {many[0] / one[0]:.2f}, steps/s ratio {many[1] / one[1]:.2f}")
+        sharded = run(workdir, "fsdp", args.nproc, args.epochs, "fsdp")
+    print(f"{'run':<16} {'samples/s':>10} {'steps/s':>8} {'vs 1 process':>13}")
+    for label, (samples, steps) in (
+        ("1 process", one),
+        (f"{args.nproc} DDP", many),
+        (f"{args.nproc} FSDP", sharded),
+    ):
+        print(f"{label:<16} {samples:>10.0f} {steps:>8.1f} {samples / one[0]:>12.2f}x")
 
 
 if __name__ == "__main__":
