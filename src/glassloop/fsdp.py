@@ -134,6 +134,13 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def class_name(model: nn.Module) -> str:
+    """The model's class name (FSDP2 renames a sharded module's class ``FSDP<name>``: the
+    same model, sharded or not, has the same name)."""
+    name = type(model).__name__
+    return name.removeprefix("FSDP") if is_sharded(model) else name
+
+
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Reduce gradients across processes in this block's backward only when ``enabled``

@@ -276,7 +276,7 @@ def _now() -> str:
 def python_config(trainer: Trainer) -> dict[str, Any]:
     """The configuration of a run built in Python (no config file): what a resume compares."""
     return {
-        "model": model_class_name(unwrap_model(trainer.model)),
+        "model": fsdp.class_name(unwrap_model(trainer.model)),
         "num_parameters": sum(p.numel() for p in trainer.model.parameters()),
         "optimizer": type(trainer.optimizer).__name__,
         "optimizer_defaults": {
@@ -296,13 +296,6 @@ def python_config(trainer: Trainer) -> dict[str, Any]:
         "compile": trainer.model is not unwrap_model(trainer.model),
         "device": str(trainer.device),
     }
-
-
-def model_class_name(model: nn.Module) -> str:
-    """The model's class name (FSDP2 renames a sharded module's class ``FSDP<name>``: the
-    same model, sharded or not, has the same name)."""
-    name = type(model).__name__
-    return name.removeprefix("FSDP") if fsdp.is_sharded(model) else name
 
 
 def _jsonable(value: Any) -> Any:

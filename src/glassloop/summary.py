@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from glassloop.checkpoint import unwrap_model
+from glassloop.fsdp import class_name
 from glassloop.metrics import improves, monitor_mode
 
 if TYPE_CHECKING:
@@ -40,12 +41,14 @@ def start_header(
     device = trainer.device
     where = f"{device} ({torch.get_num_threads()} threads)" if device.type == "cpu" else str(device)
     processes = f"{trainer.world.size} process{'es' if trainer.world.size > 1 else ''}"
+    if trainer.world.size > 1:
+        processes += " (FSDP)" if trainer.sharded is not None else " (DDP)"
     model = unwrap_model(trainer.model)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     lines = [
         f"glassloop: {where}, precision {trainer.precision}, {processes}, task {trainer.task}",
-        f"model: {type(model).__name__}, {total:,} parameters ({trainable:,} trainable)",
+        f"model: {class_name(model)}, {total:,} parameters ({trainable:,} trainable)",
     ]
     train_n, val_n = samples_in(train_loader), (samples_in(val_loader) if val_loader else None)
     data = [f"{train_n:,} training samples" if train_n is not None else "training data"]

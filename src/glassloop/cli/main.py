@@ -107,8 +107,9 @@ def make_parser() -> Parser:
         "--nproc",
         type=int,
         metavar="N",
-        help="train with N processes on this machine (DDP): runs torchrun --standalone "
-        "--nproc-per-node N -m glassloop train with the other arguments",
+        help="train with N processes on this machine (DDP; FSDP2 with --set "
+        "train.strategy=fsdp): runs torchrun --standalone --nproc-per-node N -m glassloop "
+        "train with the other arguments",
     )
     train.add_argument(
         "--fast-dev-run",
