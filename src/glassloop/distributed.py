@@ -81,13 +81,24 @@ def init_from_env(
         if device.type == "cuda":
             torch.cuda.set_device(world.local_rank)
         dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
+            backend=backend_for(device), timeout=datetime.timedelta(seconds=timeout_s)
         )
         # A script that never leaves the group (the README's own-step example) must not
         # race gloo's teardown at exit (it aborts a process about 1 run in 3).
         atexit.register(shutdown)
     return world
+
+
+def backend_for(device: torch.device) -> str:
+    """The process group's backends: gloo on CPU; on GPUs NCCL for CUDA tensors (gradients,
+    metrics kept on the device) and gloo for the small CPU tensors the processes agree on
+    (stop signals, sample counts, checkpoint verdicts), which NCCL alone refuses ("No backend
+    type associated with device type cpu").
+
+    >>> backend_for(torch.device("cuda"))
+    'cpu:gloo,cuda:nccl'
+    """
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def local_device(device: torch.device, world: World) -> torch.device:
