@@ -111,21 +111,20 @@ def shard_model(
             "(its state belongs to the unsharded parameters); build it fresh"
         )
     names = {id(p): name for name, p in model.named_parameters()}
+    if any(id(p) not in names for group in optimizer.param_groups for p in group["params"]):
+        raise ConfigError(
+            "config: the optimizer holds a parameter that is not the model's; FSDP can only "
+            "shard the model's own parameters"
+        )
     mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (world.size,))
     policy = MixedPrecisionPolicy()
     if precision == "bf16":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for unit in units(model):
+    for unit in reversed(units(model)):  # inner blocks (nested lists) before the outer ones
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     sharded = dict(model.named_parameters())
     for group in optimizer.param_groups:
-        missing = [p for p in group["params"] if id(p) not in names]
-        if missing:
-            raise ConfigError(
-                "config: the optimizer holds a parameter that is not the model's; FSDP can "
-                "only shard the model's own parameters"
-            )
         group["params"] = [sharded[names[id(p)]] for p in group["params"]]
     return model
 

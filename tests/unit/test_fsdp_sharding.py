@@ -38,6 +38,13 @@ class Blocks(nn.Module):
         self.layers = nn.ModuleList([nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)])
         self.head = nn.Linear(8, 2)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
 
 def test_the_units_are_the_blocks_of_a_module_list_else_the_children() -> None:
     model = Blocks()
@@ -81,6 +88,45 @@ def test_a_non_finite_sharded_gradient_is_named(one_rank_group: World) -> None:
     model(torch.full((1, 4), float("inf"))).sum().backward()
     with pytest.raises(NonFiniteError, match=re.escape("first non-finite gradient: '0.weight'")):
         NonFinitePolicy("raise")(model, torch.tensor(1.0), TrainState(), 1)
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList([Blocks(), Blocks()])  # lists of blocks inside a list
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            x = torch.cat([stage(x), stage(x)], dim=1)  # (2 outputs -> the next 4 inputs)
+        return x
+
+
+def test_nested_blocks_shard_inner_first_and_compute_what_the_plain_model_does(
+    one_rank_group: World,
+) -> None:
+    torch.manual_seed(0)
+    model = Nested()
+    plain = Nested()
+    plain.load_state_dict(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fsdp.shard_model(model, optimizer, one_rank_group, torch.device("cpu"), "32")
+    assert fsdp.is_sharded(model.stages[0].layers[0]) and fsdp.is_sharded(model.stages[0])
+    x = torch.randn(3, 4)
+    assert torch.allclose(model(x), plain(x))
+    model(x).sum().backward()
+    optimizer.step()  # updates the sharded parameters the model uses
+    assert not torch.equal(fsdp.full_weights(model)["stages.0.embed.weight"],
+                           plain.stages[0].embed.weight)  # fmt: skip
+
+
+def test_an_optimizer_over_other_tensors_is_refused_before_anything_is_sharded(
+    one_rank_group: World,
+) -> None:
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD([*model.parameters(), nn.Parameter(torch.zeros(1))])
+    with pytest.raises(ConfigError, match="not the model's"):
+        fsdp.shard_model(model, optimizer, one_rank_group, torch.device("cpu"), "32")
+    assert not fsdp.is_sharded(model)
 
 
 def test_an_optimizer_that_already_stepped_is_refused(one_rank_group: World) -> None:
