@@ -140,24 +140,30 @@ def class_name(model: nn.Module) -> str:
     return name.removeprefix("FSDP") if is_sharded(model) else name
 
 
-@contextlib.contextmanager
-def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
     """Reduce gradients across processes in this block's backward only when ``enabled``
     (the last micro-batch of an accumulation window): DDP's ``no_sync()``, FSDP2's
-    ``set_requires_gradient_sync``. In one process, nothing."""
+    ``set_requires_gradient_sync``. In one process, nothing (a shared ``nullcontext``: the
+    step's hot path pays one call)."""
     if enabled:
+        return _AS_IS
+    if isinstance(model, FSDPModule):
+        return _fsdp_sync_off(model)
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    return _AS_IS
+
+
+_AS_IS = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_sync_off(model: FSDPModule) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
         yield
-    elif isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    elif isinstance(model, nn.parallel.DistributedDataParallel):
-        with model.no_sync():
-            yield
-    else:
-        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

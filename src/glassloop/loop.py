@@ -529,10 +529,10 @@ class Trainer:
         elif not self.scaler.is_enabled() and params:  # (fp16: the scaler checks gradients)
             # Fused L2 norms (one kernel on GPU; 51 us/step on the tutorial MLP on this CPU;
             # the inf-norm would be 885 us): finite exactly when every gradient is.
-            # (FSDP: this process's shard of each gradient; the verdict is shared below.)
-            checked.extend(
-                torch._foreach_norm([fsdp.local(cast(torch.Tensor, p.grad)) for p in params])
-            )
+            grads = [cast(torch.Tensor, p.grad) for p in params]
+            if self.sharded is not None:  # this process's shards; the verdict is shared below
+                grads = [fsdp.local(grad) for grad in grads]
+            checked.extend(torch._foreach_norm(grads))
         # One host sync checks the loss and the gradients (a sum is finite only if all its
         # terms are; item() is ~25x cheaper than torch.isfinite on a CPU scalar): the price
         # of never stepping on a NaN, also one with a finite loss.
