@@ -148,5 +148,5 @@ def test_bf16_shards_train_and_strategy_mismatches_are_refused(workdir: Path, tw
     fp16 = train(workdir, "--run-dir", "fp16", "--set", "train.precision=fp16")
     assert fp16.returncode == 2 and "use 'bf16'" in fp16.stderr
     ddp = train(workdir, "--run-dir", "two", "--resume", "--set", "train.strategy=ddp",
-                "--allow-config-change", nproc=2)  # fmt: skip
+                "--allow-config-change")  # fmt: skip  # (refused before the process count)
     assert ddp.returncode == 2 and "resume it with train.strategy = 'fsdp'" in ddp.stderr
