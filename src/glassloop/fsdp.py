@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from glassloop.batch import split_batch
+from glassloop.batch import required_inputs, split_batch, split_inputs
 from glassloop.device import move_to_device
 from glassloop.distributed import World, all_reduce, distributed_job
 from glassloop.errors import CheckpointError, ConfigError, DataError
@@ -294,25 +294,32 @@ def read_full_weights(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def even_batches(
-    loader: Iterable[Any], count: int, model: nn.Module, device: torch.device, own_loss: bool
-) -> Iterator[Any]:
+    loader: Iterable[Any], count: int, model: nn.Module, device: torch.device, own_loss: bool,
+    *, predicting: bool = False,
+) -> Iterator[Any]:  # fmt: skip
     """The ``count`` batches of ``loader``, then forwards of the last one (results unused)
     until this process has run as many forwards as the process with the most batches.
 
     Under FSDP every forward is a collective (each unit's weights are gathered from all
-    processes), and a validation shard can be one batch shorter on some processes; without
-    these extra forwards the others would wait forever. The model is in eval mode here."""
+    processes), and a validation shard (or each process's data to predict) can have fewer
+    batches on some processes; without these extra forwards the others would wait forever.
+    The caller has put the model in eval mode. ``predicting``: batches are read as
+    ``predict`` reads them (inputs only, a target dropped)."""
     most = int(all_reduce(torch.tensor([count]), "max").item())
     if count == 0 and most:
         raise DataError(
-            "data: a process got no validation batch (fewer validation samples than "
-            "processes); use a larger validation set or fewer processes"
+            "data: a process got no batch while others did (fewer samples than processes); "
+            "give every process at least one batch, or use fewer processes"
         )
     last: Any = None
     for last in loader:
         yield last
     if most > count:
-        (args, kwargs), _ = split_batch(move_to_device(last, device), labels_to_model=own_loss)
+        batch = move_to_device(last, device)
+        if predicting:
+            args, kwargs = split_inputs(batch, required_inputs(model))
+        else:
+            (args, kwargs), _ = split_batch(batch, labels_to_model=own_loss)
         with torch.no_grad():
             for _ in range(most - count):
                 model(*args, **kwargs)

@@ -791,7 +791,16 @@ class Trainer:
         classes: int | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """What the task means by a prediction (softmax or sigmoid probabilities, or the
-        outputs as they are; :func:`glassloop.predict`), on the CPU, under inference mode."""
+        outputs as they are; :func:`glassloop.predict`), on the CPU, under inference mode.
+        In a multi-process FSDP job every process calls it, each with its own data."""
+        if fsdp.is_sharded(self.model):  # every process runs as many (collective) forwards
+            if isinstance(data, torch.Tensor):
+                data = list(torch.split(data, batch_size))
+            if not isinstance(data, Sized):
+                raise DataError("data: with train.strategy = 'fsdp', predict needs a len()")
+            data = fsdp.even_batches(
+                data, len(data), self.model, self.device, False, predicting=True
+            )
         with autocast(self.precision, self.device):
             return predict(
                 self.eval_model, data, task=self.task, batch_size=batch_size,

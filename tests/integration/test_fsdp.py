@@ -6,7 +6,10 @@ shards. Checkpoints hold no pickle."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,3 +153,48 @@ def test_bf16_shards_train_and_strategy_mismatches_are_refused(workdir: Path, tw
     ddp = train(workdir, "--run-dir", "two", "--resume", "--set", "train.strategy=ddp",
                 "--allow-config-change")  # fmt: skip  # (refused before the process count)
     assert ddp.returncode == 2 and "resume it with train.strategy = 'fsdp'" in ddp.stderr
+
+
+PREDICT = """
+import sys
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import glassloop
+from glassloop.data import make_loader
+from glassloop.distributed import world_from_env
+
+world = world_from_env()
+glassloop.seed_everything(0)
+x, y = torch.randn(256, 6), torch.randint(0, 3, (256,))
+model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+trainer = glassloop.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            nn.CrossEntropyLoss(), strategy="fsdp", progress="none",
+                            run_dir=sys.argv[1])
+trainer.fit(make_loader((x, y), batch_size=32, shuffle=True, seed=0, world=world), epochs=1)
+# Each process predicts its own inputs: rank 0 three batches of 256, rank 1 one batch.
+inputs = torch.randn(700 if world.rank == 0 else 10, 6,
+                     generator=torch.Generator().manual_seed(world.rank))
+probs = trainer.predict(inputs, batch_size=256)
+save_file({"inputs": inputs, "probs": probs}, f"{sys.argv[1]}/probs-{world.rank}.safetensors")
+"""
+
+
+def test_each_process_predicts_its_own_data_with_a_sharded_model(tmp_path: Path) -> None:
+    (tmp_path / "predict.py").write_text(PREDICT)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "predict.py", "run"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    weights = load_file(tmp_path / "run" / "model.safetensors")
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    model.load_state_dict(weights)
+    for rank, rows in ((0, 700), (1, 10)):
+        saved = load_file(tmp_path / "run" / f"probs-{rank}.safetensors")
+        assert saved["probs"].shape == (rows, 3)  # no padding forward's rows among them
+        expected = torch.softmax(model(saved["inputs"]), dim=1)
+        assert torch.allclose(saved["probs"], expected, atol=1e-6)
