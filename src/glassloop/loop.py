@@ -203,7 +203,6 @@ class Trainer:
         # backward, once per optimizer step, see gradient_sync in train_step), or with
         # strategy="fsdp" FSDP2 (parameters, gradients and optimizer state sharded; the
         # optimizer is pointed at the sharded parameters; glassloop.fsdp).
-        self.strategy = strategy
         self.sharded: ShardedState | None = None  # an FSDP run's weights and optimizer state
         if strategy == "fsdp":
             fsdp.check_options(precision=precision, ema=bool(ema_decay), compile=compile)
