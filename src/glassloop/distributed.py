@@ -63,17 +63,22 @@ def world_from_env() -> World:
     return World(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def init_from_env(
-    device: torch.device, *, strategy: str = "auto", timeout_s: float = 300.0
-) -> World:
-    """Join the process group torchrun set up (gloo on CPU, nccl on CUDA); pin this process
-    to its GPU. Returns the single-process world outside torchrun."""
+def check_strategy(strategy: str) -> None:
+    """``"auto"``/``"ddp"`` (DDP), ``"fsdp"`` (FSDP2); ``"dp"`` is refused with the reason."""
     if strategy == "dp":
         raise ConfigError(WHY_NOT_DATAPARALLEL)
     if strategy not in ("auto", "ddp", "fsdp"):
         raise ConfigError(
             f"config: train.strategy must be 'auto', 'ddp' or 'fsdp', got {strategy!r}"
         )
+
+
+def init_from_env(
+    device: torch.device, *, strategy: str = "auto", timeout_s: float = 300.0
+) -> World:
+    """Join the process group torchrun set up (gloo on CPU, nccl on CUDA); pin this process
+    to its GPU. Returns the single-process world outside torchrun."""
+    check_strategy(strategy)
     world = world_from_env()
     if not world.distributed:
         return world

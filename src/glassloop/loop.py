@@ -38,6 +38,7 @@ from glassloop.distributed import (
     World,
     all_reduce,
     barrier,
+    check_strategy,
     gather_objects,
     init_from_env,
     local_device,
@@ -203,6 +204,7 @@ class Trainer:
         # backward, once per optimizer step, see gradient_sync in train_step), or with
         # strategy="fsdp" FSDP2 (parameters, gradients and optimizer state sharded; the
         # optimizer is pointed at the sharded parameters; glassloop.fsdp).
+        check_strategy(strategy)  # (also when the world was given)
         self.sharded: ShardedState | None = None  # an FSDP run's weights and optimizer state
         if strategy == "fsdp":
             fsdp.check_options(precision=precision, ema=bool(ema_decay), compile=compile)

@@ -148,8 +148,9 @@ def trainer(run_dir: Path | None, **kwargs: object) -> Trainer:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.1), nn.ReLU(), nn.Linear(16, 3))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return Trainer(model, optimizer, nn.CrossEntropyLoss(), strategy="fsdp", progress="none",
-                   run_dir=run_dir, **kwargs)  # type: ignore[arg-type]  # fmt: skip
+    options = {"strategy": "fsdp", **kwargs}
+    return Trainer(model, optimizer, nn.CrossEntropyLoss(), progress="none", run_dir=run_dir,
+                   **options)  # type: ignore[arg-type]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +185,8 @@ def test_a_one_process_fsdp_run_writes_dcp_checkpoints_and_resumes_bitwise(
 
 
 def test_unsupported_options_are_refused_with_what_to_do() -> None:
+    with pytest.raises(ConfigError, match="must be 'auto', 'ddp' or 'fsdp', got 'fsdpp'"):
+        trainer(None, strategy="fsdpp", world=World())  # a typo, also with a given world
     with pytest.raises(ConfigError, match=r"ema_decay is not supported with .*fsdp"):
         trainer(None, ema_decay=0.9)
     with pytest.raises(ConfigError, match="use 'bf16'"):
