@@ -82,11 +82,11 @@ class DataConfig:
     download: bool = False  # mnist, fashion-mnist: fetch with torchvision (glassloop[vision])
     label_column: str = "label"  # csv: the target column
     label_columns: list[str] = field(default_factory=list)  # csv: several (multilabel, outputs)
-    image_column: str = ""  # parquet: a column of encoded images (else: numeric columns)
+    image_column: str = ""  # parquet: a column of encoded images (else: text or numbers)
     in_memory_mb: int = 4096  # image-folder: larger once decoded, images are read in workers
     image_size: int = 0  # image-folder: resize to this square size (0: keep; all must match)
     channels: int = 0  # image-folder: 1 (grayscale) or 3 (RGB); 0: from the first image
-    text_column: str = "text"  # text-csv
+    text_column: str = "text"  # text-csv; parquet: a string column of this name: texts
     tokenizer: str = ""  # text-csv: a tokenizer.json to use instead of training one
     vocab_size: int = 8000  # text-csv: size of the tokenizer trained on the training texts
     max_length: int = 256  # text-csv: longer texts are cut
