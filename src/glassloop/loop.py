@@ -589,20 +589,30 @@ class Trainer:
     def _write_report(self, val_loader: Iterable[Any] | None, *, final: bool) -> Path | None:
         """``RUN_DIR/report/`` from the metrics and the last validation (rank 0); for a
         regression with its predicted-vs-true plot."""
-        if not self.run_log.active or (not final and not self.run_log.report_due()):
-            return None
         pairs = None
         # (At the end only: iterating a DataLoader draws from the global RNG, which must not
-        # depend on when a refresh fell due.)
-        # (Not for a sharded model: its forward needs every process, and this is rank 0.)
-        sharded = fsdp.is_sharded(self.model)
-        if final and self.task == "regression" and val_loader is not None and not sharded:
-            with autocast(self.precision, self.device):
-                pairs = predictions_and_targets(self.eval_model, val_loader, self.device)
+        # depend on when a refresh fell due. Every process: each has its validation shard.)
+        if final and self.task == "regression" and val_loader is not None and self.run_dir:
+            pairs = self._predicted_vs_true(val_loader)
+        if not self.run_log.active or (not final and not self.run_log.report_due()):
+            return None
         names = (self.model_spec or {}).get("class_names")
         return self.run_log.write_report(
             evaluation=self.last_eval, class_names=names, predicted_vs_true=pairs, final=final
         )
+
+    def _predicted_vs_true(self, loader: Iterable[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A regression's validation outputs and targets, of every process's shard (a
+        collective with several processes: gathered in rank order)."""
+        if fsdp.is_sharded(self.model):  # every process runs as many (collective) forwards
+            count = len(loader) if isinstance(loader, Sized) else 0
+            loader = fsdp.even_batches(loader, count, self.model, self.device, False)
+        with autocast(self.precision, self.device):
+            outputs, targets = predictions_and_targets(self.eval_model, loader, self.device)
+        if not self.world.distributed:
+            return outputs, targets
+        parts = gather_objects((outputs, targets))  # (pickled between our own processes)
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def _stop_if_signalled(self, agreed: int | None = None) -> None:
         """Stop after this step if a SIGTERM/SIGINT arrived (in any process: all processes

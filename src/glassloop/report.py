@@ -105,11 +105,12 @@ def write_report(
         axis.scatter(true, predicted, s=8, alpha=0.5)
         low, high = float(min(true.min(), predicted.min())), float(max(true.max(), predicted.max()))
         axis.plot([low, high], [low, high], linestyle="--", color="gray")  # perfect predictions
-        axis.set(xlabel="true", ylabel="predicted", title="predicted vs true (validation)")
+        samples = f"{len(true):,} validation samples"
+        axis.set(xlabel="true", ylabel="predicted", title=f"predicted vs true ({samples})")
         figure.tight_layout()
         figure.savefig(out / "predicted_vs_true.png", dpi=100)
         plt.close(figure)
-        images.append(("predicted_vs_true.png", "predicted vs true"))
+        images.append(("predicted_vs_true.png", f"predicted vs true, {samples}"))
     index = out / "index.html"
     index.write_text(_html(run_dir, rows, images, report_text), encoding="utf-8")
     return index

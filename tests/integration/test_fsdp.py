@@ -198,3 +198,28 @@ def test_each_process_predicts_its_own_data_with_a_sharded_model(tmp_path: Path)
         assert saved["probs"].shape == (rows, 3)  # no padding forward's rows among them
         expected = torch.softmax(model(saved["inputs"]), dim=1)
         assert torch.allclose(saved["probs"], expected, atol=1e-6)
+
+
+def plotted_samples(cwd: Path, sets: list[str], *args: str) -> str:
+    """Train a regression; how many validation samples its predicted-vs-true plot shows."""
+    run = f"run-{len(list(cwd.glob('run-*')))}"
+    done = subprocess.run(
+        [sys.executable, "-m", "glassloop", "train", *[f"--set={s}" for s in sets], *args,
+         "--run-dir", run],
+        cwd=cwd, capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    page = (cwd / run / "report" / "index.html").read_text()
+    return page.split("predicted vs true, ")[1].split(" validation samples")[0]
+
+
+def test_a_regression_plot_has_every_processs_validation_samples(tmp_path: Path) -> None:
+    from test_cli_tasks import REGRESSION, diabetes_csv
+
+    table = diabetes_csv(tmp_path / "diabetes.csv")
+    sets = [f"data.path={table}", *REGRESSION, "train.epochs=1", "train.dist_timeout_s=30"]
+    everything = plotted_samples(tmp_path, sets)
+    assert int(everything) > 80  # diabetes: 442 rows, a fifth for validation
+    # Each of two processes holds half of the validation set; the plot has all of it.
+    assert plotted_samples(tmp_path, sets, "--nproc", "2") == everything
+    assert plotted_samples(tmp_path, [*sets, "train.strategy=fsdp"], "--nproc", "2") == everything
