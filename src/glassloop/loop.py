@@ -578,6 +578,12 @@ class Trainer:
 
     def _log_step(self, loss: torch.Tensor) -> None:
         value = loss.item()  # a host sync, only every log_every steps
+        if self.world.distributed:
+            # Each process's step loss is its samples' share of the whole window's (times the
+            # number of processes, see _window): their sum over processes, divided by that
+            # number, is the loss of every sample of the step, as one process would log it.
+            total = all_reduce(loss.detach().float().cpu().reshape(1))
+            value = float(total) / self.world.size
         self.console.log_step(value, sum(self.record.sizes))
         norm = self.last_grad_norm
         self.run_log.write_step(

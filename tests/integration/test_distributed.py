@@ -56,6 +56,11 @@ def last_epoch(run: Path) -> dict[str, float]:
     return [row for row in rows if row["kind"] == "epoch"][-1]
 
 
+def step_rows(run: Path) -> list[dict[str, float]]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if row["kind"] == "step"]
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("ddp")
@@ -81,6 +86,11 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(workdir: Pat
     assert ra["val_loss"] == pytest.approx(rb["val_loss"], abs=1e-6)
     assert ra["samples"] == rb["samples"] == 1280
     assert not (workdir / "two" / "checkpoints" / ".tmp").exists()
+    # A step row's loss is the whole step's (every process's samples), as one process logs it.
+    sa, sb = step_rows(workdir / "one"), step_rows(workdir / "two")
+    assert [r["step"] for r in sa] == [r["step"] for r in sb] and sa
+    for a, b in zip(sa, sb, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 
 
 def test_two_processes_with_accumulation_equal_one_process(workdir: Path) -> None:
