@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import weakref
 from dataclasses import dataclass
@@ -152,6 +153,29 @@ def barrier() -> None:
         dist.barrier()
 
 
+# The FSDP-sharded models this process made (weakly held), for release_sharded().
+_SHARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def track_sharded(model: nn.Module) -> None:
+    _SHARDED.add(model)
+
+
+def release_sharded() -> None:
+    """Drop the FSDP state of the sharded models still alive (their parameter groups hold
+    the process group): left to the interpreter's teardown, a script that trained with FSDP
+    under torchrun aborted after its last line about one exit in seven ("terminate called
+    without an active exception", exit code -6: the job failed). A sharded model is not
+    usable after this, which at exit no one needs."""
+    from torch.distributed._composable.contract import STATE_KEY
+
+    for model in list(_SHARDED):
+        for module in model.modules():
+            module.__dict__.pop(STATE_KEY, None)
+    _SHARDED.clear()
+    gc.collect()  # (the states reference each other: free them now, not at teardown)
+
+
 def shutdown() -> None:
     """Leave the process group together: a barrier first, so no process tears down its
     connections while another still uses them (gloo aborts the process otherwise). Then
@@ -167,4 +191,5 @@ def shutdown() -> None:
                 for name in ("reducer", "process_group", "logger"):
                     ddp.__dict__.pop(name, None)
             _WRAPPED.clear()
+            release_sharded()
             dist.destroy_process_group()

@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from glassloop.batch import required_inputs, split_batch, split_inputs
 from glassloop.device import move_to_device
-from glassloop.distributed import World, all_reduce, distributed_job
+from glassloop.distributed import World, all_reduce, distributed_job, track_sharded
 from glassloop.errors import CheckpointError, ConfigError, DataError
 
 MODEL = "model."  # key prefixes in a checkpoint's shards/ folder
@@ -123,6 +123,7 @@ def shard_model(
     for unit in reversed(units(model)):  # inner blocks (nested lists) before the outer ones
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    track_sharded(model)  # its FSDP state is released at exit (distributed.shutdown)
     sharded = dict(model.named_parameters())
     for group in optimizer.param_groups:
         group["params"] = [sharded[names[id(p)]] for p in group["params"]]

@@ -610,9 +610,8 @@ class Trainer:
     def _predicted_vs_true(self, loader: Iterable[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """A regression's validation outputs and targets, of every process's shard (a
         collective with several processes: gathered in rank order)."""
-        if fsdp.is_sharded(self.model):  # every process runs as many (collective) forwards
-            count = len(loader) if isinstance(loader, Sized) else 0
-            loader = fsdp.even_batches(loader, count, self.model, self.device, False)
+        if fsdp.is_sharded(self.model) and isinstance(loader, Sized):
+            loader = self._evenly(loader, len(loader))
         with autocast(self.precision, self.device):
             outputs, targets = predictions_and_targets(self.eval_model, loader, self.device)
         if not self.world.distributed:
@@ -763,7 +762,11 @@ class Trainer:
 
     def evaluate(self, loader: Iterable[Any]) -> dict[str, Any]:
         """The loss (mean over samples) and the task's metrics (:func:`glassloop.evaluate`),
-        plus ``metrics``. Override it to add your own: returned numbers become ``val_*``."""
+        plus ``metrics``. Override it to add your own: returned numbers become ``val_*``.
+        In a multi-process FSDP job every process calls it with its shard (a loader with a
+        ``len()``: shards may differ by a batch)."""
+        if fsdp.is_sharded(self.model) and isinstance(loader, Sized):
+            loader = self._evenly(loader, len(loader))
         with autocast(self.precision, self.device):
             return evaluate(
                 self.eval_model, self.console.validation(loader), self.loss_fn,
@@ -771,21 +774,24 @@ class Trainer:
                 ignore_index=self.ignore_index, metrics=self.metrics,
             )  # fmt: skip
 
+    def _evenly(self, loader: Iterable[Any], count: int) -> Iterable[Any]:
+        """FSDP: ``loader``'s ``count`` batches, then forwards of the last one until every
+        process has run as many (each forward is a collective; :func:`fsdp.even_batches`)."""
+        own = self.loss_fn is None
+        return fsdp.even_batches(loader, count, self.model, self.device, own)
+
     def _validate(self, loader: Iterable[Any]) -> dict[str, Any]:
         """:meth:`evaluate` between the validation hooks of the callbacks."""
         for callback in self.callbacks:
             callback.on_validation_start(self)
-        count = len(loader) if isinstance(loader, Sized) else None
         if self.limit_batches:
+            count = min(len(loader), self.limit_batches) if isinstance(loader, Sized) else None
             loader = itertools.islice(loader, self.limit_batches)
-            count = min(count, self.limit_batches) if count is not None else None
-        if fsdp.is_sharded(self.model):  # every process runs as many (collective) forwards
-            if count is None:
-                raise DataError(
-                    "data: with train.strategy = 'fsdp' the validation loader needs a len()"
-                )
-            own = self.loss_fn is None
-            loader = fsdp.even_batches(loader, count, self.model, self.device, own)
+            if fsdp.is_sharded(self.model):  # (evaluate cannot count an islice)
+                if count is None:
+                    raise DataError("data: with train.strategy = 'fsdp' the validation "
+                                    "loader needs a len()")  # fmt: skip
+                loader = self._evenly(loader, count)
         metrics = self.evaluate(loader)
         for callback in self.callbacks:
             callback.on_validation_end(self, metrics)

@@ -178,10 +178,17 @@ inputs = torch.randn(700 if world.rank == 0 else 10, 6,
                      generator=torch.Generator().manual_seed(world.rank))
 probs = trainer.predict(inputs, batch_size=256)
 save_file({"inputs": inputs, "probs": probs}, f"{sys.argv[1]}/probs-{world.rank}.safetensors")
+# Evaluating 101 samples in batches of 10, rank::2: rank 0 has 6 batches, rank 1 has 5.
+xv, yv = torch.randn(101, 6, generator=torch.Generator().manual_seed(7)), torch.arange(101) % 3
+shard = make_loader((xv, yv), batch_size=10, shuffle=False, world=world, shard="strided")
+loss = trainer.evaluate(shard)["loss"]
+save_file({"x": xv, "y": yv, "loss": torch.tensor([loss])}, f"{sys.argv[1]}/eval.safetensors")
 """
 
 
-def test_each_process_predicts_its_own_data_with_a_sharded_model(tmp_path: Path) -> None:
+def test_each_process_predicts_and_evaluates_its_own_data_with_a_sharded_model(
+    tmp_path: Path,
+) -> None:
     (tmp_path / "predict.py").write_text(PREDICT)
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -198,6 +205,11 @@ def test_each_process_predicts_its_own_data_with_a_sharded_model(tmp_path: Path)
         assert saved["probs"].shape == (rows, 3)  # no padding forward's rows among them
         expected = torch.softmax(model(saved["inputs"]), dim=1)
         assert torch.allclose(saved["probs"], expected, atol=1e-6)
+    # trainer.evaluate on uneven shards: the loss of all 101 samples, as one process has it.
+    evaluated = load_file(tmp_path / "run" / "eval.safetensors")
+    with torch.no_grad():
+        whole = torch.nn.functional.cross_entropy(model(evaluated["x"]), evaluated["y"])
+    assert float(evaluated["loss"]) == pytest.approx(whole.item(), rel=1e-5)
 
 
 def plotted_samples(cwd: Path, sets: list[str], *args: str) -> str:
