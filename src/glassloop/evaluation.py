@@ -14,6 +14,7 @@ from glassloop.batch import batch_size_of, required_inputs, split_batch, split_i
 from glassloop.device import move_to_device
 from glassloop.distributed import distributed_job
 from glassloop.errors import DataError
+from glassloop.fsdp import evenly
 from glassloop.metric_names import check_metric_name, make_metric
 from glassloop.metrics import ClassificationSums, MultilabelSums, RegressionSums
 from glassloop.tasks import (
@@ -79,7 +80,8 @@ def evaluate(
     model.eval()  # dropout off, batch-norm uses its running statistics
     try:
         with torch.no_grad():
-            for batch in loader:
+            # (FSDP: every process runs as many forwards, each a collective)
+            for batch in evenly(model, loader, device, own_loss=own_loss):
                 inputs, target = split_batch(
                     move_to_device(batch, device), labels_to_model=own_loss
                 )
@@ -250,7 +252,7 @@ def predictions_and_targets(
     outputs, targets = [], []
     try:
         with torch.inference_mode():
-            for batch in loader:
+            for batch in evenly(model, loader, device):
                 inputs, target = split_batch(move_to_device(batch, device))
                 outputs.append(prediction_of(model(*inputs[0], **inputs[1])).float().cpu())
                 targets.append(torch.as_tensor(target).float().cpu())
@@ -294,7 +296,7 @@ def predict(
     outputs: list[torch.Tensor] = []
     try:
         with torch.inference_mode():
-            for batch in batches:
+            for batch in evenly(model, batches, device, predicting=True):
                 args, kwargs = split_inputs(move_to_device(batch, device), positional)
                 output = model(*args, **kwargs)
                 outputs.append(activate(task, prediction_of(output), classes).cpu())

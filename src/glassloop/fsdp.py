@@ -285,13 +285,30 @@ def read_full_weights(directory: Path) -> dict[str, torch.Tensor]:
             if key.startswith(MODEL) and isinstance(entry, TensorStorageMetadata)
         }
         with quiet_single_process():
-            dcp_load(tensors, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=True)
+            dcp_load(tensors, storage_reader=reader, no_dist=True)
     except Exception as err:
         raise CheckpointError(
             f"checkpoint: cannot gather the weights in '{directory}': "
             f"{str(err).splitlines()[0][:300]}"
         ) from err
     return {key[len(MODEL) :]: tensor for key, tensor in tensors.items()}
+
+
+def evenly(
+    model: nn.Module, batches: Iterable[Any], device: torch.device, *, own_loss: bool = False,
+    predicting: bool = False,
+) -> Iterable[Any]:  # fmt: skip
+    """``batches`` as they are, or, for a sharded model, through :func:`even_batches` (when
+    they can be counted: an uncounted iterable is the caller's to even out, as
+    ``Trainer._validate`` does for ``limit_batches``). What the evaluation and prediction
+    loops of :mod:`glassloop.evaluation` run the model over."""
+    if not isinstance(model, FSDPModule):
+        return batches
+    try:
+        count = len(batches)  # type: ignore[arg-type]
+    except TypeError:  # no len() (a generator; tqdm over one)
+        return batches
+    return even_batches(batches, count, model, device, own_loss, predicting=predicting)
 
 
 def even_batches(

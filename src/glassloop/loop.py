@@ -610,8 +610,6 @@ class Trainer:
     def _predicted_vs_true(self, loader: Iterable[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """A regression's validation outputs and targets, of every process's shard (a
         collective with several processes: gathered in rank order)."""
-        if fsdp.is_sharded(self.model) and isinstance(loader, Sized):
-            loader = self._evenly(loader, len(loader))
         with autocast(self.precision, self.device):
             outputs, targets = predictions_and_targets(self.eval_model, loader, self.device)
         if not self.world.distributed:
@@ -765,20 +763,12 @@ class Trainer:
         plus ``metrics``. Override it to add your own: returned numbers become ``val_*``.
         In a multi-process FSDP job every process calls it with its shard (a loader with a
         ``len()``: shards may differ by a batch)."""
-        if fsdp.is_sharded(self.model) and isinstance(loader, Sized):
-            loader = self._evenly(loader, len(loader))
         with autocast(self.precision, self.device):
             return evaluate(
                 self.eval_model, self.console.validation(loader), self.loss_fn,
                 task=self.task, device=self.device,
                 ignore_index=self.ignore_index, metrics=self.metrics,
             )  # fmt: skip
-
-    def _evenly(self, loader: Iterable[Any], count: int) -> Iterable[Any]:
-        """FSDP: ``loader``'s ``count`` batches, then forwards of the last one until every
-        process has run as many (each forward is a collective; :func:`fsdp.even_batches`)."""
-        own = self.loss_fn is None
-        return fsdp.even_batches(loader, count, self.model, self.device, own)
 
     def _validate(self, loader: Iterable[Any]) -> dict[str, Any]:
         """:meth:`evaluate` between the validation hooks of the callbacks."""
@@ -791,7 +781,8 @@ class Trainer:
                 if count is None:
                     raise DataError("data: with train.strategy = 'fsdp' the validation "
                                     "loader needs a len()")  # fmt: skip
-                loader = self._evenly(loader, count)
+                own = self.loss_fn is None
+                loader = fsdp.even_batches(loader, count, self.model, self.device, own)
         metrics = self.evaluate(loader)
         for callback in self.callbacks:
             callback.on_validation_end(self, metrics)
@@ -816,14 +807,9 @@ class Trainer:
         """What the task means by a prediction (softmax or sigmoid probabilities, or the
         outputs as they are; :func:`glassloop.predict`), on the CPU, under inference mode.
         In a multi-process FSDP job every process calls it, each with its own data."""
-        if fsdp.is_sharded(self.model):  # every process runs as many (collective) forwards
-            if isinstance(data, torch.Tensor):
-                data = list(torch.split(data, batch_size))
-            if not isinstance(data, Sized):
-                raise DataError("data: with train.strategy = 'fsdp', predict needs a len()")
-            data = fsdp.even_batches(
-                data, len(data), self.model, self.device, False, predicting=True
-            )
+        # (FSDP: glassloop.predict evens out the processes' batch counts, which needs a len())
+        if fsdp.is_sharded(self.model) and not isinstance(data, (torch.Tensor, Sized)):
+            raise DataError("data: with train.strategy = 'fsdp', predict needs a len()")
         with autocast(self.precision, self.device):
             return predict(
                 self.eval_model, data, task=self.task, batch_size=batch_size,
