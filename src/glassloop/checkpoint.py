@@ -28,9 +28,7 @@ import json
 import math
 import os
 import re
-import shutil
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,17 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from glassloop.atomic import (
+    NOFOLLOW,
+    ForeignPathError,
+    atomic_path,
+    fsync_dir,
+    fsync_file,
+    own_dir,
+    refuse_link,
+    remove_tree,
+    replace_own,
+)
 from glassloop.errors import CheckpointError as CheckpointError  # re-exported: its old home
 from glassloop.errors import CheckpointWriteError as CheckpointWriteError
 from glassloop.rng import check_rng_state
@@ -97,45 +106,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         if not isinstance(inner, nn.Module):
             return model
         model = inner
-
-
-# ------------------------------------------------------------------------ durable file writes
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable (no-op where directories cannot be opened)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
-    with path.open("rb+") as handle:
-        os.fsync(handle.fileno())
-
-
-@contextlib.contextmanager
-def atomic_path(target: Path) -> Iterator[Path]:
-    """Yield a temporary path next to ``target``; on success fsync it and rename it into
-    place, so a reader sees the old file or the new one, never half of one.
-
-    >>> import tempfile
-    >>> d = Path(tempfile.mkdtemp())
-    >>> with atomic_path(d / "x.txt") as tmp: _ = tmp.write_text("hi")
-    >>> (d / "x.txt").read_text()
-    'hi'
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        yield tmp
-        fsync_file(tmp)
-        os.replace(tmp, target)
-        fsync_dir(target.parent)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -455,12 +425,15 @@ def step_dirs(run_dir: Path) -> list[Path]:
     found = [
         p
         for p in root.iterdir()
-        if STEP_DIR.match(p.name)
-        and p.is_dir()
-        and not p.is_symlink()
-        and any((p / name).exists() for name in (MARKER, "manifest.json", *FILES))
+        if STEP_DIR.match(p.name) and p.is_dir() and not p.is_symlink() and _looks_ours(p)
     ]
     return sorted(found, key=lambda p: p.name)
+
+
+def _looks_ours(path: Path) -> bool:
+    """A folder glassloop wrote, committed or damaged: it holds the marker, a manifest or
+    one of the checkpoint files."""
+    return any(os.path.lexists(path / name) for name in (MARKER, "manifest.json", *FILES))
 
 
 def _ours(path: Path) -> bool:
@@ -501,7 +474,7 @@ def clean_temporaries(run_dir: Path) -> list[Path]:
             if not found or not path.is_dir() or not _marked(path):
                 continue
             original = root / found.group(2)
-            if found.group(1) == "old" and not original.exists() and _ours(path):
+            if found.group(1) == "old" and not os.path.lexists(original) and _ours(path):
                 os.replace(path, original)  # a replace was cut between its renames: undo
             else:
                 remove_marked(path)
@@ -515,17 +488,10 @@ def _marked(path: Path) -> bool:
 
 
 def remove_marked(path: Path) -> None:
-    """Delete a flat directory glassloop created, its marker last, so that a kill half-way
-    leaves a directory that :func:`clean_temporaries` still recognises."""
-    for entry in path.iterdir():
-        if entry.name == MARKER:
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-    (path / MARKER).unlink(missing_ok=True)
-    path.rmdir()
+    """Delete a directory glassloop created, its marker last, so that a kill half-way
+    leaves a directory that :func:`clean_temporaries` still recognises (never through a
+    link: :func:`glassloop.atomic.remove_tree`)."""
+    remove_tree(path, last=MARKER)
 
 
 def all_finite(model: nn.Module) -> bool:
@@ -543,10 +509,16 @@ def staging_dir(target: Path, owner: int) -> Path:
 
 def begin_staging(tmp: Path) -> None:
     """An empty staging directory, marked as glassloop's (see :func:`clean_temporaries`)."""
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    if os.path.lexists(refuse_link(tmp)):  # our exact name and pid: a leftover of ours
+        remove_tree(tmp)
     tmp.mkdir(parents=True)
-    (tmp / MARKER).touch()  # says "glassloop made this" to clean_temporaries
+    mark(tmp)  # says "glassloop made this" to clean_temporaries
+
+
+def mark(folder: Path) -> None:
+    """Put glassloop's marker into ``folder`` (never through a link of that name)."""
+    marker = refuse_link(folder / MARKER)
+    os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | NOFOLLOW, 0o644))
 
 
 def write_checkpoint_dir(
@@ -585,19 +557,39 @@ def write_checkpoint_dir(
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         fsync_file(tmp / "manifest.json")
         fsync_dir(tmp)
-        if target.exists():  # replacing: swap with two renames (undone at start if cut)
-            old = target.parent / f"{OLD_PREFIX}{target.name}-{os.getpid()}"
-            (target / MARKER).touch()
-            os.replace(target, old)
-            os.replace(tmp, target)
-            remove_marked(old)
-        else:
-            os.replace(tmp, target)
-        fsync_dir(target.parent)
+        commit_dir(tmp, target)
     except BaseException:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ForeignPathError):
             remove_marked(tmp)
         raise
+
+
+def commit_dir(tmp: Path, target: Path) -> None:
+    """Rename the staged folder ``tmp`` to ``target``. An existing ``target`` must be a folder
+    glassloop wrote (a checkpoint of the same step, ``best/``): it is swapped out with two
+    renames (a cut between them is undone at the next start) and removed after. A link or
+    a folder of someone else's there is refused and left as it is."""
+    if not os.path.lexists(refuse_link(target)):
+        replace_own(tmp, target)
+    elif not (target.is_dir() and _looks_ours(target)):
+        raise ForeignPathError(
+            f"checkpoint: '{target}' exists and is not a checkpoint glassloop wrote; "
+            "glassloop left it untouched: move it away, or choose another run directory"
+        )
+    else:
+        old = target.parent / f"{OLD_PREFIX}{target.name}-{os.getpid()}"
+        mark(target)
+        replace_own(target, old)
+        try:
+            replace_own(tmp, target)
+        except BaseException:
+            os.replace(old, target)  # put the previous one back before reporting
+            raise
+        # Committed: a failure to remove the previous one leaves a marked ".old-" folder
+        # that the next start removes.
+        with contextlib.suppress(OSError):
+            remove_marked(old)
+    fsync_dir(target.parent)
 
 
 def weights_metadata(model_spec: Any) -> dict[str, str]:
@@ -642,7 +634,7 @@ def save_checkpoint(
     if model is not None and not all_finite(model):
         raise not_finite(meta["step"], last_text)
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        own_dir(root)
         weights = weights_dict(model) if model is not None else None
         write_checkpoint_dir(target, weights, state, meta, staged=staged)
         with atomic_path(root / LATEST) as tmp:
@@ -691,10 +683,16 @@ def prune(run_dir: Path, keep_last: int) -> list[Path]:
         if path not in keep and path != latest:
             # Renamed out of the way first: a kill half-way through the deletion leaves a
             # ".trash-" directory that the next start removes, never a damaged step folder.
-            (path / MARKER).touch()
             trash = path.parent / f"{TRASH_PREFIX}{path.name}-{os.getpid()}"
-            os.replace(path, trash)
-            remove_marked(trash)
+            try:
+                mark(path)
+                replace_own(path, trash)
+                remove_marked(trash)
+            except OSError as err:
+                raise CheckpointWriteError(
+                    f"checkpoint: could not remove the old checkpoint '{path}': "
+                    f"{err.strerror or err}; the newer checkpoints are intact"
+                ) from err
             removed.append(path)
     return removed
 

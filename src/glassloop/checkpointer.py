@@ -160,6 +160,8 @@ class Checkpointer:
                 begin_staging(staged)
             except OSError as err:
                 failure = write_failure(target, err)
+            except GlassloopError as err:  # a link in its place: refused
+                failure = err
         self._agree(failure, target)
         try:
             shards.save(staged / SHARDS)  # a collective: each process writes its own file

@@ -130,9 +130,13 @@ def distributed_job() -> bool:
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """In-place sum (or max/min) across processes; returns ``tensor``. No-op in one process."""
+    """The sum (or max/min) of ``tensor`` across processes, as a new tensor; ``tensor`` itself
+    is never changed (``.cpu()``/``.float()``/``reshape`` of a CPU tensor share its storage:
+    reducing in place once doubled the step losses a two-process epoch averages). ``tensor``
+    as it is in one process."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        tensor = tensor.clone()
         dist.all_reduce(tensor, op=ops[op])
     return tensor
 

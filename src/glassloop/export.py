@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from glassloop.atomic import atomic_path
 from glassloop.checkpoint import (
     CheckpointError,
-    atomic_path,
     check_fit,
     find_resumable,
     load_checked,

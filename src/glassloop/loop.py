@@ -657,15 +657,18 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """Everything but the weights that an exact resume needs (see :mod:`checkpoint`)."""
         parts = self.stateful().items()
+        loader = self._train_loader
         return {
             **{name: part.state_dict() if part is not None else None for name, part in parts},
             **self.record.state_dict(),  # the epoch's losses so far, its RNG, the history
             "callbacks": [
                 cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.callbacks
             ],
-            "rng": capture_rng_state(),
+            "rng": capture_rng_state(loader),
             # Every process's RNG (dropout masks differ per process); a collective call.
-            "rng_per_rank": gather_objects(capture_rng_state()) if self.world.distributed else None,
+            "rng_per_rank": (
+                gather_objects(capture_rng_state(loader)) if self.world.distributed else None
+            ),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -681,7 +684,9 @@ class Trainer:
         per_rank = state.get("rng_per_rank") or []
         # (A resharded FSDP resume has another number of processes: rank 0's RNG for all.)
         same_world = len(per_rank) == self.world.size
-        restore_rng_state(per_rank[self.world.rank] if same_world else state["rng"])
+        restore_rng_state(
+            per_rank[self.world.rank] if same_world else state["rng"], self._train_loader
+        )
 
     def checkpoint_meta(self, *, finished: bool = False) -> dict[str, Any]:
         """meta.json of a checkpoint: where the run stands, its config, what ran it."""

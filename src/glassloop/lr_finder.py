@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from glassloop.atomic import atomic_path
 from glassloop.batch import split_batch
 from glassloop.checkpoint import unwrap_model
 from glassloop.device import move_to_device
@@ -47,7 +48,6 @@ class LRFind:
         from matplotlib import pyplot as plt
 
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         figure, axis = plt.subplots(figsize=(6, 4))
         axis.plot(self.lrs, self.losses)
         axis.axvline(self.suggestion, linestyle="--", color="gray")
@@ -56,7 +56,8 @@ class LRFind:
             title=f"LR range test: suggested {self.suggestion:.1e}",
         )  # fmt: skip
         figure.tight_layout()
-        figure.savefig(path, dpi=100)
+        with atomic_path(path) as tmp:
+            figure.savefig(tmp, dpi=100, format="png")
         plt.close(figure)
         return path
 

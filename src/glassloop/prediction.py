@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from glassloop.atomic import atomic_path, open_own
 from glassloop.data.collate import pad_collate
 from glassloop.data.datasets import load_arrays
 from glassloop.data.files import IMAGE_SUFFIXES
@@ -247,7 +248,7 @@ def write_predictions(predictions: list[Prediction], path: Path) -> None:
     """CSV: input, rank, class, probability (one row per input and rank; for a regression:
     input, rank (the output's position), output, value)."""
     values = bool(predictions) and predictions[0].values
-    with path.open("w", newline="", encoding="utf-8") as handle:
+    with atomic_path(path) as tmp, open_own(tmp, "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
         writer.writerow(["input", "rank", "output", "value"] if values else
                         ["input", "rank", "class", "probability"])  # fmt: skip

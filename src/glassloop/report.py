@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from glassloop.atomic import atomic_path, own_dir
 from glassloop.errors import GlassloopError
 
 if TYPE_CHECKING:
@@ -36,8 +37,13 @@ def write_report(
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         raise GlassloopError(f"report: '{run_dir}' is not a run directory (no metrics.jsonl)")
-    out = run_dir / "report"
-    out.mkdir(exist_ok=True)
+    out = own_dir(run_dir / "report")
+
+    def save(figure: Any, name: str) -> None:  # (never through a link of that name)
+        with atomic_path(out / name) as tmp:
+            figure.savefig(tmp, dpi=100, format="png")
+        plt.close(figure)
+
     rows = read_epochs(run_dir)
     epochs = [r["epoch"] for r in rows]
     images: list[tuple[str, str]] = []
@@ -48,8 +54,7 @@ def write_report(
         axis.set(xlabel="optimizer step", ylabel="loss", title="training loss per step")
         axis.grid(alpha=0.3)
         figure.tight_layout()
-        figure.savefig(out / "step_loss.png", dpi=100)
-        plt.close(figure)
+        save(figure, "step_loss.png")
     # One plot per metric: the losses together, then each validation metric (accuracy,
     # r2, mae, ... whatever the task and the callbacks wrote), then the learning rate.
     metrics = sorted({k for r in rows for k in r if k.startswith("val_") and k != "val_loss"})
@@ -72,8 +77,7 @@ def write_report(
         axis.legend()
         axis.grid(alpha=0.3)
         figure.tight_layout()
-        figure.savefig(out / name, dpi=100)
-        plt.close(figure)
+        save(figure, name)
         images.append((name, title))
         if name == "loss.png" and len(steps) > 1:
             images.append(("step_loss.png", "training loss per step"))
@@ -94,11 +98,11 @@ def write_report(
                 colour = "white" if count > top / 2 else "black"
                 axis.text(j, i, str(count), ha="center", va="center", color=colour, fontsize=8)
         figure.tight_layout()
-        figure.savefig(out / "confusion.png", dpi=100)
-        plt.close(figure)
+        save(figure, "confusion.png")
         images.append(("confusion.png", "confusion matrix"))
         report_text = format_report(evaluation["report"], evaluation["accuracy"], names)
-        (out / "classification_report.txt").write_text(report_text + "\n", encoding="utf-8")
+        with atomic_path(out / "classification_report.txt") as tmp:
+            tmp.write_text(report_text + "\n", encoding="utf-8")
     if predicted_vs_true is not None:
         predicted, true = (t.detach().float().flatten().cpu() for t in predicted_vs_true)
         figure, axis = plt.subplots(figsize=(5, 5))
@@ -108,11 +112,11 @@ def write_report(
         samples = f"{len(true):,} validation samples"
         axis.set(xlabel="true", ylabel="predicted", title=f"predicted vs true ({samples})")
         figure.tight_layout()
-        figure.savefig(out / "predicted_vs_true.png", dpi=100)
-        plt.close(figure)
+        save(figure, "predicted_vs_true.png")
         images.append(("predicted_vs_true.png", f"predicted vs true, {samples}"))
     index = out / "index.html"
-    index.write_text(_html(run_dir, rows, images, report_text), encoding="utf-8")
+    with atomic_path(index) as tmp:
+        tmp.write_text(_html(run_dir, rows, images, report_text), encoding="utf-8")
     return index
 
 

@@ -26,8 +26,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """Return the state of every global RNG the loop may draw from (dropout, shuffling)."""
+def capture_rng_state(loader: Any = None) -> dict[str, Any]:
+    """Return the state of every global RNG the loop may draw from (dropout, shuffling) and,
+    with ``loader``, of the generators that loader draws its order from
+    (``DataLoader(generator=g)``): a resumed process builds its loader and generator afresh,
+    and the generator must go on from where the checkpointed one stood, or the resumed
+    epochs repeat the first epochs' orders."""
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -35,16 +39,22 @@ def capture_rng_state() -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    if loader is not None:
+        state["loader"] = [g.get_state() for g in loader_generators(loader)]
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Put back what :func:`capture_rng_state` returned."""
+def restore_rng_state(state: dict[str, Any], loader: Any = None) -> None:
+    """Put back what :func:`capture_rng_state` returned (into ``loader``'s generators too)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    if loader is not None:
+        saved = state.get("loader", [])  # (older checkpoints have none)
+        for generator, value in zip(loader_generators(loader), saved, strict=False):
+            generator.set_state(value)
 
 
 def check_rng_state(state: dict[str, Any]) -> None:
@@ -60,7 +70,8 @@ def check_rng_state(state: dict[str, Any]) -> None:
     """
     random.Random().setstate(state["python"])
     np.random.RandomState().set_state(state["numpy"])
-    torch.Generator().set_state(state["torch"])
+    for saved in [state["torch"], *state.get("loader", [])]:
+        torch.Generator().set_state(saved)
     cuda = state.get("cuda")
     if cuda is not None and not all(
         isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from types import TracebackType
 
+from glassloop.atomic import NOFOLLOW, refuse_link
 from glassloop.errors import GlassloopError
 
 LOCK_NAME = ".lock"
@@ -42,7 +43,7 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(refuse_link(self.path), os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:

@@ -19,7 +19,12 @@ import torch
 from torch import nn
 
 import glassloop.fsdp as fsdp
+from glassloop.atomic import ForeignPathError, own_dir
 from glassloop.checkpoint import (
+    BEST,
+    CHECKPOINTS,
+    LATEST,
+    STEP_DIR,
     CheckpointError,
     CheckpointWriteError,
     clean_temporaries,
@@ -79,6 +84,7 @@ class RunLog:
         assert self.run_dir is not None
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise GlassloopError(f"run: '{self.run_dir}' is a file, not a run directory")
+        refuse_links(self.run_dir)  # before anything, the lock included, is written
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             lock = RunLock(self.run_dir)
@@ -121,7 +127,7 @@ class RunLog:
         except OSError as err:
             raise write_failure(self.run_dir, err) from err
         if self.tensorboard:
-            self._sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
+            self._sinks.append(TensorBoardSink(own_dir(self.run_dir / "tensorboard")))
         self._tracker = make_tracker(self.tracking)
         if self._tracker is not None:
             self._tracker.start(self.run_dir, config, resume=not fresh)
@@ -262,6 +268,34 @@ class RunLog:
         except OSError as err:
             raise write_failure(self.run_dir, err) from err
         return missing
+
+
+# What glassloop writes in a run directory (checkpoints/ and report/ are checked inside too).
+OWN_NAMES = (
+    ".lock", "config.json", "run.json", "metrics.csv", "metrics.jsonl", "model.safetensors",
+    CHECKPOINTS, BEST, "report", "tensorboard", "tracking.json", "wandb",
+)  # fmt: skip
+
+
+def refuse_links(run_dir: Path) -> None:
+    """Stop before anything is written when a symbolic link sits where glassloop keeps its
+    own files (a checkpoint or ``best/`` linked to another disk, a prepared run directory):
+    glassloop never writes, replaces or deletes through one, so the run could not go on."""
+    found = [run_dir / name for name in OWN_NAMES if (run_dir / name).is_symlink()]
+    for folder, owned in ((run_dir / CHECKPOINTS, STEP_DIR.pattern), (run_dir / "report", "")):
+        if folder.is_dir() and not folder.is_symlink():
+            found += [
+                p for p in sorted(folder.iterdir())
+                if p.is_symlink() and (not owned or STEP_DIR.match(p.name) or p.name == LATEST)
+            ]  # fmt: skip
+    if found:
+        names = ", ".join(f"'{p}'" for p in found)
+        raise ForeignPathError(
+            f"run: {names} {'is a symbolic link' if len(found) == 1 else 'are symbolic links'}"
+            " where glassloop keeps its own files; glassloop never writes, replaces or deletes"
+            " through a link and left everything untouched: remove the link(s) (their targets"
+            " stay as they are), or choose another --run-dir"
+        )
 
 
 def _status(run_dir: Path) -> str | None:

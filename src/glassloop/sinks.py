@@ -16,6 +16,8 @@ from typing import IO, Any, Literal
 
 from tqdm import tqdm
 
+from glassloop.atomic import atomic_path, open_own
+
 ProgressMode = Literal["auto", "bar", "lines", "none"]
 
 
@@ -165,7 +167,7 @@ class JSONLSink:
     """One JSON object per line; non-finite floats are written as null (JSON has no NaN)."""
 
     def __init__(self, path: Path, *, fresh: bool = True) -> None:
-        self._file = path.open("w" if fresh else "a", encoding="utf-8")
+        self._file = open_own(path, "w" if fresh else "a", encoding="utf-8")
 
     def write(self, row: dict[str, Any]) -> None:
         clean = {
@@ -202,13 +204,14 @@ class CSVSink:
             if self.path.exists() and self.path.stat().st_size:
                 with self.path.open(encoding="utf-8", newline="") as handle:
                     rows = list(csv.DictReader(handle))
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            with tmp.open("w", encoding="utf-8", newline="") as handle:
+            with (
+                atomic_path(self.path) as tmp,
+                open_own(tmp, "w", encoding="utf-8", newline="") as handle,
+            ):
                 writer = csv.DictWriter(handle, fieldnames=self.fields, extrasaction="ignore")
                 writer.writeheader()
                 writer.writerows(rows)
-            tmp.replace(self.path)
-        self._file = self.path.open("a", encoding="utf-8", newline="")
+        self._file = open_own(self.path, "a", encoding="utf-8", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=self.fields, extrasaction="ignore")
 
     def write(self, row: dict[str, Any]) -> None:
@@ -274,9 +277,8 @@ def truncate_rows(run_dir: Path, max_step: int) -> None:
             kept = header + [
                 line for line, row in zip(rows, reader, strict=True) if _row_step(row) <= max_step
             ]
-        tmp = path.with_name(f".{name}.tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            tmp.write_text("".join(kept), encoding="utf-8")
 
 
 def _jsonl_step(line: str) -> int:

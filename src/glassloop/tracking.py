@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glassloop.atomic import atomic_path
 from glassloop.errors import ConfigError
 from glassloop.runs import read_json_object
 from glassloop.serialization import dotted
@@ -71,9 +72,8 @@ class Tracker:
         previous = str(saved["run_id"]) if saved.get("run_id") else None
         self.run_id = self._call(self._open, run_dir, dotted(params), previous)
         if self.run_id is not None and previous is None:
-            (run_dir / "tracking.json").write_text(
-                json.dumps({"backend": self.name, "run_id": self.run_id}), encoding="utf-8"
-            )
+            with atomic_path(run_dir / "tracking.json") as tmp:
+                tmp.write_text(json.dumps({"backend": self.name, "run_id": self.run_id}))
 
     def log(self, row: dict[str, Any]) -> None:
         """The numbers of a metrics row, at its optimizer step (a step row's as ``step/*``:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from glassloop.atomic import atomic_path
 from glassloop.config import DataConfig
 from glassloop.data.splits import Splits, from_arrays, stratified_split, target_values
 from glassloop.errors import DataError
@@ -72,10 +73,9 @@ def _cached(name: str, keys: tuple[str, ...], make: Any) -> dict[str, np.ndarray
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
             pass  # a damaged cache is rebuilt below
     arrays: dict[str, np.ndarray] = make()
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_name(f".{cached.name}.tmp-{os.getpid()}.npz")
-    np.savez(tmp, **arrays)  # type: ignore[arg-type]  # (numpy stubs: allow_pickle clash)
-    os.replace(tmp, cached)  # atomic: a concurrent run reads the old file or the new one
+    # Atomic: a concurrent run reads the old file or the new one.
+    with atomic_path(cached) as tmp, tmp.open("r+b") as handle:
+        np.savez(handle, **arrays)  # type: ignore[arg-type]  # (numpy stubs: allow_pickle)
     return arrays
 
 

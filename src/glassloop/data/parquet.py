@@ -23,7 +23,6 @@ in batches, no global RNG.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from glassloop.atomic import atomic_path, refuse_link
 from glassloop.data.lazy import channel_stats, probe_shape, read_image, stats_sample
 from glassloop.data.text import PAD, TextData, tokenizer_for
 from glassloop.errors import DataError
@@ -147,13 +147,15 @@ def arrow_copy(parquet: Path) -> Path:
     stat = parquet.stat()
     key = hashlib.sha256(f"{parquet.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     target = cache_dir() / "arrow" / f"{parquet.stem}-{key.hexdigest()[:16]}.arrow"
-    if target.is_file():
+    if refuse_link(target).is_file():  # (a link there is not our copy: never read or replaced)
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     source = _pyarrow().ParquetFile(parquet)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, source.schema_arrow) as out:
+        with (
+            atomic_path(target) as tmp,
+            pa.OSFile(str(tmp), "wb") as sink,
+            pa.ipc.new_file(sink, source.schema_arrow) as out,
+        ):
             # One row group at a time: iter_batches() over the whole file kept every decoded
             # page in Arrow's memory pool until the reader was gone (533 MB for 0.5 GB).
             for group in range(source.num_row_groups):
@@ -161,7 +163,6 @@ def arrow_copy(parquet: Path) -> Path:
     finally:
         source.close()
     pa.default_memory_pool().release_unused()  # give the conversion's buffers back
-    tmp.replace(target)
     return target
 
 
