@@ -104,12 +104,25 @@ class Predictor:
         return t
 
     def read_image(self, path: Path) -> np.ndarray:
+        """An image file's pixels in the raw units of the training data (what :meth:`prepare`
+        takes): pixels for image data sets, 0-16 for ``digits``. A model trained on arrays
+        with no known pixel scale (npz, csv) refuses images rather than guess one."""
         if len(self.input_shape) != 3:
             raise DataError(f"predict: '{path}' is an image but the model takes {self.input_shape}")
+        p = self.preprocessing
+        # (Weights written before "image_to_raw" existed: their scaled sources were images.)
+        to_raw = p.get("image_to_raw", 1.0 if "scale" in p else None)
+        if to_raw is None:
+            raise DataError(
+                f"predict: '{path}' is an image, but this model was trained on arrays that "
+                "glassloop did not read from images, so how its pixels map to the training "
+                "values is unknown; convert the image as the training data was converted and "
+                "pass a .npy file"
+            )
         channels, height, width = self.input_shape
         with open_image(path, "predict") as opened:
             image = opened.convert("L" if channels == 1 else "RGB").resize((width, height))
-        pixels = np.asarray(image, dtype=np.float32)
+        pixels = np.asarray(image, dtype=np.float32) * np.float32(to_raw)
         return pixels.reshape(height, width, channels).transpose(2, 0, 1)
 
     def read_csv(self, path: Path) -> tuple[np.ndarray, list[str]]:
@@ -145,8 +158,8 @@ class Predictor:
             mean = float(prepared[index].float().mean())
             self.warnings.append(
                 f"warning: {name} is far from the training data (mean {mean:.2f} after the "
-                "training normalisation, which puts the training inputs near 0): the "
-                "prediction is unreliable (inverted colours? other units?)"
+                f"training preprocessing; {self._usual_mean()}): the prediction is "
+                "unreliable (inverted colours? other units?)"
             )
         classes = int(self.spec["num_classes"])
         return predict_probs(self.model, prepared, task=self.task, classes=classes)
@@ -154,11 +167,25 @@ class Predictor:
     def unusual(self, prepared: torch.Tensor) -> list[int]:
         """Inputs whose mean, after the training split's standardisation, is more than
         ``UNUSUAL_MEAN`` from 0 (training inputs average 0 there; an inverted MNIST digit
-        averages about 2.4)."""
-        if "mean" not in self.preprocessing or not prepared.is_floating_point():
+        averages about 2.4); for data that is not standardised, whose mean lies outside the
+        range of the training inputs' means by more than half that range."""
+        if not prepared.is_floating_point() or not len(prepared):
             return []
         means = prepared.reshape(len(prepared), -1).mean(dim=1)
-        return (means.abs() > UNUSUAL_MEAN).nonzero().flatten().tolist()
+        if "mean" in self.preprocessing:
+            return (means.abs() > UNUSUAL_MEAN).nonzero().flatten().tolist()
+        if "example_means" not in self.preprocessing:
+            return []
+        low, high = (float(v) for v in self.preprocessing["example_means"])
+        margin = max(high - low, 1e-6) / 2
+        far = (means < low - margin) | (means > high + margin)
+        return far.nonzero().flatten().tolist()
+
+    def _usual_mean(self) -> str:
+        if "mean" in self.preprocessing:
+            return "training inputs average 0 there"
+        low, high = self.preprocessing["example_means"]
+        return f"training inputs average {low:.2f} to {high:.2f}"
 
     def predict_texts(self, texts: list[str]) -> torch.Tensor:
         from tokenizers import Tokenizer

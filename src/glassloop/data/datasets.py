@@ -101,9 +101,13 @@ def digits(cfg: DataConfig) -> Splits:
     bunch = load_digits()
     images = (bunch.images.astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
     target = bunch.target.astype(np.int64)
+    # Raw digits are 0-16 (what `glassloop predict digits.npy` reads); a decoded image file's
+    # pixels are 0-255.
+    preprocessing = {"scale": 1 / 16, "image_to_raw": 16 / 255}
     return from_arrays(
         *stratified_split(images, target, val_size=cfg.val_fraction, seed=cfg.seed),
         10,
+        preprocessing,
     )
 
 

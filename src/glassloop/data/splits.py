@@ -47,8 +47,15 @@ def from_arrays(
     """
     names = [str(c) for c in range(class_names)] if isinstance(class_names, int) else class_names
     y_dtype = torch.float32 if values else torch.int64
-    token_ids = (preprocessing or {}).get("inputs") == "token_ids"
+    preprocessing = dict(preprocessing or {})
+    token_ids = preprocessing.get("inputs") == "token_ids"
     x_dtype = torch.int64 if token_ids else torch.float32  # an embedding's input stays integer
+    if not token_ids and len(x_tr) and "mean" not in preprocessing:
+        # What an input's mean looks like in training, for predict's "far from the training
+        # data" warning on data that is not standardised (sources that standardise compare
+        # against 0 instead).
+        means = np.asarray(x_tr, dtype=np.float64).reshape(len(x_tr), -1).mean(axis=1)
+        preprocessing["example_means"] = [float(means.min()), float(means.max())]
     return Splits(
         torch.as_tensor(x_tr, dtype=x_dtype),
         torch.as_tensor(y_tr, dtype=y_dtype),
@@ -56,7 +63,7 @@ def from_arrays(
         torch.as_tensor(y_va, dtype=y_dtype),
         len(names),
         names,
-        dict(preprocessing or {}),
+        preprocessing,
     )
 
 
