@@ -24,6 +24,8 @@ from glassloop.tasks import (
     model_loss,
     prediction_of,
     resolve_task,
+    takes_probabilities,
+    task_of,
 )
 
 LossFn = Callable[..., torch.Tensor]
@@ -68,7 +70,8 @@ def evaluate(
     >>> sorted(evaluate(model, data, nn.CrossEntropyLoss()))
     ['accuracy', 'confusion', 'loss', 'report']
     """
-    task = resolve_task(task, loss_fn)
+    task = task_of(model, resolve_task(task, loss_fn))
+    probabilities = takes_probabilities(loss_fn)  # BCELoss: the outputs are probabilities
     device = device if device is not None else model_device(model)
     own_loss = loss_fn is None
     wanted = metric_table(metrics, task)
@@ -98,12 +101,14 @@ def evaluate(
                 loss_sum += loss.detach().to(torch.float64) * n
                 weight += n
                 if sums is None:
-                    sums = task_sums(task, prediction, target, labels, device, ignore_index)
+                    sums = task_sums(
+                        task, prediction, target, labels, device, ignore_index, probabilities
+                    )
                     extra = metric_objects(wanted, task, prediction, labels, device)
                 if sums is not None:
                     update_sums(sums, prediction, target, labels)
                 if extra:
-                    metric_input = metric_inputs(task, prediction, target, labels)
+                    metric_input = metric_inputs(task, prediction, target, labels, probabilities)
                     for metric in extra.values():
                         metric.update(*metric_input)
     finally:
@@ -170,6 +175,7 @@ def metric_inputs(
     prediction: torch.Tensor,
     target: Any,
     labels: tuple[torch.Tensor, torch.Tensor] | None,
+    probabilities: bool = False,
 ) -> tuple[torch.Tensor, Any]:
     """What a :class:`Metric` is updated with: class probabilities ``(M, C)`` and labels
     ``(M,)`` for classification (tokens flattened), label probabilities and 0/1 integer
@@ -177,7 +183,7 @@ def metric_inputs(
     if labels is not None and task in LABEL_TASKS:
         return activate(task, labels[0]), labels[1]
     if task == "multilabel" and isinstance(target, torch.Tensor):
-        return activate(task, prediction), target.round().long()
+        return activate(task, prediction, probabilities=probabilities), target.round().long()
     if task == "regression" and isinstance(target, torch.Tensor):
         flat = prediction.float().reshape(prediction.shape[0], -1)
         goal = target.float().reshape(target.shape[0], -1)
@@ -192,6 +198,7 @@ def task_sums(
     labels: tuple[torch.Tensor, torch.Tensor] | None,
     device: torch.device,
     ignore_index: int,
+    probabilities: bool = False,
 ) -> TaskSums | None:
     """The sums that give ``task``'s metrics, sized from the first batch (``labels``: its
     :func:`class_scores`; ``None``: the batch does not have the task's shape, only the loss
@@ -202,8 +209,9 @@ def task_sums(
         if labels is None:
             return None
         return ClassificationSums(int(labels[0].shape[-1]), device, ignore_index)
-    if task == "multilabel" and prediction.ndim == 2 and prediction.shape == target.shape:
-        return MultilabelSums(int(prediction.shape[1]), device)
+    if task == "multilabel" and prediction.ndim in (1, 2) and prediction.shape == target.shape:
+        labels_per_sample = int(prediction.shape[1]) if prediction.ndim == 2 else 1
+        return MultilabelSums(labels_per_sample, device, probabilities=probabilities)
     if task == "regression":
         check_same_shape(prediction, target, "evaluate")
         return RegressionSums(max(1, prediction[0].numel()), device)
@@ -265,15 +273,19 @@ def predict(
     model: nn.Module,
     data: torch.Tensor | Iterable[Any],
     *,
-    task: str = "classification",
+    task: str = "auto",
     batch_size: int = 256,
     device: torch.device | None = None,
     classes: int | None = None,
+    probabilities: bool = False,
 ) -> torch.Tensor:
     """What the task means by a prediction (:func:`glassloop.tasks.activate`): class
     probabilities (softmax) for classification, label probabilities (sigmoid) for
-    multilabel, the outputs as they are for regression and custom tasks; on the CPU, in
-    input order, under ``torch.inference_mode``.
+    multilabel (``probabilities``: the model's outputs are already, e.g. trained with
+    BCELoss), the outputs as they are for regression and custom tasks; on the CPU, in input
+    order, under ``torch.inference_mode``. ``task="auto"``: the task a model from
+    :func:`glassloop.load_model` carries, else a softmax over two or more columns and a
+    single column as it is.
 
     ``data`` is a tensor of inputs (split into batches of ``batch_size``) or an iterable of
     batches. A batch's target, if any, is dropped: a tuple with exactly as many elements as
@@ -285,7 +297,7 @@ def predict(
     >>> probs.shape, bool(torch.allclose(probs.sum(1), torch.ones(2)))
     (torch.Size([2, 3]), True)
     """
-    resolve_task(task, None)
+    task = task_of(model, resolve_task(task, None))
     device = device if device is not None else model_device(model)
     batches: Iterable[Any] = (
         torch.split(data, batch_size) if isinstance(data, torch.Tensor) else data
@@ -299,7 +311,10 @@ def predict(
             for batch in evenly(model, batches, device, predicting=True):
                 args, kwargs = split_inputs(move_to_device(batch, device), positional)
                 output = model(*args, **kwargs)
-                outputs.append(activate(task, prediction_of(output), classes).cpu())
+                prediction = prediction_of(output)
+                outputs.append(
+                    activate(task, prediction, classes, probabilities=probabilities).cpu()
+                )
     finally:
         model.train(was_training)
     if not outputs:

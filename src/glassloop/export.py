@@ -37,7 +37,7 @@ from glassloop.checkpoint import (
 from glassloop.config import ModelConfig, from_dict
 from glassloop.errors import ConfigError, ModelError
 from glassloop.models import build_model, data_kwargs
-from glassloop.tasks import TASKS
+from glassloop.tasks import TASK_ATTRIBUTE, TASKS
 
 ModelClass = Callable[..., nn.Module]
 
@@ -219,6 +219,8 @@ def model_from(
                 check_fits(build_model(cfg, **build), weights)
         model = build_model(cfg, **build)
     load_checked(model, weights.tensors, weights.path)
+    # What glassloop.predict(model, x) returns follows the task the weights were trained for.
+    setattr(model, TASK_ATTRIBUTE, spec["task"])
     return model.eval()
 
 

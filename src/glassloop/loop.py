@@ -71,7 +71,7 @@ from glassloop.run_log import RunLog, python_config
 from glassloop.sinks import ProgressReporter
 from glassloop.state import EpochRecord, TrainState
 from glassloop.summary import end_summary, samples_in, start_header
-from glassloop.tasks import model_loss, resolve_task
+from glassloop.tasks import model_loss, resolve_task, takes_probabilities
 from glassloop.tracking import TrackingConfig
 from glassloop.validation import check_trainer_options
 
@@ -177,6 +177,7 @@ class Trainer:
         # What the model is trained to do (glassloop.tasks): decides what predict returns,
         # the metrics and the checks; loss_fn=None: the model computes its own loss.
         self.task = resolve_task(task, loss_fn)
+        self.probabilities = takes_probabilities(loss_fn)  # BCELoss: outputs are probabilities
         self.metrics = metric_table(metrics, self.task)
         self.validate_every_n_steps = validate_every_n_steps
         # At most this many training and validation batches per epoch (0: all): a quick
@@ -818,5 +819,5 @@ class Trainer:
         with autocast(self.precision, self.device):
             return predict(
                 self.eval_model, data, task=self.task, batch_size=batch_size,
-                device=self.device, classes=classes,
+                device=self.device, classes=classes, probabilities=self.probabilities,
             )  # fmt: skip

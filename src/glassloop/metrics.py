@@ -103,12 +103,18 @@ class MultilabelSums(Sums):
     ``f1_micro`` / ``f1_macro`` as ``f1_score(average=...)`` with ``zero_division=0``.
     """
 
-    def __init__(self, num_labels: int, device: torch.device) -> None:
+    def __init__(
+        self, num_labels: int, device: torch.device, *, probabilities: bool = False
+    ) -> None:
         shape = (num_labels,)
         super().__init__(device, tp=shape, fp=shape, fn=shape, tn=shape, exact=(), samples=())
+        # Logits are decided at 0 (sigmoid(0) = 0.5); probabilities (BCELoss) at 0.5.
+        self.threshold = 0.5 if probabilities else 0.0
 
     def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
-        predicted = logits > 0  # sigmoid(logit) > 0.5
+        if logits.ndim == 1:  # one label per sample, (N,)
+            logits, target = logits[:, None], target[:, None]
+        predicted = logits > self.threshold
         truth = target > 0.5
         self.sums["tp"] += (predicted & truth).sum(0)
         self.sums["fp"] += (predicted & ~truth).sum(0)

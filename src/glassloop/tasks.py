@@ -3,7 +3,8 @@
 - ``classification`` (from CrossEntropyLoss, NLLLoss): ``predict`` gives softmax
   probabilities; metrics accuracy, confusion, per-class report.
 - ``multilabel`` (from BCEWithLogitsLoss): sigmoid probabilities per label; accuracy (per
-  label decision), exact_match, f1_micro, f1_macro.
+  label decision), exact_match, f1_micro, f1_macro. From BCELoss too: the model ends in a
+  sigmoid, its outputs are probabilities already (decided at 0.5, returned as they are).
 - ``regression`` (from MSELoss, L1Loss, HuberLoss, SmoothL1Loss): the outputs as they are;
   mae, rmse, r2.
 - ``language-model`` (set it; a per-token CrossEntropyLoss): softmax over the vocabulary;
@@ -15,7 +16,9 @@ their functional forms, ``F.cross_entropy`` & co.) and can always be set
 (``Trainer(task="regression")``, ``train.task`` in a config). With any other loss, or the
 model's own, the task stays ``"auto"``: evaluation reports classification metrics when the
 targets are integer labels that fit the outputs (and only the loss otherwise), and
-``predict`` returns softmax probabilities; set the task for anything else.
+``predict`` returns softmax probabilities; set the task for anything else. A softmax over a
+single output column is always 1.0: ``"auto"`` never takes one (it returns that column as
+it is and says so once), and a classification needs two outputs or more.
 
 **Which part of a model's output is the prediction** (one rule, for training, evaluation and
 ``predict``): a tensor is the prediction; a dict or a Hugging Face ``ModelOutput`` gives its
@@ -31,6 +34,7 @@ call, where it is ``(loss, prediction, ...)`` as Hugging Face models return with
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,6 +52,7 @@ LOSS_TASKS = {
     nn.CrossEntropyLoss: "classification",
     nn.NLLLoss: "classification",
     nn.BCEWithLogitsLoss: "multilabel",
+    nn.BCELoss: "multilabel",  # (on probabilities: see takes_probabilities)
     nn.MSELoss: "regression",
     nn.L1Loss: "regression",
     nn.HuberLoss: "regression",
@@ -57,6 +62,7 @@ FUNCTION_TASKS = {
     F.cross_entropy: "classification",
     F.nll_loss: "classification",
     F.binary_cross_entropy_with_logits: "multilabel",
+    F.binary_cross_entropy: "multilabel",
     F.mse_loss: "regression",
     F.l1_loss: "regression",
     F.huber_loss: "regression",
@@ -77,6 +83,28 @@ def resolve_task(task: str, loss_fn: Any) -> str:
     if task not in TASKS:
         raise ConfigError(f"task must be 'auto' or one of {', '.join(TASKS)}; got {task!r}")
     return task
+
+
+def takes_probabilities(loss_fn: Any) -> bool:
+    """Whether ``loss_fn`` takes probabilities (``BCELoss``: the model ends in a sigmoid), so
+    the outputs are probabilities already: decided at 0.5 and never put through a sigmoid.
+
+    >>> takes_probabilities(nn.BCELoss()), takes_probabilities(nn.BCEWithLogitsLoss())
+    (True, False)
+    """
+    return isinstance(loss_fn, nn.BCELoss) or loss_fn is F.binary_cross_entropy
+
+
+# Set by glassloop.load_model on the model it returns: the task its weights file names, so
+# that glassloop.predict(model, x) returns what that task means without being told again.
+TASK_ATTRIBUTE = "glassloop_task"
+
+
+def task_of(model: Any, task: str) -> str:
+    """``task``, or for ``"auto"`` the task recorded on a model :func:`glassloop.load_model`
+    returned."""
+    recorded = getattr(model, TASK_ATTRIBUTE, None)
+    return recorded if task == "auto" and isinstance(recorded, str) else task
 
 
 def prediction_of(output: Any, *, with_loss: bool = False) -> torch.Tensor:
@@ -130,35 +158,64 @@ def model_loss(output: Any) -> torch.Tensor:
     return loss
 
 
-def activate(task: str, prediction: torch.Tensor, classes: int | None = None) -> torch.Tensor:
+def activate(
+    task: str, prediction: torch.Tensor, classes: int | None = None, *, probabilities: bool = False
+) -> torch.Tensor:
     """What ``predict`` returns for ``task``: class probabilities (softmax over the classes,
-    returned in the last dimension), label probabilities (sigmoid), or the outputs as they
-    are; in float32. Classes are the last dimension, or dimension 1 (torch's ``(N, C, T)``
-    layout) when ``classes`` says the last one is not them."""
+    returned in the last dimension), label probabilities (sigmoid; as they are when the
+    outputs are ``probabilities`` already), or the outputs as they are; in float32. Classes
+    are the last dimension, or dimension 1 (torch's ``(N, C, T)`` layout) when ``classes``
+    says the last one is not them. A single column is never put through a softmax.
+
+    >>> activate("auto", torch.tensor([[2.0], [-1.0]])).flatten().tolist()
+    [2.0, -1.0]
+    """
     prediction = prediction.float()
     if task in LABEL_TASKS:
         layout_n_c_t = prediction.ndim > 2 and prediction.shape[-1] != classes
         if classes is not None and layout_n_c_t and prediction.shape[1] == classes:
             prediction = prediction.movedim(1, -1)
+        if prediction.ndim < 2 or prediction.shape[-1] < 2:
+            return single_column(task, prediction)
         return torch.softmax(prediction, dim=-1)
     if task == "multilabel":
-        return torch.sigmoid(prediction)
+        return prediction if probabilities else torch.sigmoid(prediction)
+    return prediction
+
+
+def single_column(task: str, prediction: torch.Tensor) -> torch.Tensor:
+    """A softmax over one column is 1.0 whatever the model says: a classification needs an
+    output per class; ``"auto"`` returns the column as it is and says so (once)."""
+    if task != "auto":
+        raise ModelError(
+            f"model: task {task!r} needs one output per class, but the model returns one "
+            "column (a softmax over it is always 1.0): give it an output per class, or for a "
+            "yes/no or a value set task='multilabel' (BCEWithLogitsLoss) or 'regression'"
+        )
+    warnings.warn(
+        "predict: the model returns one column and its task is 'auto' (the loss implies no "
+        "task): returning the outputs as they are, not a softmax (always 1.0 over one "
+        "column); set task='multilabel' for sigmoid probabilities or 'regression'",
+        stacklevel=3,
+    )
     return prediction
 
 
 def class_scores(prediction: torch.Tensor, target: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Class scores as ``(M, C)`` and labels as ``(M,)`` for a classification batch, per
     sample (``(N, C)`` with ``(N,)``) or per token (``(N, T, C)`` with ``(N, T)``, or torch's
-    ``(N, C, T)``); ``None`` when the target is not integer labels that fit."""
+    ``(N, C, T)``); ``None`` when the target is not integer labels that fit, or when there is
+    one column (an argmax over it is always class 0)."""
     if not isinstance(target, torch.Tensor) or target.is_floating_point():
         return None
     if target.dtype == torch.bool or prediction.ndim != target.ndim + 1 or prediction.ndim < 2:
         return None
+    found = None
     if prediction.ndim == 2:
-        return prediction, target
-    if prediction.shape[:-1] == target.shape:  # classes last: (N, T, C)
-        return prediction.reshape(-1, prediction.shape[-1]), target.reshape(-1)
-    if prediction.shape[0] == target.shape[0] and prediction.shape[2:] == target.shape[1:]:
+        found = prediction, target
+    elif prediction.shape[:-1] == target.shape:  # classes last: (N, T, C)
+        found = prediction.reshape(-1, prediction.shape[-1]), target.reshape(-1)
+    elif prediction.shape[0] == target.shape[0] and prediction.shape[2:] == target.shape[1:]:
         moved = prediction.movedim(1, -1)  # torch's (N, C, d1, ...) layout
-        return moved.reshape(-1, moved.shape[-1]), target.reshape(-1)
-    return None
+        found = moved.reshape(-1, moved.shape[-1]), target.reshape(-1)
+    return found if found is not None and found[0].shape[-1] >= 2 else None

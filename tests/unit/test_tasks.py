@@ -107,6 +107,60 @@ def test_multilabel_sigmoid_predictions_and_metrics_equal_sklearn() -> None:
 
 
 # ------------------------------------------------------------------- classification extras
+def test_a_sigmoid_model_with_bce_loss_predicts_probabilities_and_reports_accuracy() -> None:
+    """BCELoss (task left to "auto"): the outputs are probabilities already. A softmax over
+    its one column made every prediction 1.0 and no accuracy was reported."""
+    torch.manual_seed(0)
+    x = torch.randn(200, 4)
+    y = (x[:, :1] + x[:, 1:2] > 0).float()
+    model = nn.Sequential(nn.Linear(4, 1), nn.Sigmoid())
+    trainer = trainer_for(model, nn.BCELoss(), lr=0.5)
+    assert trainer.task == "multilabel"
+    history = trainer.fit(
+        make_loader((x, y), batch_size=20), make_loader((x, y), batch_size=64), epochs=3
+    )
+    probs = trainer.predict(x)
+    expected = model(x).detach()
+    assert torch.allclose(probs, expected, atol=1e-6)  # as they are: no sigmoid, no softmax
+    assert 0 < float(probs.min()) and float(probs.max()) < 1
+    truth, decided = y.numpy().astype(int), (expected.numpy() > 0.5).astype(int)
+    assert history[-1]["val_accuracy"] == pytest.approx(skm.accuracy_score(truth, decided))
+    assert history[-1]["val_accuracy"] > 0.8
+    # One label per sample given as (N,): counted the same way.
+    flat = glassloop.evaluate(nn.Sequential(model, nn.Flatten(0)), [(x, y[:, 0])], nn.BCELoss())
+    assert flat["accuracy"] == pytest.approx(skm.accuracy_score(truth, decided))
+
+
+def test_one_output_column_is_never_put_through_a_softmax(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    x = torch.randn(8, 3)
+    with pytest.warns(UserWarning, match="returns one column and its task is 'auto'"):
+        out = glassloop.predict(model, x)
+    assert torch.allclose(out, model(x).detach())  # was 1.0 everywhere
+    with pytest.raises(glassloop.ModelError, match="needs one output per class"):
+        glassloop.predict(model, x, task="classification")
+    # An argmax over one column is no accuracy: "auto" with integer labels reports none.
+    result = glassloop.evaluate(
+        model, [(x, torch.zeros(8, dtype=torch.long))], lambda o, t: o.sum()
+    )
+    assert "accuracy" not in result
+    # A model loaded from a regression run's weights predicts values, as its file says.
+    from cli_runner import run_glassloop
+
+    rows = ["a,b,target"] + [f"{i % 7},{i % 3},{(i % 7) * 2.5 - i % 3}" for i in range(60)]
+    (tmp_path / "r.csv").write_text("\n".join(rows) + "\n")
+    done = run_glassloop(
+        "train", "--run-dir", str(tmp_path / "run"), "--set", "data.name=csv",
+        "--set", f"data.path={tmp_path / 'r.csv'}", "--set", "data.label_column=target",
+        "--set", "loss.name=mse", "--set", "train.epochs=1", "--set", "train.progress=none",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    loaded = glassloop.load_model(tmp_path / "run")
+    inputs = torch.randn(5, 2)
+    assert torch.equal(glassloop.predict(loaded, inputs), loaded(inputs).detach())
+
+
 def test_named_classification_metrics_equal_sklearn() -> None:
     g = torch.Generator().manual_seed(2)
     logits, labels = torch.randn(200, 5, generator=g), torch.randint(0, 5, (200,), generator=g)
