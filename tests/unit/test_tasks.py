@@ -122,7 +122,7 @@ def test_a_sigmoid_model_with_bce_loss_predicts_probabilities_and_reports_accura
     probs = trainer.predict(x)
     expected = model(x).detach()
     assert torch.allclose(probs, expected, atol=1e-6)  # as they are: no sigmoid, no softmax
-    assert 0 < float(probs.min()) and float(probs.max()) < 1
+    assert float(probs.min()) > 0 and float(probs.max()) < 1
     truth, decided = y.numpy().astype(int), (expected.numpy() > 0.5).astype(int)
     assert history[-1]["val_accuracy"] == pytest.approx(skm.accuracy_score(truth, decided))
     assert history[-1]["val_accuracy"] > 0.8
