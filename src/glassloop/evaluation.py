@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from glassloop.batch import batch_size_of, required_inputs, split_batch, split_inputs
 from glassloop.device import move_to_device
@@ -79,6 +81,8 @@ def evaluate(
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     weight = torch.zeros((), dtype=torch.float64, device=device)
     sums: TaskSums | None = None
+    shift: int | None = None  # how the model's own loss lines tokens up with labels (own_shift)
+    first = True
     was_training = model.training
     model.eval()  # dropout off, batch-norm uses its running statistics
     try:
@@ -91,7 +95,11 @@ def evaluate(
                 output = model(*inputs[0], **inputs[1])
                 loss = loss_fn(output, target) if loss_fn is not None else model_loss(output)
                 prediction = prediction_of(output, with_loss=own_loss)
-                labels = class_scores(prediction, target)
+                if first:  # (decided on the first batch)
+                    shift = own_shift(loss, prediction, target, ignore_index) if own_loss else 0
+                if shift:  # position t predicts label t+1, as the model's loss counts it
+                    prediction, target = prediction[:, :-1], target[:, 1:]
+                labels = class_scores(prediction, target) if shift is not None else None
                 # A mean loss times what it is the mean over (samples, or labelled tokens:
                 # a padded batch's loss is their mean) is the batch's sum.
                 if labels is not None:
@@ -100,11 +108,12 @@ def evaluate(
                     n = batch_size_of(target, inputs)
                 loss_sum += loss.detach().to(torch.float64) * n
                 weight += n
-                if sums is None:
+                if first:  # sized from the first batch (metric objects reset once)
                     sums = task_sums(
                         task, prediction, target, labels, device, ignore_index, probabilities
                     )
                     extra = metric_objects(wanted, task, prediction, labels, device)
+                    first = False
                 if sums is not None:
                     update_sums(sums, prediction, target, labels)
                 if extra:
@@ -133,6 +142,36 @@ def evaluate(
             float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
         )
     return result
+
+
+def own_shift(
+    loss: torch.Tensor, prediction: torch.Tensor, target: Any, ignore_index: int
+) -> int | None:
+    """How a model that computed its own loss lines its per-token predictions up with the
+    labels: ``0`` (position t predicts label t), ``1`` (Hugging Face causal LMs shift inside:
+    position t predicts label t+1), found by recomputing its loss both ways; ``None`` when
+    neither gives the model's loss, so token metrics cannot be computed as the model counts
+    them and are not reported (comparing unshifted labels gave an accuracy that never moved
+    while the loss fell). Per-sample predictions are taken as they are (``0``)."""
+    per_token = (
+        isinstance(target, torch.Tensor) and not target.is_floating_point()
+        and target.ndim == 2 and prediction.ndim == 3 and prediction.shape[:2] == target.shape
+    )  # fmt: skip
+    if not per_token:
+        return 0
+    for shift in (0, 1):
+        scores = prediction[:, : prediction.shape[1] - shift].reshape(-1, prediction.shape[-1])
+        labels = target[:, shift:].reshape(-1)
+        recomputed = F.cross_entropy(scores.float(), labels, ignore_index=ignore_index)
+        if torch.isclose(recomputed, loss.detach().float(), rtol=1e-3, atol=1e-5):
+            return shift
+    warnings.warn(
+        "evaluate: the model's own loss is not the cross-entropy of its logits with the "
+        "labels as given, nor shifted by one token; token accuracy is not reported (only "
+        "the model's loss)",
+        stacklevel=3,
+    )
+    return None
 
 
 def metric_table(

@@ -473,3 +473,45 @@ def test_a_real_hugging_face_model_trains_with_its_own_loss_bitwise() -> None:
     with torch.no_grad():
         expected = torch.softmax(ours.eval()(input_ids=ids[:3]).logits, -1)
     assert torch.allclose(probs, expected, atol=1e-6)
+
+
+def test_a_causal_lm_that_shifts_its_labels_gets_its_token_accuracy_shifted_too() -> None:
+    """A Hugging Face causal LM given labels= shifts them inside (position t predicts token
+    t+1). Compared unshifted, val_accuracy stayed 0.3853 for three epochs while the loss
+    fell; now it is counted as the model's own loss counts tokens."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=40, n_positions=16, n_embd=32, n_layer=1, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    g = torch.Generator().manual_seed(0)
+    start = torch.randint(0, 10, (96, 1), generator=g)
+    ids = (start + torch.arange(12)) % 40  # a counting sequence: learnable next tokens
+    ids[80:, 9:] = -100  # some padding in the labels of the validation batches
+    labels = ids.clone()
+    ids = ids.clamp(min=0)
+    batches = [
+        {"input_ids": ids[i : i + 16], "labels": labels[i : i + 16]} for i in range(0, 96, 16)
+    ]
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), None,
+                      task="language-model", device="cpu", progress="none")  # fmt: skip
+    history = trainer.fit(batches[:4], batches[4:], epochs=3)
+    model.eval()
+    with torch.no_grad():
+        correct = counted = 0
+        loss_sum = 0.0
+        for batch in batches[4:]:
+            out = model(**batch)
+            logits, target = out.logits[:, :-1], batch["labels"][:, 1:]
+            kept = target != -100
+            correct += int((logits.argmax(-1)[kept] == target[kept]).sum())
+            counted += int(kept.sum())
+            loss_sum += float(out.loss) * int(kept.sum())
+    row = history[-1]
+    assert row["val_accuracy"] == pytest.approx(correct / counted)
+    assert row["val_loss"] == pytest.approx(loss_sum / counted, rel=1e-6)
+    assert row["val_perplexity"] == pytest.approx(math.exp(loss_sum / counted), rel=1e-6)
+    accuracies = [r["val_accuracy"] for r in history]
+    assert accuracies[-1] > accuracies[0]  # it moves with the loss
