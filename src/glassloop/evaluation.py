@@ -25,6 +25,7 @@ from glassloop.tasks import (
     class_scores,
     model_loss,
     prediction_of,
+    reduction_of,
     resolve_task,
     takes_probabilities,
     task_of,
@@ -55,8 +56,11 @@ def evaluate(
     device: torch.device | None = None,
     ignore_index: int = -100,
     metrics: Mapping[str, Metric | str] | Sequence[str] | None = None,
+    loss_reduction: str = "auto",
 ) -> dict[str, Any]:
-    """Return ``loss`` (mean over samples, or over labelled tokens) and the task's metrics
+    """Return ``loss`` (mean over samples, or over labelled tokens; a loss that sums over its
+    batch, ``loss_reduction="sum"`` or a loss module's ``reduction``, per sample too) and the
+    task's metrics
     (:mod:`glassloop.tasks`): for classification ``accuracy``, ``confusion`` (rows true,
     columns predicted) and ``report`` (per-class precision/recall/F1/support); for a
     regression ``mae``, ``rmse``, ``r2``; ... plus every metric of ``metrics`` by its name:
@@ -74,6 +78,7 @@ def evaluate(
     """
     task = task_of(model, resolve_task(task, loss_fn))
     probabilities = takes_probabilities(loss_fn)  # BCELoss: the outputs are probabilities
+    summed = reduction_of(loss_fn, loss_reduction) == "sum"
     device = device if device is not None else model_device(model)
     own_loss = loss_fn is None
     wanted = metric_table(metrics, task)
@@ -106,7 +111,7 @@ def evaluate(
                     n: Any = (labels[1] != ignore_index).sum()
                 else:
                     n = batch_size_of(target, inputs)
-                loss_sum += loss.detach().to(torch.float64) * n
+                loss_sum += loss.detach().to(torch.float64) * (1 if summed else n)
                 weight += n
                 if first:  # sized from the first batch (metric objects reset once)
                     sums = task_sums(

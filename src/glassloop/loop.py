@@ -71,7 +71,7 @@ from glassloop.run_log import RunLog, python_config
 from glassloop.sinks import ProgressReporter
 from glassloop.state import EpochRecord, TrainState
 from glassloop.summary import end_summary, samples_in, start_header
-from glassloop.tasks import model_loss, resolve_task, takes_probabilities
+from glassloop.tasks import model_loss, reduction_of, resolve_task, takes_probabilities
 from glassloop.tracking import TrackingConfig
 from glassloop.validation import check_trainer_options
 
@@ -150,6 +150,7 @@ class Trainer:
         precision: str = "32",
         grad_accum_steps: int = 1,
         loss_weighting: str = "samples",
+        loss_reduction: str = "auto",
         ignore_index: int = -100,
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
@@ -178,6 +179,8 @@ class Trainer:
         # the metrics and the checks; loss_fn=None: the model computes its own loss.
         self.task = resolve_task(task, loss_fn)
         self.probabilities = takes_probabilities(loss_fn)  # BCELoss: outputs are probabilities
+        # "sum": the loss adds up over a batch (reported per sample; micro-batches add up)
+        self.loss_reduction = reduction_of(loss_fn, loss_reduction)
         self.metrics = metric_table(metrics, self.task)
         self.validate_every_n_steps = validate_every_n_steps
         # At most this many training and validation batches per epoch (0: all): a quick
@@ -418,7 +421,11 @@ class Trainer:
         local = sum(sizes)
         self.console.advance(local, self.record)
         if loss is not None:  # None: skipped, nothing learned, no step counted
-            self.record.add_step(loss, local)  # kept on the device: no host sync per step
+            if self.loss_reduction == "sum":  # reported per sample
+                loss = loss / window.samples
+            # Kept on the device (no host sync per step), weighted by this process's share
+            # of the step's samples.
+            self.record.add_step(loss, local, window.samples / self.world.size)
             state.step += 1
             if (len(self.record.losses) - 1) % self.log_every == 0:  # the tutorial's "% 100"
                 self._log_step(loss)
@@ -439,13 +446,15 @@ class Trainer:
         Each micro-batch's weight is ``None`` for a window of one in one process (the loss is
         used as is), else its samples (or non-ignored tokens) over the window's across all
         processes, times the number of processes (DDP averages gradients over processes;
-        this turns that average into the sample-weighted one). Under DDP one collective
+        this turns that average into the sample-weighted one); a loss that sums over its
+        batch (``loss_reduction == "sum"``) gets the number of processes alone: the sums of
+        the micro-batches add up to the sum of one big batch. Under DDP one collective
         carries the counts and "did any process get SIGTERM/SIGINT" (acted on after the step).
         """
         samples = sum(sizes)
         if len(micro) == 1 and not self.world.distributed:
             return Window(micro, [None], samples), None
-        if self.loss_weighting == "tokens":
+        if self.loss_weighting == "tokens" and self.loss_reduction == "mean":
             counts = [int((target != self.ignore_index).sum()) for _, target in micro]
         else:
             counts = sizes
@@ -457,7 +466,10 @@ class Trainer:
             total, samples = int(totals[0]), int(totals[1])
             signum = next((sig for sig, n in zip(STOP_SIGNALS, totals[2:], strict=True) if n), 0)
         scale = self.world.size
-        weights = [scale * count / total if total else 0.0 for count in counts]
+        if self.loss_reduction == "sum":  # sums add up as they are (DDP averages: times W)
+            weights = [float(scale)] * len(micro)
+        else:
+            weights = [scale * count / total if total else 0.0 for count in counts]
         return Window(micro, list(weights), samples), signum
 
     def train_step(self, window: Window) -> torch.Tensor | None:
@@ -772,7 +784,7 @@ class Trainer:
         with autocast(self.precision, self.device):
             return evaluate(
                 self.eval_model, self.console.validation(loader), self.loss_fn,
-                task=self.task, device=self.device,
+                task=self.task, device=self.device, loss_reduction=self.loss_reduction,
                 ignore_index=self.ignore_index, metrics=self.metrics,
             )  # fmt: skip
 

@@ -324,6 +324,8 @@ def python_config(trainer: Trainer) -> dict[str, Any]:
         "grad_accum_steps": trainer.grad_accum_steps,
         "limit_batches": trainer.limit_batches,
         "loss_weighting": trainer.loss_weighting,
+        # (only when it sums: runs written before the setting existed compare unchanged)
+        **({"loss_reduction": "sum"} if trainer.loss_reduction == "sum" else {}),
         "clip_grad_norm": trainer.clip_grad_norm,
         "clip_grad_value": trainer.clip_grad_value,
         "ema_decay": trainer.ema_decay,

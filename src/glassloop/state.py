@@ -48,31 +48,37 @@ class TrainState:
 
 class EpochRecord:
     """What the loop records as it goes, beyond its position: the current epoch's per-step
-    losses (kept on the device: no host sync per step) and sample counts, the RNG state a
+    losses (kept on the device: no host sync per step), each with its weight in the epoch's
+    mean (the samples, or tokens, it is the mean over, this process's share of them) and
+    this process's sample count, the RNG state a
     plain loader drew this epoch's order from (so a resume can replay it), and the history
     of finished epochs. Its ``state_dict()`` is part of every checkpoint, so a resumed
     epoch's ``train_loss`` is exact."""
 
     def __init__(self) -> None:
         self.losses: list[torch.Tensor] = []
+        self.weights: list[float] = []
         self.sizes: list[int] = []
         self.epoch_rng: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
 
-    def add_step(self, loss: torch.Tensor, samples: int) -> None:
+    def add_step(self, loss: torch.Tensor, samples: int, weight: float | None = None) -> None:
+        """A step's mean loss, this process's ``samples`` and the step's ``weight`` in the
+        epoch's mean (``samples`` when not given)."""
         self.losses.append(loss)
         self.sizes.append(samples)
+        self.weights.append(float(samples if weight is None else weight))
 
     def end_epoch(self, row: dict[str, Any]) -> None:
         self.history.append(row)
-        self.losses, self.sizes = [], []
+        self.losses, self.weights, self.sizes = [], [], []
 
     def mean_loss(self) -> float | None:
         """This process's mean training loss of the epoch so far (a host sync), for the
         progress bar; ``None`` before the first step."""
         if not self.losses:
             return None
-        weights = torch.tensor(self.sizes, dtype=torch.float64, device=self.losses[0].device)
+        weights = torch.tensor(self.weights, dtype=torch.float64, device=self.losses[0].device)
         return float(torch.stack(self.losses).to(torch.float64) @ weights / weights.sum())
 
     def train_loss(self, world: World, device: torch.device) -> tuple[float, int]:
@@ -80,18 +86,20 @@ class EpochRecord:
         (NaN when every step of the epoch was skipped)."""
         if not self.losses:
             return float("nan"), sum(self.sizes)
-        weights = torch.tensor(self.sizes, dtype=torch.float64, device=device)
-        loss_sum = torch.stack(self.losses).to(torch.float64) @ weights
+        weights = torch.tensor(self.weights, dtype=torch.float64, device=device)
+        sums = torch.stack([
+            torch.stack(self.losses).to(torch.float64) @ weights, weights.sum(),
+            torch.tensor(float(sum(self.sizes)), dtype=torch.float64, device=device),
+        ]).cpu()  # fmt: skip
         if world.distributed:  # the mean over every process's samples
-            sums = all_reduce(torch.stack([loss_sum, weights.sum()]).cpu())
-            loss_sum, weights = sums[0], sums[1:]
-        samples = int(weights.sum())
-        return float(loss_sum) / samples, samples
+            sums = all_reduce(sums)
+        return float(sums[0] / sums[1]), int(sums[2])
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "epoch_losses": torch.stack(self.losses) if self.losses else None,
             "epoch_sizes": list(self.sizes),
+            "epoch_weights": list(self.weights),
             "epoch_rng": self.epoch_rng,
             "history": self.history,
         }
@@ -100,5 +108,7 @@ class EpochRecord:
         losses = state["epoch_losses"]
         self.losses = list(losses.to(device).unbind()) if losses is not None else []
         self.sizes = [int(n) for n in state["epoch_sizes"]]
+        # (checkpoints written before weights were kept: each step weighed its samples)
+        self.weights = [float(w) for w in state.get("epoch_weights", self.sizes)]
         self.epoch_rng = state.get("epoch_rng")
         self.history = list(state["history"])

@@ -80,9 +80,25 @@ def start_header(
     lines.append(
         f"optimizer: {type(trainer.optimizer).__name__} ({settings}); schedule: {schedule}"
     )
+    if (note := loss_note(trainer.loss_fn, trainer.loss_reduction)) is not None:
+        lines.append(note)
     if trainer.run_dir is not None:
         lines.append(f"run directory: {trainer.run_dir}")
     return "\n".join(lines)
+
+
+def loss_note(loss_fn: Any, reduction: str) -> str | None:
+    """One line saying what ``train_loss`` and ``val_loss`` are, when the loss does not say
+    it itself (a sum over the batch, or a function with no ``reduction``)."""
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    if reduction == "sum":
+        return f"loss: {name} sums over each batch; train_loss and val_loss are per sample"
+    if loss_fn is None or hasattr(loss_fn, "reduction") or isinstance(loss_fn, torch.nn.Module):
+        return None
+    return (
+        f"loss: {name} is taken as a mean over each batch (losses are reported per sample "
+        "as such); if it sums over the batch, pass loss_reduction='sum'"
+    )
 
 
 def best_epoch(history: list[dict[str, Any]], monitor: str) -> tuple[str, float, int] | None:

@@ -85,6 +85,20 @@ def resolve_task(task: str, loss_fn: Any) -> str:
     return task
 
 
+def reduction_of(loss_fn: Any, given: str = "auto") -> str:
+    """How ``loss_fn`` reduces a batch: ``"mean"`` or ``"sum"``; ``given``, or for
+    ``"auto"`` the ``reduction`` a torch loss module carries, else ``"mean"``. A sum (the
+    VAE of pytorch/examples) is reported per sample and weighted as a sum under accumulation.
+
+    >>> reduction_of(nn.MSELoss(reduction="sum")), reduction_of(F.mse_loss)
+    ('sum', 'mean')
+    """
+    if given not in ("auto", "mean", "sum"):
+        raise ConfigError(f"loss_reduction must be 'auto', 'mean' or 'sum'; got {given!r}")
+    found = getattr(loss_fn, "reduction", "mean") if given == "auto" else given
+    return found if found in ("mean", "sum") else "mean"
+
+
 def takes_probabilities(loss_fn: Any) -> bool:
     """Whether ``loss_fn`` takes probabilities (``BCELoss``: the model ends in a sigmoid), so
     the outputs are probabilities already: decided at 0.5 and never put through a sigmoid.

@@ -515,3 +515,62 @@ def test_a_causal_lm_that_shifts_its_labels_gets_its_token_accuracy_shifted_too(
     assert row["val_perplexity"] == pytest.approx(math.exp(loss_sum / counted), rel=1e-6)
     accuracies = [r["val_accuracy"] for r in history]
     assert accuracies[-1] > accuracies[0]  # it moves with the loss
+
+
+class SumVAE(nn.Module):
+    """pytorch/examples' VAE shape in small: reconstruction + KL, summed over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec = nn.Linear(6, 4), nn.Linear(2, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mu, logvar = self.enc(x).chunk(2, dim=1)
+        z = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)
+        return torch.sigmoid(self.dec(z)), mu, logvar
+
+
+def vae_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    recon, mu, logvar = output
+    bce = F.binary_cross_entropy(recon, target, reduction="sum")
+    return bce - 0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_loss_that_sums_over_its_batch_is_reported_per_sample(accum: int) -> None:
+    """The VAE's train_loss was 38,698 where the example reports 303.7 per sample: a number
+    that scales with the batch size. With loss_reduction="sum" losses are per sample, and
+    accumulated micro-batches add up as the sums they are (bitwise the hand loop's)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(96, 6, generator=g)
+    batches = [(x[i : i + 16], x[i : i + 16]) for i in range(0, 96, 16)]
+    torch.manual_seed(0)
+    model = SumVAE()
+    hand = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(hand.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    sums = []
+    for i in range(0, len(batches), accum):
+        for bx, by in batches[i : i + accum]:
+            loss = vae_loss(hand(bx), by)
+            loss.backward()  # micro-batch sums add up to the window's sum
+            sums.append(float(loss.detach()))
+        optimizer.step()
+        optimizer.zero_grad()
+    trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), vae_loss,
+                      loss_reduction="sum", grad_accum_steps=accum, device="cpu", progress="none")  # fmt: skip
+    torch.manual_seed(1)
+    history = trainer.fit(batches, epochs=1)
+    for a, b in zip(model.parameters(), hand.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert history[0]["train_loss"] == pytest.approx(sum(sums) / 96, rel=1e-6)
+    assert 2 < history[0]["train_loss"] < 10  # per sample, not per batch of 16
+    torch.manual_seed(2)  # (the VAE samples in eval mode too: the same draws both ways)
+    result = trainer.evaluate(batches)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        expected = sum(float(vae_loss(model.eval()(bx), by)) for bx, by in batches) / 96
+    assert result["loss"] == pytest.approx(expected, rel=1e-6)
+    # A module that carries reduction="sum" says so itself.
+    assert Trainer(nn.Linear(2, 2), torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1),
+                   nn.MSELoss(reduction="sum"), device="cpu").loss_reduction == "sum"  # fmt: skip
