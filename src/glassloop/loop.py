@@ -319,6 +319,7 @@ class Trainer:
         self.console.info(start_header(self, train_loader, val_loader, epochs))
         start = time.perf_counter()
         status = "failed"
+        pairs = None  # a regression's validation outputs and targets, for the report
         try:
             with StopSignals() as self._signals:
                 for callback in self.callbacks:
@@ -330,8 +331,8 @@ class Trainer:
                     callback.on_fit_end(self)
                 self.save_checkpoint(finished=True)  # always at the end
             status = "finished"
-            report = self._write_report(val_loader, final=True)
-            self.console.info(end_summary(self, time.perf_counter() - start, report))
+            if self.task == "regression" and val_loader is not None and self.run_dir:
+                pairs = self._predicted_vs_true(val_loader)  # (every process: its shard)
         except (KeyboardInterrupt, Preempted):
             status = "interrupted"
             raise
@@ -344,7 +345,12 @@ class Trainer:
             if self._failure is not None and status == "failed":
                 info["error"] = self._failure
             weights = self._final_weights() if status == "finished" else self.eval_model
-            self.run_log.close(status, model=weights, model_spec=self.model_spec, info=info)
+            # The final report after run.json says how the run ended (it shows that).
+            report = self.run_log.close(
+                status, model=weights, model_spec=self.model_spec, info=info,
+                report=lambda: self._write_report(pairs, final=True),
+            )  # fmt: skip
+        self.console.info(end_summary(self, time.perf_counter() - start, report))
 
     def _run_epoch(
         self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
@@ -586,7 +592,7 @@ class Trainer:
                 self.checkpointer.save_best(self.model, state, self.checkpoint_meta(), self.sharded)
         if self.checkpointer.due_after_epoch(self.state.epoch):
             self.save_checkpoint()
-        self._write_report(self._val_loader, final=False)  # when due: a long run's live view
+        self._write_report(None, final=False)  # when due: a long run's live view
         self._stop_if_signalled()
 
     def _log_step(self, loss: torch.Tensor) -> None:
@@ -605,14 +611,13 @@ class Trainer:
             grad_norm=float(norm) if norm is not None else None,
         )  # fmt: skip
 
-    def _write_report(self, val_loader: Iterable[Any] | None, *, final: bool) -> Path | None:
+    def _write_report(
+        self, pairs: tuple[torch.Tensor, torch.Tensor] | None, *, final: bool
+    ) -> Path | None:
         """``RUN_DIR/report/`` from the metrics and the last validation (rank 0); for a
-        regression with its predicted-vs-true plot."""
-        pairs = None
-        # (At the end only: iterating a DataLoader draws from the global RNG, which must not
-        # depend on when a refresh fell due. Every process: each has its validation shard.)
-        if final and self.task == "regression" and val_loader is not None and self.run_dir:
-            pairs = self._predicted_vs_true(val_loader)
+        regression with its predicted-vs-true ``pairs`` (computed at the end only: iterating
+        a DataLoader draws from the global RNG, which must not depend on when a refresh fell
+        due)."""
         if not self.run_log.active or (not final and not self.run_log.report_due()):
             return None
         names = (self.model_spec or {}).get("class_names")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -208,25 +208,30 @@ class RunLog:
         model: nn.Module | dict[str, torch.Tensor],
         model_spec: dict[str, Any] | None,
         info: dict[str, Any],
-    ) -> None:
+        report: Callable[[], Path | None] | None = None,
+    ) -> Path | None:
         """Close the metric files; write the final weights (``status == "finished"``) and
-        run.json. While another error is already on its way out (``status`` "failed" or
-        "interrupted"), a failure here is only returned as a warning line, so that error is
-        the one the user sees."""
+        run.json, then (finished) the final ``report()``, which shows how the run ended;
+        return its path. While another error is already on its way out (``status`` "failed"
+        or "interrupted"), a failure here is only returned as a warning line, so that error
+        is the one the user sees."""
         for sink in self._sinks:
             sink.close()
         self._sinks = []
         if not self.active:
-            return
+            return None
+        written = None
         try:
             self.check_exists()
             if status == "finished":
                 self.write_weights(model, model_spec)
             self.write_status(status, info)
+            if status == "finished" and report is not None:
+                written = report()
             if self._tracker is not None:
                 assert self.run_dir is not None  # a tracker exists only with a run directory
-                report = sorted((self.run_dir / "report").glob("*"))
-                self._tracker.finish(status, [*report, self.run_dir / "model.safetensors"])
+                files = sorted((self.run_dir / "report").glob("*"))
+                self._tracker.finish(status, [*files, self.run_dir / "model.safetensors"])
                 self._tracker = None
         except (OSError, CheckpointError) as err:
             assert self.run_dir is not None
@@ -234,6 +239,7 @@ class RunLog:
             if status == "finished":
                 raise failure from err
             print(f"warning: {failure}")
+        return written
 
     def write_weights(
         self, model: nn.Module | dict[str, torch.Tensor], model_spec: dict[str, Any] | None

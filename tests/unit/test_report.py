@@ -47,3 +47,30 @@ def test_report_files_exist_and_decode_and_tensorboard_reads_back(tmp_path: Path
     history = [row["val_loss"] for row in run.trainer.history]
     logged = [e.value for e in events.Scalars("epoch/val_loss")]  # stored as float32
     assert all(abs(a - b) < 1e-5 for a, b in zip(logged, history, strict=True))
+
+
+def test_the_report_a_finished_run_writes_says_finished_and_how_long() -> None:
+    """The report written at the end of every run said "running or killed" and time "-"
+    (it was written before run.json recorded the end), until `glassloop report` ran again."""
+    import tempfile
+
+    from cli_runner import run_glassloop
+
+    from glassloop.runs import summarise
+
+    for how in ("cli", "python"):
+        run_dir = Path(tempfile.mkdtemp()) / "run"
+        settings = ["data.name=synthetic", "model.hidden=[8]", "train.epochs=1",
+                    "train.progress=none"]  # fmt: skip
+        if how == "cli":
+            args = [arg for s in settings for arg in ("--set", s)]
+            assert run_glassloop("train", *args, "--run-dir", str(run_dir)).returncode == 0
+        else:
+            run = build(load_config(None, settings), run_dir=run_dir)
+            run.trainer.fit(run.train_loader, run.val_loader, epochs=1)
+        page = (run_dir / "report" / "index.html").read_text()
+        summary = summarise(run_dir)
+        assert summary is not None and summary.status == "finished"
+        facts = dict(re.findall(r"<tr><td>(status|time)</td><td>([^<]*)</td></tr>", page))
+        assert facts == {"status": "finished", "time": summary.duration}, (how, facts)
+        assert summary.duration != "-"
