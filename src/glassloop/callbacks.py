@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from glassloop.metrics import improves, monitor_mode
+from glassloop.best import improves, monitor_mode
 
 if TYPE_CHECKING:
     import torch

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import glassloop.fsdp as fsdp
+from glassloop.best import improves, monitor_mode
 from glassloop.checkpoint import (
     BEST,
     SHARDS,
@@ -48,7 +49,7 @@ from glassloop.checkpoint import (
 from glassloop.distributed import SINGLE, World, all_reduce, gather_objects
 from glassloop.errors import ConfigError, GlassloopError
 from glassloop.fsdp import ShardedState
-from glassloop.metrics import improves, is_number, monitor_mode
+from glassloop.metrics import is_number
 from glassloop.serialization import dotted, stable_repr
 
 

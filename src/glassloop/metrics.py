@@ -243,33 +243,3 @@ def format_report(
 def is_number(value: Any) -> bool:
     """A metric value: an int or float, not a bool (a row also holds strings and lists)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-# Words in a metric's name that mean "higher is better"; every other metric (losses, mae,
-# rmse, perplexity) is minimised.
-HIGHER_IS_BETTER = ("accuracy", "f1", "r2", "exact_match", "auroc", "precision", "recall")
-
-
-def monitor_mode(monitor: str, mode: str = "auto") -> str:
-    """``"max"`` or ``"min"``: which way ``monitor`` improves. ``"auto"`` maximises metrics
-    named like accuracy or F1 and minimises the rest (losses).
-
-    >>> monitor_mode("val_accuracy"), monitor_mode("val_loss"), monitor_mode("val_loss", "max")
-    ('max', 'min', 'max')
-    """
-    if mode == "auto":
-        return "max" if any(word in monitor for word in HIGHER_IS_BETTER) else "min"
-    if mode not in ("min", "max"):
-        raise ValueError(f"mode must be 'min', 'max' or 'auto', got {mode!r}")
-    return mode
-
-
-def improves(value: float, best: float | None, mode: str, min_delta: float = 0.0) -> bool:
-    """Whether ``value`` beats ``best`` by more than ``min_delta`` (the first value always does).
-
-    >>> improves(0.5, None, "min"), improves(0.5, 0.4, "min"), improves(0.5, 0.4, "max", 0.2)
-    (True, False, False)
-    """
-    if best is None:
-        return True
-    return value > best + min_delta if mode == "max" else value < best - min_delta

@@ -13,9 +13,9 @@ from glassloop.errors import GlassloopError
 
 if TYPE_CHECKING:
     import torch
+from glassloop.best import best_epoch
 from glassloop.metrics import format_report
 from glassloop.runs import read_epochs, read_json_object, read_rows, summarise
-from glassloop.summary import best_epoch
 
 
 def write_report(
@@ -127,7 +127,9 @@ def _html(
     config = read_json_object(run_dir / "config.json")
     last = rows[-1] if rows else {}
     summary = summarise(run_dir)
-    best = best_epoch(rows, (config.get("checkpoint") or {}).get("monitor", ""))
+    policy = config.get("checkpoint")
+    policy = policy if isinstance(policy, dict) else {}
+    best = best_epoch(rows, str(policy.get("monitor") or ""), str(policy.get("mode") or "auto"))
     facts = {
         "status": summary.status if summary else info.get("status"),
         "epochs": last.get("epoch"), "steps": last.get("step"),

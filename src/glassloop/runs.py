@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from glassloop.best import best_epoch, shown
 from glassloop.sinks import format_duration
 
 
@@ -47,10 +48,10 @@ def summarise(run_dir: Path) -> RunSummary | None:
         status,
         _count(info.get("step", last.get("step"))),
         _count(info.get("epoch", last.get("epoch"))),
-        best_metric(rows),
+        best_of(run_dir, rows),
         started,
         _duration(started, info.get("ended")),
-        best_metric(rows[-1:]).replace(f" (epoch {last.get('epoch')})", "") if rows else "-",
+        final_of(rows),
         error,
     )
 
@@ -103,13 +104,25 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def best_metric(rows: list[dict[str, Any]]) -> str:
-    for key, pick in (("val_accuracy", max), ("val_loss", min), ("train_loss", min)):
-        scored = [r for r in rows if isinstance(r.get(key), (int, float)) and "epoch" in r]
-        if scored:
-            best = pick(scored, key=lambda r: r[key])
-            value = f"{100 * best[key]:.2f}%" if key.endswith("accuracy") else f"{best[key]:.4f}"
-            return f"{key} {value} (epoch {best['epoch']})"
+def best_of(run_dir: Path, rows: list[dict[str, Any]]) -> str:
+    """The best epoch as :mod:`glassloop.best` defines it (the run's ``checkpoint.monitor``,
+    default val_loss), named: ``"val_loss 0.1735 (epoch 8)"``."""
+    policy = read_json_object(run_dir / "config.json").get("checkpoint")
+    policy = policy if isinstance(policy, dict) else {}
+    try:
+        best = best_epoch(rows, str(policy.get("monitor") or ""), str(policy.get("mode") or "auto"))
+    except ValueError:  # a mode no glassloop wrote
+        best = best_epoch(rows)
+    return f"{best[0]} {shown(best[0], best[1])} (epoch {best[2]})" if best else "-"
+
+
+def final_of(rows: list[dict[str, Any]]) -> str:
+    """The last epoch's headline number: val_accuracy, else val_loss, else train_loss."""
+    last = rows[-1] if rows else {}
+    for key in ("val_accuracy", "val_loss", "train_loss"):
+        value = last.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return f"{key} {100 * value:.2f}%" if key.endswith("accuracy") else f"{key} {value:.4f}"
     return "-"
 
 

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from glassloop.best import best_epoch, shown
 from glassloop.checkpoint import unwrap_model
 from glassloop.fsdp import class_name
-from glassloop.metrics import improves, monitor_mode
 
 if TYPE_CHECKING:
     from glassloop.loop import Trainer
@@ -101,38 +101,19 @@ def loss_note(loss_fn: Any, reduction: str) -> str | None:
     )
 
 
-def best_epoch(history: list[dict[str, Any]], monitor: str) -> tuple[str, float, int] | None:
-    """``(metric, value, epoch)`` of the best epoch by ``monitor`` (or val_loss, or
-    train_loss when there is no validation)."""
-    if not history:
-        return None
-    name = monitor or ("val_loss" if "val_loss" in history[-1] else "train_loss")
-    mode = monitor_mode(name)
-    best: tuple[str, float, int] | None = None
-    for row in history:
-        value = row.get(name)
-        number = isinstance(value, (int, float)) and math.isfinite(value)
-        if number and (best is None or improves(float(value), best[1], mode)):  # type: ignore[arg-type]
-            best = (name, float(value), int(row["epoch"]))  # type: ignore[arg-type]
-    return best
-
-
 def end_summary(trainer: Trainer, seconds: float, report: Path | None) -> str:
     history = trainer.history
     parts = [f"done in {seconds:.1f} s: {trainer.state.epoch} epochs, {trainer.state.step} steps"]
-    best = best_epoch(history, trainer.checkpointer.policy.monitor)
+    policy = trainer.checkpointer.policy
+    best = best_epoch(history, policy.monitor, policy.mode)
     if best is not None:
         name, value, epoch = best
-        parts.append(f"best {name} {_shown(name, value)} (epoch {epoch})")
+        parts.append(f"best {name} {shown(name, value)} (epoch {epoch})")
     last = history[-1] if history else {}
     if "val_accuracy" in last:
-        parts.append(f"final val_accuracy {_shown('val_accuracy', last['val_accuracy'])}")
+        parts.append(f"final val_accuracy {shown('val_accuracy', last['val_accuracy'])}")
     lines = ["; ".join(parts)]
     if trainer.run_dir is not None:
         where = f"weights: {trainer.run_dir / 'model.safetensors'}"
         lines.append(where + (f"; report: {report}" if report is not None else ""))
     return "\n".join(lines)
-
-
-def _shown(name: str, value: float) -> str:
-    return f"{100 * value:.2f}%" if name.endswith("accuracy") else f"{value:.4g}"

@@ -74,3 +74,28 @@ def test_the_report_a_finished_run_writes_says_finished_and_how_long() -> None:
         facts = dict(re.findall(r"<tr><td>(status|time)</td><td>([^<]*)</td></tr>", page))
         assert facts == {"status": "finished", "time": summary.duration}, (how, facts)
         assert summary.duration != "-"
+
+
+def test_best_means_checkpoint_monitor_everywhere(tmp_path: Path) -> None:
+    """The end summary and the report said best val_loss, `glassloop runs` best
+    val_accuracy, sometimes at different epochs."""
+    import json
+
+    from glassloop.best import best_epoch
+    from glassloop.runs import summarise
+
+    rows = [
+        {"kind": "epoch", "epoch": 1, "step": 5, "val_loss": 0.9, "val_accuracy": 0.5},
+        {"kind": "epoch", "epoch": 2, "step": 10, "val_loss": 0.6, "val_accuracy": 0.8},
+        {"kind": "epoch", "epoch": 3, "step": 15, "val_loss": 0.5, "val_accuracy": 0.7},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "run.json").write_text('{"status": "finished"}')
+    for monitor, epoch, shown in (("", 3, "val_loss 0.5 (epoch 3)"),
+                                  ("val_accuracy", 2, "val_accuracy 80.00% (epoch 2)")):  # fmt: skip
+        (tmp_path / "config.json").write_text(json.dumps({"checkpoint": {"monitor": monitor}}))
+        assert best_epoch(rows, monitor) is not None and best_epoch(rows, monitor)[2] == epoch  # type: ignore[index]
+        summary = summarise(tmp_path)
+        assert summary is not None and summary.best == shown
+        page = write_report(tmp_path, evaluation=None, class_names=None).read_text()
+        assert f"<td>best epoch</td><td>{epoch}: " in page
