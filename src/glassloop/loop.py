@@ -313,7 +313,7 @@ class Trainer:
                 "tutorial MLP in docs/benchmarks.md); 'bf16' is the CPU's mixed precision"
             )
         self.run_log.open(
-            step=self.state.step, has_val=val_loader is not None,
+            step=self.state.step, epoch=self.state.epoch, has_val=val_loader is not None,
             config=self.config or python_config(self), environment=self._environment,
         )  # fmt: skip
         self.console.info(start_header(self, train_loader, val_loader, epochs))

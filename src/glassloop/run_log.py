@@ -98,10 +98,12 @@ class RunLog:
             lock.release()
 
     def open(
-        self, *, step: int, has_val: bool, config: dict[str, Any], environment: dict[str, Any]
-    ) -> None:
+        self, *, step: int, epoch: int = 0, has_val: bool, config: dict[str, Any],
+        environment: dict[str, Any],
+    ) -> None:  # fmt: skip
         """Write config.json and run.json ("running") and open the metric files; a resumed
-        run (``step`` > 0) keeps its rows up to ``step`` and appends."""
+        run (``step`` > 0) keeps its rows up to ``step`` (epoch rows up to ``epoch``, the
+        epochs it finished) and appends."""
         if not self.active:
             return
         assert self.run_dir is not None
@@ -114,7 +116,7 @@ class RunLog:
         self._started = earlier if isinstance(earlier, str) else _now()
         try:
             if not fresh:  # rows a killed process wrote after its last checkpoint go
-                truncate_rows(self.run_dir, step)
+                truncate_rows(self.run_dir, step, epoch)
             write_json(self.run_dir / "config.json", config)
             write_json(
                 self.run_dir / "run.json",

@@ -261,35 +261,49 @@ class TensorBoardSink:
         self._writer.close()
 
 
-def truncate_rows(run_dir: Path, max_step: int) -> None:
-    """Drop metric rows written after ``max_step`` (by a run that died after its last
-    checkpoint), so that a resumed run's files hold each step once."""
+def truncate_rows(run_dir: Path, max_step: int, max_epoch: int) -> None:
+    """Drop metric rows written after the checkpoint a run resumes from (by a run that died
+    after it): rows of a later step, and epoch rows of an epoch it had not finished (an
+    epoch's row has the step of the checkpoint taken at its last batch, before the epoch's
+    end was recorded). A resumed run's files then hold each step and each epoch once."""
     for name in ("metrics.jsonl", "metrics.csv"):
         path = run_dir / name
         if not path.is_file():
             continue
         lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
         if name.endswith(".jsonl"):
-            kept = [line for line in lines if _jsonl_step(line) <= max_step]
+            kept = [line for line in lines if _keep(_jsonl_row(line), max_step, max_epoch)]
         else:
             header, rows = lines[:1], lines[1:]
             reader = csv.DictReader(header + rows)
             kept = header + [
-                line for line, row in zip(rows, reader, strict=True) if _row_step(row) <= max_step
+                line
+                for line, row in zip(rows, reader, strict=True)
+                if _keep(row, max_step, max_epoch)
             ]
         with atomic_path(path) as tmp:
             tmp.write_text("".join(kept), encoding="utf-8")
 
 
-def _jsonl_step(line: str) -> int:
+def _jsonl_row(line: str) -> dict[str, Any] | None:
     try:
-        return _row_step(json.loads(line))
-    except ValueError:  # a line cut short by a kill: drop it
-        return 2**62
+        row = json.loads(line)
+    except ValueError:  # a line cut short by a kill: dropped
+        return None
+    return row if isinstance(row, dict) else None
 
 
-def _row_step(row: dict[str, Any]) -> int:
+def _keep(row: dict[str, Any] | None, max_step: int, max_epoch: int) -> bool:
+    if row is None:
+        return False
+    number = _number(row, "step")
+    if row.get("kind") == "epoch":
+        return number <= max_step and _number(row, "epoch") <= max_epoch
+    return number <= max_step
+
+
+def _number(row: dict[str, Any], key: str) -> int:
     try:
-        return int(row["step"])
+        return int(row[key])
     except (KeyError, TypeError, ValueError):
         return 0

@@ -417,3 +417,37 @@ def test_a_resumed_epochs_progress_starts_where_it_stopped(tmp_path: Path) -> No
     resumed.console.epoch_start = spy  # type: ignore[method-assign]
     resumed.fit(make_loader(dataset(), batch_size=16, shuffle=True), epochs=2, resume="auto")
     assert starts == [(2, 64)]
+
+
+def metric_rows(run: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in ("seconds", "samples_per_s")} for r in rows]
+
+
+def test_a_kill_between_an_epochs_row_and_its_checkpoint_leaves_one_row_per_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint at an epoch's last step comes before its epoch row; a kill after the
+    row but before the epoch's own checkpoint resumed from the first and wrote the epoch's
+    row again (weights bitwise, two rows for epoch 1)."""
+    from glassloop.checkpointer import Checkpointer
+
+    options = {"checkpoint": {"every_n_steps": 3}, "log_every": 1}
+    straight = make(tmp_path / "straight", **options)
+    straight.fit(user_loader(), epochs=2)
+    save = Checkpointer.save
+
+    def dies_at_epoch_1s_end(self: Checkpointer, model: Any, state: Any, meta: Any, *a: Any) -> Any:
+        if meta["epoch"] == 1 and meta["batch_in_epoch"] == 0:  # the epoch's own checkpoint
+            raise Kill
+        return save(self, model, state, meta, *a)
+
+    monkeypatch.setattr(Checkpointer, "save", dies_at_epoch_1s_end)
+    with pytest.raises(Kill):
+        make(tmp_path / "run", **options).fit(user_loader(), epochs=2)
+    monkeypatch.setattr(Checkpointer, "save", save)
+    assert [r["epoch"] for r in metric_rows(tmp_path / "run") if r["kind"] == "epoch"] == [1]
+    resumed = make(tmp_path / "run", **options)
+    resumed.fit(user_loader(), epochs=2, resume="auto")
+    assert_same(weights(resumed), weights(straight))
+    assert metric_rows(tmp_path / "run") == metric_rows(tmp_path / "straight")
