@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from glassloop.errors import DataError
@@ -141,21 +142,45 @@ class MultilabelSums(Sums):
 
 class RegressionSums(Sums):
     """Predictions against targets of the same shape ``[N, ...]``: ``mae``, ``rmse`` and
-    ``r2`` (per output, averaged over outputs: scikit-learn's ``uniform_average``)."""
+    ``r2`` (per output, averaged over outputs: scikit-learn's ``uniform_average``).
+
+    The targets' sums are kept around a shift (the first batch's mean): one-pass sums of
+    targets near 1e6 +- 1 lose R2's fourth digit (0.910511 for scikit-learn's 0.910623)
+    and near 1e8 all of it; around the shift they are exact to float64."""
 
     def __init__(self, num_outputs: int, device: torch.device) -> None:
         shape = (num_outputs,)
         super().__init__(device, abs=shape, sq=shape, y=shape, y2=shape, n=())
+        self.shift: torch.Tensor | None = None
 
     def update(self, prediction: torch.Tensor, target: torch.Tensor) -> None:
         p = prediction.detach().reshape(prediction.shape[0], -1).double()
         y = target.reshape(target.shape[0], -1).double()
+        if self.shift is None:
+            self.shift = y.mean(0)
         error = p - y
+        centred = y - self.shift
         self.sums["abs"] += error.abs().sum(0)
         self.sums["sq"] += error.square().sum(0)
-        self.sums["y"] += y.sum(0)
-        self.sums["y2"] += y.square().sum(0)
+        self.sums["y"] += centred.sum(0)
+        self.sums["y2"] += centred.square().sum(0)
         self.sums["n"] += p.shape[0]
+
+    def all_reduce(self) -> None:
+        """Each process's sums moved to one common shift (the mean of theirs), then added."""
+        from glassloop.distributed import all_reduce
+
+        y = self.sums["y"]
+        own = self.shift if self.shift is not None else torch.zeros_like(y)
+        has_data = float(self.shift is not None)
+        shifts = all_reduce(torch.cat([own * has_data, own.new_tensor([has_data])]).cpu())
+        common = (shifts[:-1] / shifts[-1].clamp(min=1)).to(y.device)
+        moved = own - common  # sum((t - c)^2) = sum((t - s)^2) + 2 (s - c) sum(t - s) + n (s - c)^2
+        n = self.sums["n"]
+        self.sums["y2"] = self.sums["y2"] + 2 * moved * y + n * moved.square()
+        self.sums["y"] = y + n * moved
+        self.shift = common
+        super().all_reduce()
 
     def compute(self) -> dict[str, Any]:
         n = float(self.sums["n"])
@@ -176,17 +201,19 @@ def classification_report(confusion: torch.Tensor) -> dict[str, dict[str, float]
     """Per-class precision, recall, F1 and support, plus macro and weighted averages.
 
     Equal to ``sklearn.metrics.classification_report(y_true, y_pred,
-    labels=range(C), output_dict=True, zero_division=0)`` (keys ``"0"``..``"C-1"``).
+    labels=range(C), output_dict=True, zero_division=0)`` (keys ``"0"``..``"C-1"``), to the
+    last bit: the same float64 operations in the same order (numpy's ``mean`` and
+    ``average``, as scikit-learn's averages; a tensor sum adds in another order).
     """
-    cm = confusion.to(torch.float64)
-    tp = cm.diag()
-    support = cm.sum(dim=1)
-    predicted = cm.sum(dim=0)
-    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), 0.0)
-    recall = torch.where(support > 0, tp / support.clamp(min=1), 0.0)
-    # 2TP / (2TP + FP + FN), the form scikit-learn uses, so the numbers agree to the last bit.
+    cm = confusion.to(torch.float64).cpu().numpy()
+    tp = cm.diagonal()
+    support = cm.sum(axis=1)
+    predicted = cm.sum(axis=0)
+    precision = np.where(predicted > 0, tp / np.maximum(predicted, 1), 0.0)
+    recall = np.where(support > 0, tp / np.maximum(support, 1), 0.0)
+    # 2TP / (2TP + FP + FN), the form scikit-learn uses.
     f1_denom = support + predicted
-    f1 = torch.where(f1_denom > 0, 2 * tp / f1_denom.clamp(min=1), 0.0)
+    f1 = np.where(f1_denom > 0, 2 * tp / np.maximum(f1_denom, 1), 0.0)
     total = float(support.sum())
     report: dict[str, dict[str, float]] = {}
     for c in range(cm.shape[0]):
@@ -196,17 +223,17 @@ def classification_report(confusion: torch.Tensor) -> dict[str, dict[str, float]
             "f1-score": float(f1[c]),
             "support": float(support[c]),
         }
-    weights = support / total
     report["macro avg"] = {
-        "precision": float(precision.mean()),
-        "recall": float(recall.mean()),
-        "f1-score": float(f1.mean()),
+        "precision": float(np.average(precision)),
+        "recall": float(np.average(recall)),
+        "f1-score": float(np.average(f1)),
         "support": total,
     }
+    weights = support if total else None  # (no samples: numpy refuses all-zero weights)
     report["weighted avg"] = {
-        "precision": float((precision * weights).sum()),
-        "recall": float((recall * weights).sum()),
-        "f1-score": float((f1 * weights).sum()),
+        "precision": float(np.average(precision, weights=weights)),
+        "recall": float(np.average(recall, weights=weights)),
+        "f1-score": float(np.average(f1, weights=weights)),
         "support": total,
     }
     return report
