@@ -1,4 +1,5 @@
-"""Choosing the device and moving a batch (tensor, tuple, list or dict of tensors) onto it."""
+"""Choosing the device and moving a batch (tensors in any nesting of tuples, lists, dicts,
+namedtuples and dataclasses) onto it."""
 
 from __future__ import annotations
 
@@ -41,21 +42,33 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in ``batch`` to ``device``; other values pass through unchanged.
+    """Move every tensor in ``batch`` to ``device``, keeping every container's type
+    (namedtuples, dataclasses, ``Mapping`` types such as a tokenizer's ``BatchEncoding``);
+    other values pass through unchanged.
 
-    Pinned tensors are copied with ``non_blocking=True`` so the copy overlaps compute.
+    Pinned tensors are copied with ``non_blocking=True`` so the copy overlaps compute. Plain
+    tuples, lists and dicts (what loaders yield) take a short path; anything else goes
+    through ``lightning_utilities.apply_to_collection``.
 
-    >>> move_to_device({"x": torch.zeros(2)}, torch.device("cpu"))["x"].device.type
-    'cpu'
+    >>> from collections import namedtuple
+    >>> Pair = namedtuple("Pair", "x y")
+    >>> moved = move_to_device(Pair(torch.zeros(2), 1), torch.device("cpu"))
+    >>> type(moved).__name__, moved.x.device.type
+    ('Pair', 'cpu')
     """
-    if isinstance(batch, torch.Tensor):
+    kind = type(batch)
+    if kind is torch.Tensor or isinstance(batch, torch.Tensor):
         if batch.device == device:
             return batch
         return batch.to(device, non_blocking=batch.is_pinned())
-    if isinstance(batch, tuple):
+    if kind is tuple:
         return tuple(move_to_device(item, device) for item in batch)
-    if isinstance(batch, list):
+    if kind is list:
         return [move_to_device(item, device) for item in batch]
-    if isinstance(batch, dict):
+    if kind is dict:
         return {key: move_to_device(value, device) for key, value in batch.items()}
-    return batch
+    if isinstance(batch, (str, bytes, int, float, bool)) or batch is None:
+        return batch
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    return apply_to_collection(batch, torch.Tensor, move_to_device, device)

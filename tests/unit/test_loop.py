@@ -255,3 +255,40 @@ def test_progress_auto_bar_on_a_terminal_lines_into_a_redirected_stdout() -> Non
     assert resolve_progress("auto", Stream(True), Stream(True)) == (True, False)  # a terminal
     assert resolve_progress("auto", Stream(False), Stream(False)) == (False, True)  # CI
     assert resolve_progress("lines", Stream(True), Stream(True)) == (False, True)
+
+
+def test_namedtuple_and_dataclass_batches_keep_their_type_and_move_every_tensor() -> None:
+    """Namedtuples came back as plain tuples and a dataclass's tensors were never moved
+    (on a GPU a device-mismatch error at best). The meta device stands in for a GPU."""
+    from collections import namedtuple
+    from dataclasses import dataclass, field
+
+    from glassloop.device import move_to_device
+
+    Pair = namedtuple("Pair", "x y")
+
+    @dataclass
+    class Batch:
+        x: torch.Tensor
+        mask: torch.Tensor
+        name: str = "b"
+        extra: dict[str, Any] = field(default_factory=dict)
+
+    meta = torch.device("meta")
+    pair = move_to_device(Pair(torch.zeros(2), torch.ones(2)), meta)
+    assert type(pair) is Pair and pair.x.device == meta and pair.y.device == meta
+    batch = move_to_device(
+        Batch(torch.zeros(2), torch.ones(2), extra={"t": [torch.zeros(1)]}), meta
+    )
+    assert type(batch) is Batch and batch.name == "b"
+    assert (
+        batch.x.device == meta and batch.mask.device == meta and batch.extra["t"][0].device == meta
+    )
+    # And a namedtuple batch trains like a tuple: the last field is the target.
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                      device="cpu", progress="none")  # fmt: skip
+    history = trainer.fit([Pair(x[:4], y[:4]), Pair(x[4:], y[4:])], epochs=1)
+    assert history[0]["step"] == 2
