@@ -380,6 +380,8 @@ class Trainer:
                     micro = []
             if micro:  # the epoch's last, partial accumulation window
                 self._step_window(micro)
+            if self.limit_batches and hasattr(train_loader, "finish_epoch"):
+                train_loader.finish_epoch()  # a limited epoch is the first N of its order
         except (RuntimeError, IndexError, ValueError) as err:
             explained = explain(err, batch, state)
             if explained is err:
@@ -797,6 +799,7 @@ class Trainer:
         """:meth:`evaluate` between the validation hooks of the callbacks."""
         for callback in self.callbacks:
             callback.on_validation_start(self)
+        original = loader
         if self.limit_batches:
             count = min(len(loader), self.limit_batches) if isinstance(loader, Sized) else None
             loader = itertools.islice(loader, self.limit_batches)
@@ -807,6 +810,8 @@ class Trainer:
                 own = self.loss_fn is None
                 loader = fsdp.even_batches(loader, count, self.model, self.device, own)
         metrics = self.evaluate(loader)
+        if self.limit_batches and hasattr(original, "finish_epoch"):
+            original.finish_epoch()  # the next validation starts at the first batch again
         for callback in self.callbacks:
             callback.on_validation_end(self, metrics)
         return metrics

@@ -292,3 +292,45 @@ def test_namedtuple_and_dataclass_batches_keep_their_type_and_move_every_tensor(
                       device="cpu", progress="none")  # fmt: skip
     history = trainer.fit([Pair(x[:4], y[:4]), Pair(x[4:], y[4:])], epochs=1)
     assert history[0]["step"] == 2
+
+
+@pytest.mark.parametrize("workers", [False, True], ids=["in-memory", "resumable"])
+def test_limit_batches_takes_the_first_batches_of_every_epochs_order(workers: bool) -> None:
+    """glassloop's loaders counted the batches they yielded and reset only at an epoch's
+    end, and the loop cut them: epoch 1 validated on batches 0-2, epoch 2 on 3-5, epoch 3
+    stopped with "the evaluation set is empty"; training epoch k took batches 3k..3k+2 of
+    the first epoch's order."""
+    from glassloop.data import make_loader
+
+    seen: dict[str, list[list[float]]] = {"train": [], "val": []}
+
+    class Recorder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(1, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen["train" if self.training else "val"].append(x[:, 0].tolist())
+            out: torch.Tensor = self.linear(x)
+            return out
+
+    x = torch.arange(40, dtype=torch.float32)[:, None]
+    y = torch.zeros(40, dtype=torch.long)
+    options = {"num_workers": 1} if workers else {}
+
+    def loader(shuffle: bool) -> Any:
+        return make_loader((x, y), batch_size=4, shuffle=shuffle, seed=3, **options)
+
+    class Unchecked(Trainer):
+        def check_first_batch(self, inputs: Any, target: Any) -> None:
+            pass  # (its eval-mode forward would be recorded as a validation batch)
+
+    model = Recorder()
+    trainer = Unchecked(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                        device="cpu", progress="none", limit_batches=3)  # fmt: skip
+    trainer.fit(loader(True), loader(False), epochs=4)
+    full = loader(True)
+    orders = [[b[0][:, 0].tolist() for b in full] for _ in range(4)]  # epochs 1-4, whole
+    assert seen["train"] == [batch for order in orders for batch in order[:3]]
+    first_val = [b[0][:, 0].tolist() for b in loader(False)][:3]
+    assert seen["val"] == first_val * 4

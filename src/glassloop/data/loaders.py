@@ -126,6 +126,16 @@ class LoaderPosition:
         self.epoch = int(state["epoch"])
         self.batches_consumed = int(state["batches_consumed"])
 
+    def finish_epoch(self) -> None:
+        """End an epoch the loop stopped early (``limit_batches``): the next iteration starts
+        the next epoch's order at its first batch, as after a full epoch (an epoch that ran
+        to its end is already finished: nothing changes). Without it a cut epoch resumed
+        where it stopped: limited epochs walked through the first epoch's order and
+        validation through the validation set, until it came up empty."""
+        if self.batches_consumed:
+            self.epoch += 1
+            self.batches_consumed = 0
+
 
 class ResumableLoader(LoaderPosition):
     """A ``DataLoader`` whose position (epoch, batches consumed) is a ``state_dict``.
