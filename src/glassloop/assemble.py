@@ -32,7 +32,7 @@ from glassloop.device import resolve_device
 from glassloop.distributed import SINGLE, World, init_from_env, local_device
 from glassloop.loop import Trainer
 from glassloop.losses import build_loss
-from glassloop.models import build_model
+from glassloop.models import build_model, target_scale_of
 from glassloop.optimizers import build_optimizer, build_scheduler, schedule_span
 from glassloop.rng import seed_everything
 
@@ -160,7 +160,15 @@ def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
         )  # fmt: skip
     else:
         data = load_splits(cfg.data, task)
-        model = build_model(cfg.model, data.input_shape, data.num_classes)
+        if cfg.data.standardize_targets:
+            if task != "regression":
+                raise ConfigError(
+                    f"config: data.standardize_targets is for a regression (loss.name 'mse', "
+                    f"'l1', 'huber', 'smooth_l1'); this run's task is {task}"
+                )
+            standardize_targets(data)
+        scale = target_scale_of(data.preprocessing)
+        model = build_model(cfg.model, data.input_shape, data.num_classes, target_scale=scale)
         train_loader, val_loader = loaders_for_splits(
             data,
             batch_size=cfg.data.batch_size,
@@ -176,6 +184,41 @@ def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
         cfg.loss, num_outputs=data.num_classes, ignore_index=cfg.train.ignore_index
     )
     return Parts(cfg, data, train_loader, val_loader, model, loss_fn.to(device), device, task)
+
+
+def standardize_targets(data: Splits) -> None:
+    """Record the training targets' mean and std per output in ``data.preprocessing`` (the
+    model learns them standardised: :class:`glassloop.models.TargetScale`; the data itself
+    is not changed)."""
+    y = data.y_train.double().reshape(len(data.y_train), -1)
+    std = y.std(dim=0, unbiased=False)
+    std[std == 0] = 1.0  # a constant target: nothing to scale
+    data.preprocessing["target_mean"] = y.mean(dim=0).tolist()
+    data.preprocessing["target_std"] = std.tolist()
+
+
+def target_scale_note(data: Splits | TextData | DiskData, task: str) -> str | None:
+    """One line when a regression's targets are far from standardised and nothing
+    standardises them (a fresh model outputs values near 0)."""
+    if task != "regression" or not isinstance(data, Splits):
+        return None
+    if "target_mean" in data.preprocessing or not len(data.y_train):
+        return None
+    y = data.y_train.double().reshape(len(data.y_train), -1)
+    mean, std = y.mean(dim=0), y.std(dim=0, unbiased=False)
+    if bool(((mean.abs() <= 3 * std.clamp(min=1e-12)) & (std < 10) & (std > 0.1)).all()):
+        return None
+    return (
+        f"warning: the regression targets have mean {fmt_values(mean)} and std "
+        f"{fmt_values(std)}, far from a fresh model's outputs (near 0, unit scale): it spends "
+        "its first epochs reaching them; data.standardize_targets = true learns them "
+        "standardised (every number stays in the targets' units)"
+    )
+
+
+def fmt_values(values: torch.Tensor) -> str:
+    shown = ", ".join(f"{v:.4g}" for v in values.tolist()[:4])
+    return shown + (", ..." if len(values) > 4 else "")
 
 
 def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
@@ -246,4 +289,6 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
             f"{cfg.data.batch_size} per process x {world.size} process(es) x "
             f"{t.grad_accum_steps} accumulation step(s)"
         )
+    if (note := target_scale_note(data, parts.task)) is not None:
+        trainer.console.message(note)
     return Run(cfg, data, train_loader, val_loader, trainer)

@@ -93,6 +93,7 @@ class DataConfig:
     bucket_by_length: bool = True  # text-csv: batches of similar lengths (less padding)
     augment: list[str] = field(default_factory=list)  # images, training: "hflip", "crop"
     normalize: bool = True  # images: standardise per channel; false: pixels in [0, 1] only
+    standardize_targets: bool = False  # regression: learn (y - mean) / std, report y's units
     batch_size: int = 64
     eval_batch_size: int = 0  # 0: same as batch_size
     shuffle: bool = True

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from glassloop.assemble import Parts, build_parts
+from glassloop.assemble import Parts, build_parts, target_scale_note
 from glassloop.batch import split_batch
 from glassloop.config import Config
 from glassloop.data.splits import Splits
@@ -206,6 +206,17 @@ def check_modes(model: nn.Module, batch: Any, device: torch.device) -> Check:
     )
 
 
+def check_target_scale(run: Parts) -> Check:
+    """A regression's targets against what a fresh model outputs (values near 0)."""
+    note = target_scale_note(run.data, run.task)
+    if note is None:
+        scaled = isinstance(run.data, Splits) and "target_mean" in run.data.preprocessing
+        return Check("target scale", "PASS", "the model learns standardised targets." if scaled
+                     else "targets are near a fresh model's outputs (mean within 3 std, "
+                     "std between 0.1 and 10).")  # fmt: skip
+    return Check("target scale", "WARN", note.removeprefix("warning: ") + ".")
+
+
 def check_overfit(run: Parts, batch: Any, device: torch.device, steps: int) -> Check:
     model = copy.deepcopy(run.model).to(device).train()
     optimizer = torch.optim.Adam(
@@ -231,6 +242,14 @@ def check_overfit(run: Parts, batch: Any, device: torch.device, steps: int) -> C
             "PASS",
             f"loss {first:.3f} -> {last:.4f} in {step + 1} "
             "steps on one batch: the model can learn.",
+        )
+    if target_scale_note(run.data, run.task) is not None:  # the likelier cause: say so
+        return Check(
+            "overfit one batch",
+            "FAIL",
+            f"loss {first:.3f} -> {last:.3f} after {steps} steps on a single batch: the "
+            "targets' scale is the likely cause (see 'target scale'): set "
+            "data.standardize_targets = true, then look at the model and the loss.",
         )
     return Check(
         "overfit one batch",
@@ -273,6 +292,8 @@ def run_doctor(cfg: Config, *, output: Path | None = None, overfit_steps: int = 
     if classifier:  # class labels, their balance, the logits: only a classifier has them
         checks += [check_labels(run, classes), check_balance(run, classes)]
     checks += check_inputs(run)
+    if run.task == "regression":
+        checks.append(check_target_scale(run))
     if classifier:
         checks.append(check_softmax(output_eval))
     labels_ok = not classifier or checks[0].status != "FAIL"

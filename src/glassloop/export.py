@@ -36,7 +36,7 @@ from glassloop.checkpoint import (
 )
 from glassloop.config import ModelConfig, from_dict
 from glassloop.errors import ConfigError, ModelError
-from glassloop.models import build_model, data_kwargs
+from glassloop.models import build_model, data_kwargs, target_scale_of
 from glassloop.tasks import TASK_ATTRIBUTE, TASKS
 
 ModelClass = Callable[..., nn.Module]
@@ -211,6 +211,7 @@ def model_from(
         build: dict[str, Any] = {
             "input_shape": tuple(spec["input_shape"]), "num_classes": spec["num_classes"],
             "vocab_size": int(spec.get("vocab_size", 0)), "pad_id": int(spec.get("pad_id", 0)),
+            "target_scale": target_scale_of(spec.get("preprocessing") or {}),
         }  # fmt: skip
         if not cfg.target:
             # Shapes first, on the meta device (no memory): a description that does not

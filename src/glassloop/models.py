@@ -161,6 +161,32 @@ def data_kwargs(
     return {**{k: v for k, v in known.items() if k in accepted and k not in kwargs}, **kwargs}
 
 
+class TargetScale(nn.Module):
+    """A regression model that learns standardised targets (``data.standardize_targets``):
+    ``inner`` predicts ``(y - mean) / std`` and this module returns ``y``, in the targets'
+    own units, so a fresh model starts at the targets' mean and scale while every loss,
+    metric and prediction stays in those units. ``mean``/``std`` (per output, from the
+    training split) are buffers: they travel in the weights file.
+
+    >>> scaled = TargetScale(nn.Linear(2, 1, bias=False), [150.0], [80.0])
+    >>> _ = nn.init.zeros_(scaled.inner.weight)
+    >>> scaled(torch.zeros(1, 2)).item()
+    150.0
+    """
+
+    def __init__(self, inner: nn.Module, mean: list[float], std: list[float]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.target_mean: torch.Tensor
+        self.target_std: torch.Tensor
+        self.register_buffer("target_mean", torch.tensor(mean, dtype=torch.float32))
+        self.register_buffer("target_std", torch.tensor(std, dtype=torch.float32))
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out: torch.Tensor = self.inner(*args, **kwargs)
+        return out * self.target_std + self.target_mean
+
+
 def build_model(
     cfg: ModelConfig,
     input_shape: tuple[int, ...],
@@ -168,9 +194,30 @@ def build_model(
     *,
     vocab_size: int = 0,
     pad_id: int = 0,
+    target_scale: tuple[list[float], list[float]] | None = None,
 ) -> nn.Module:
     """The model the config names, for data of ``input_shape`` with ``num_classes`` classes
-    (and, for text, a vocabulary of ``vocab_size`` tokens)."""
+    (and, for text, a vocabulary of ``vocab_size`` tokens); with ``target_scale`` (mean and
+    std per output) inside a :class:`TargetScale`."""
+    model = _build(cfg, input_shape, num_classes, vocab_size=vocab_size, pad_id=pad_id)
+    return TargetScale(model, *target_scale) if target_scale is not None else model
+
+
+def target_scale_of(preprocessing: dict[str, Any]) -> tuple[list[float], list[float]] | None:
+    """The targets' mean and std a run standardised them with (``None``: it did not)."""
+    if "target_mean" not in preprocessing:
+        return None
+    return list(preprocessing["target_mean"]), list(preprocessing["target_std"])
+
+
+def _build(
+    cfg: ModelConfig,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    *,
+    vocab_size: int = 0,
+    pad_id: int = 0,
+) -> nn.Module:
     if cfg.target:
         factory = import_target(cfg.target)
         try:
