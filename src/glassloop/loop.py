@@ -429,8 +429,8 @@ class Trainer:
         local = sum(sizes)
         self.console.advance(local, self.record)
         if loss is not None:  # None: skipped, nothing learned, no step counted
-            if self.loss_reduction == "sum":  # reported per sample
-                loss = loss / window.samples
+            if self.loss_reduction == "sum":  # reported per sample (float64: no rounding)
+                loss = loss.double() / window.samples
             # Kept on the device (no host sync per step), weighted by this process's share
             # of the step's samples.
             self.record.add_step(loss, local, window.samples / self.world.size)
@@ -680,7 +680,8 @@ class Trainer:
         loader = self._train_loader
         return {
             **{name: part.state_dict() if part is not None else None for name, part in parts},
-            **self.record.state_dict(),  # the epoch's losses so far, its RNG, the history
+            # The epoch's losses so far (every process's: a collective), its RNG, the history.
+            **self.record.state_dict(self.world),
             "callbacks": [
                 cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.callbacks
             ],
@@ -697,7 +698,7 @@ class Trainer:
             saved = state[name]  # missing: a KeyError, reported as "does not fit"
             if part is not None and saved is not None:
                 part.load_state_dict(saved)
-        self.record.load_state_dict(state, self.device)
+        self.record.load_state_dict(state, self.device, self.world)
         for callback, saved in zip(self.callbacks, state["callbacks"], strict=False):
             if saved is not None and hasattr(callback, "load_state_dict"):
                 callback.load_state_dict(saved)

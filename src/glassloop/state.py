@@ -95,20 +95,34 @@ class EpochRecord:
             sums = all_reduce(sums)
         return float(sums[0] / sums[1]), int(sums[2])
 
-    def state_dict(self) -> dict[str, Any]:
+    def _steps(self) -> dict[str, Any]:
         return {
-            "epoch_losses": torch.stack(self.losses) if self.losses else None,
+            "epoch_losses": torch.stack(self.losses).cpu() if self.losses else None,
             "epoch_sizes": list(self.sizes),
             "epoch_weights": list(self.weights),
-            "epoch_rng": self.epoch_rng,
-            "history": self.history,
         }
 
-    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
-        losses = state["epoch_losses"]
+    def state_dict(self, world: World | None = None) -> dict[str, Any]:
+        """This epoch's steps so far (with several processes every process's: each holds
+        its own share of every step's loss; a collective then), its RNG and the history."""
+        state = {**self._steps(), "epoch_rng": self.epoch_rng, "history": self.history}
+        if world is not None and world.distributed:
+            from glassloop.distributed import gather_objects
+
+            state["epoch_per_rank"] = gather_objects(self._steps())
+        return state
+
+    def load_state_dict(
+        self, state: dict[str, Any], device: torch.device, world: World | None = None
+    ) -> None:
+        steps = state
+        per_rank = state.get("epoch_per_rank") or []
+        if world is not None and len(per_rank) == world.size:  # this process's own steps
+            steps = per_rank[world.rank]
+        losses = steps["epoch_losses"]
         self.losses = list(losses.to(device).unbind()) if losses is not None else []
-        self.sizes = [int(n) for n in state["epoch_sizes"]]
+        self.sizes = [int(n) for n in steps["epoch_sizes"]]
         # (checkpoints written before weights were kept: each step weighed its samples)
-        self.weights = [float(w) for w in state.get("epoch_weights", self.sizes)]
+        self.weights = [float(w) for w in steps.get("epoch_weights", self.sizes)]
         self.epoch_rng = state.get("epoch_rng")
         self.history = list(state["history"])

@@ -1,0 +1,247 @@
+"""Every number glassloop reports is right, not only the weights: for each task
+(classification; BCELoss on probabilities; multilabel; regression far from zero; a language
+model with its own shifted loss; a loss that sums over its batch, accumulated) x {1 process,
+2 processes} x {uninterrupted; killed with SIGKILL mid-epoch or at an epoch boundary and
+resumed in a new process} x {glassloop's loader, a shuffling DataLoader, a DataLoader with its
+own generator}, every epoch row, every step row, "best", ``evaluate`` and ``predict`` equal an
+independent computation in plain PyTorch and scikit-learn written here, and the final weights
+equal the hand-written loop's (bitwise in one process).
+
+By default a diagonal of the matrix runs (every value of every axis at least once, ~1 min);
+the whole matrix (~10 min): ``GLASSLOOP_MATRIX=full .venv/bin/pytest tests/integration/test_every_number.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from matrix_runs import (
+    BATCH,
+    EPOCHS,
+    LOADERS,
+    TASKS,
+    accumulation,
+    data,
+    loaders,
+    model_and_loss,
+)
+from safetensors.torch import load_file
+from sklearn import metrics as skm
+
+from glassloop.runs import read_rows, summarise
+
+SCRIPT = Path(__file__).with_name("matrix_runs.py")
+# 88 training samples in global batches of 16: 6 steps per epoch (3 with 2 micro-batches).
+KILLS = {"none": None, "mid-epoch": (4, 5), "epoch-boundary": (7, 4)}  # (accum 1, accum 2)
+DIAGONAL = [
+    ("classification", "generator", "mid-epoch", 1),
+    ("bce", "dataloader", "none", 1),
+    ("multilabel", "glassloop", "epoch-boundary", 1),
+    ("regression", "glassloop", "none", 2),
+    ("lm", "glassloop", "mid-epoch", 1),
+    ("sum", "generator", "epoch-boundary", 1),
+    ("sum", "glassloop", "mid-epoch", 2),
+]
+FULL = [
+    (task, kind, kill, procs)
+    for task, kill in itertools.product(TASKS, KILLS)
+    for kind, procs in [*((k, 1) for k in LOADERS), ("glassloop", 2)]
+]
+CASES = FULL if os.environ.get("GLASSLOOP_MATRIX") == "full" else DIAGONAL
+
+
+def run_script(run: Path, task: str, kind: str, procs: int, *extra: str) -> int:
+    """One glassloop run in a new process (torchrun for two); its exit code."""
+    args = [str(SCRIPT), task, kind, str(run), *extra]
+    if procs > 1:
+        args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", *args]
+    done = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=300, check=False,
+        start_new_session=True,  # (a kill of the group on timeout leaves no worker behind)
+    )  # fmt: skip
+    if done.returncode not in (0, -9) and "--kill-at" not in extra:
+        raise AssertionError(done.stderr[-3000:])
+    return done.returncode
+
+
+# ------------------------------------------------------------------ the independent reference
+def hand_run(task: str, kind: str) -> dict[str, Any]:
+    """The same training as a plain loop, and every number computed from its tensors."""
+    model, loss_fn = model_and_loss(task)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train, val = loaders(task, kind)
+    accum = accumulation(task)
+    history: list[dict[str, Any]] = []
+    step_losses: list[float] = []
+    steps = samples = 0
+    for epoch in range(1, EPOCHS + 1):
+        model.train()
+        total = 0.0
+        seen = 0
+        batches = list(train)
+        for start in range(0, len(batches), accum):
+            window = batches[start : start + accum]
+            window_total = 0.0
+            for x, y in window:
+                loss = own_loss(model, x, y) if loss_fn is None else loss_fn(model(x), y)
+                loss.backward()
+                per = float(loss.detach()) * (1 if task == "sum" else len(x))
+                window_total += per
+            optimizer.step()
+            optimizer.zero_grad()
+            n = sum(len(x) for x, _ in window)
+            steps, samples, seen, total = steps + 1, samples + n, seen + n, total + window_total
+            step_losses.append(window_total / n)
+        row = {"epoch": epoch, "step": steps, "samples": samples, "train_loss": total / seen}
+        row.update({f"val_{k}": v for k, v in hand_evaluate(task, model, loss_fn, val).items()})
+        row["lr"] = 1e-2
+        history.append(row)
+    model.eval()
+    with torch.no_grad():
+        output = model(data(task)[2])
+    logits = output["logits"] if isinstance(output, dict) else output
+    predicted = {
+        "classification": lambda o: torch.softmax(o, -1), "bce": lambda o: o,
+        "multilabel": torch.sigmoid, "regression": lambda o: o, "lm": lambda o: torch.softmax(o, -1),
+        "sum": lambda o: o,
+    }[task](logits)  # fmt: skip
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    return {"history": history, "steps": step_losses, "predict": predicted, "weights": weights}
+
+
+def own_loss(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = model(x, labels=y)["loss"]
+    return out
+
+
+def hand_evaluate(task: str, model: Any, loss_fn: Any, val: Any) -> dict[str, float]:
+    model.eval()
+    losses, outputs, targets = [], [], []
+    with torch.no_grad():
+        for x, y in val:
+            if task == "lm":
+                out = model(x, labels=y)
+                tokens = int((y[:, 1:] != -100).sum())
+                losses.append((float(out["loss"]) * tokens, tokens))
+                outputs.append(out["logits"][:, :-1].reshape(-1, out["logits"].shape[-1]))
+                targets.append(y[:, 1:].reshape(-1))
+            else:
+                out = model(x)
+                loss = float(loss_fn(out, y))
+                losses.append((loss, 1) if task == "sum" else (loss * len(x), len(x)))
+                outputs.append(out)
+                targets.append(y)
+    model.train()
+    n = sum(len(t) for t in targets) if task != "lm" else sum(c for _, c in losses)
+    result = {
+        "loss": sum(v for v, _ in losses) / (n if task != "lm" else sum(c for _, c in losses))
+    }
+    out, y = torch.cat(outputs).double().numpy(), torch.cat(targets).numpy()
+    if task == "lm":
+        kept = y != -100
+        result["accuracy"] = float((out.argmax(-1)[kept] == y[kept]).mean())
+        result["perplexity"] = math.exp(result["loss"])
+    elif task == "classification":
+        result["accuracy"] = skm.accuracy_score(y, out.argmax(-1))
+    elif task in ("bce", "multilabel"):
+        decided = (out > (0.5 if task == "bce" else 0.0)).astype(int)
+        truth = y.astype(int)
+        result["accuracy"] = 1 - skm.hamming_loss(truth, decided)
+        result["exact_match"] = skm.accuracy_score(truth, decided)
+        if task == "bce":  # one label: its F1 (sklearn reads an (N, 1) column as binary,
+            # where "micro" would average over both classes, i.e. give the accuracy)
+            f1 = skm.f1_score(truth.ravel(), decided.ravel(), average="binary", zero_division=0)
+            result["f1_micro"] = result["f1_macro"] = f1
+        else:
+            result["f1_micro"] = skm.f1_score(truth, decided, average="micro", zero_division=0)
+            result["f1_macro"] = skm.f1_score(truth, decided, average="macro", zero_division=0)
+    elif task == "regression":
+        result["mae"] = skm.mean_absolute_error(y, out)
+        result["rmse"] = skm.root_mean_squared_error(y, out)
+        result["r2"] = skm.r2_score(y, out)
+    return result
+
+
+_HAND: dict[tuple[str, str], dict[str, Any]] = {}
+
+
+def reference(task: str, kind: str) -> dict[str, Any]:
+    if (task, kind) not in _HAND:
+        _HAND[task, kind] = hand_run(task, kind)
+    return _HAND[task, kind]
+
+
+# ---------------------------------------------------------------------------------- the test
+def close(a: Any, b: Any, rel: float) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return math.isclose(float(a), float(b), rel_tol=rel, abs_tol=1e-9)
+    return bool(a == b)
+
+
+@pytest.mark.parametrize(("task", "kind", "kill", "procs"), CASES)
+def test_every_reported_number(tmp_path: Path, task: str, kind: str, kill: str, procs: int) -> None:
+    run = tmp_path / "run"
+    at = KILLS[kill]
+    if at is not None:
+        step = at[0] if accumulation(task) == 1 else at[1]
+        code = run_script(run, task, kind, procs, "--kill-at", str(step))
+        assert code != 0, "the run was not killed"
+        assert not (run / "numbers.json").exists()
+        run_script(run, task, kind, procs, "--resume")
+    else:
+        run_script(run, task, kind, procs)
+    hand = reference(task, kind)
+    rel = 1e-9 if procs == 1 else 2e-5  # (two processes add in another order)
+    numbers = json.loads((run / "numbers.json").read_text())
+    # Every epoch row: the same keys, every value equal to the hand computation.
+    for ours, theirs in zip(numbers["history"], hand["history"], strict=True):
+        shown = {k: v for k, v in ours.items() if k not in ("kind", "seconds", "samples_per_s")}
+        assert shown.keys() == theirs.keys(), (sorted(shown), sorted(theirs))
+        for key, value in theirs.items():
+            # (a step's loss is a float32 sum over micro-batches: float32's precision)
+            tolerance = max(rel, 1e-6) if key == "train_loss" else rel
+            assert close(shown[key], value, tolerance), (key, shown[key], value)
+    # metrics.jsonl: each epoch once, each step once, each step's loss the hand loop's.
+    epochs = read_rows(run, "epoch")
+    assert [r["epoch"] for r in epochs] == list(range(1, EPOCHS + 1))
+    step_rows = read_rows(run, "step")
+    assert [r["step"] for r in step_rows] == list(range(1, len(hand["steps"]) + 1))
+    for row, loss in zip(step_rows, hand["steps"], strict=True):
+        assert close(row["loss"], loss, max(rel, 1e-6)), (
+            row["step"],
+            row["loss"],
+            loss,
+        )  # (float32)
+    # evaluate() after training is the last epoch's validation; predict() the hand model's.
+    last = hand["history"][-1]
+    for key, value in numbers["evaluate"].items():
+        assert close(value, last[f"val_{key}"], rel), key
+    assert torch.allclose(torch.tensor(numbers["predict"]), hand["predict"].float(), atol=1e-6)
+    # "best": the epoch with the best val_loss, named, as glassloop runs prints it.
+    losses = [row["val_loss"] for row in hand["history"]]
+    summary = summarise(run)
+    assert summary is not None and summary.best.startswith("val_loss ")
+    assert summary.best.endswith(f"(epoch {int(np.argmin(losses)) + 1})")
+    # The final weights: bitwise the hand loop's in one process.
+    weights = load_file(run / "model.safetensors")
+    for key, value in hand["weights"].items():
+        if procs == 1:
+            assert torch.equal(weights[key], value), key
+        else:
+            assert torch.allclose(weights[key], value, rtol=1e-4, atol=1e-6), key
+
+
+def test_the_diagonal_covers_every_value_of_every_axis() -> None:
+    for axis, values in enumerate((TASKS, LOADERS, tuple(KILLS), (1, 2))):
+        assert {case[axis] for case in DIAGONAL} == set(values), axis
+    assert BATCH % 2 == 0  # two processes split the global batch evenly
