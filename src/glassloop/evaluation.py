@@ -179,6 +179,24 @@ def own_shift(
     return None
 
 
+def label_shift(
+    model: nn.Module, inputs: Any, target: Any, ignore_index: int, device: torch.device
+) -> int:
+    """:func:`own_shift` of a model that computes its own loss, from one forward of a batch
+    in eval mode without gradients (no dropout: no random number is drawn); ``0`` when it is
+    not found."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            output = model(*inputs[0], **inputs[1])
+    finally:
+        model.train(was_training)
+    shift = own_shift(model_loss(output), prediction_of(output, with_loss=True), target,
+                      ignore_index)  # fmt: skip
+    return shift or 0
+
+
 def metric_table(
     metrics: Mapping[str, Metric | str] | Sequence[str] | None, task: str
 ) -> dict[str, Metric | str]:

@@ -49,6 +49,7 @@ from glassloop.evaluation import (
     LossFn,
     Metric,
     evaluate,
+    label_shift,
     metric_table,
     predict,
     predictions_and_targets,
@@ -261,6 +262,7 @@ class Trainer:
         self._val_loader: Iterable[Any] | None = None
         self._environment: dict[str, Any] = {}
         self._checked_first_batch = False
+        self._label_shift: int | None = None  # tokens a model's own loss counts: from t+shift
         self._failure: str | None = None  # the error a failed fit ended with, for run.json
 
     # ------------------------------------------------------------------------------ the loop
@@ -463,7 +465,11 @@ class Trainer:
         if len(micro) == 1 and not self.world.distributed:
             return Window(micro, [None], samples), None
         if self.loss_weighting == "tokens" and self.loss_reduction == "mean":
-            counts = [int((target != self.ignore_index).sum()) for _, target in micro]
+            if self._label_shift is None:  # a model's own loss may count shifted labels
+                own = self.loss_fn is None
+                self._label_shift = self.own_label_shift(*micro[0]) if own else 0
+            labels = [t[:, self._label_shift :] if self._label_shift else t for _, t in micro]
+            counts = [int((t != self.ignore_index).sum()) for t in labels]
         else:
             counts = sizes
         total, signum = sum(counts), None
@@ -564,6 +570,13 @@ class Trainer:
         if self.world.distributed:  # every process takes the same decision
             finite = not all_reduce(torch.tensor([float(not finite)]), "max").item()
         return finite
+
+    def own_label_shift(self, inputs: Inputs, target: Any) -> int:
+        """How a model that computes its own loss lines tokens up with labels (a Hugging Face
+        causal LM: shifted by one), so ``loss_weighting="tokens"`` counts the tokens its loss
+        averages over (:func:`glassloop.evaluation.label_shift`, once per fit)."""
+        with autocast(self.precision, self.device):
+            return label_shift(self.model, inputs, target, self.ignore_index, self.device)
 
     def check_first_batch(self, inputs: Inputs, target: Any) -> None:
         """The first-batch guard (:func:`glassloop.guards.check_first_batch`): NaN/inf

@@ -62,6 +62,25 @@ class StopSignals:
 
 def ignore_stop_signals(worker_id: int = 0) -> None:
     """DataLoader ``worker_init_fn``: workers ignore SIGTERM/SIGINT sent to the process group,
-    so the main process can finish its step (workers exit when the main process does)."""
+    so the main process can finish its step. They die with the main process (Linux: a
+    parent-death signal, also after a ``kill -9`` of the main process); the loader stops
+    them itself when an epoch's iteration ends (:func:`glassloop.data.loaders.close_workers`)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    die_with_parent()
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux ``prctl``; a no-op
+    elsewhere)."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return

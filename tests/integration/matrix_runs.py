@@ -133,6 +133,8 @@ def main(argv: list[str]) -> None:
         model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss,
         task={"lm": "language-model", "sum": "custom"}.get(task, "auto"),
         loss_reduction="sum" if task == "sum" else "auto",
+        # (a language model's loss is a mean over its tokens: processes weigh theirs so)
+        loss_weighting="tokens" if task == "lm" else "samples",
         grad_accum_steps=accumulation(task), device="cpu", progress="none", log_every=1,
         run_dir=run, checkpoint=CheckpointConfig(every_n_steps=1, keep_last=2),
         callbacks=[KillAt()],

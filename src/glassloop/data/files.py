@@ -163,6 +163,11 @@ def image_listing(cfg: DataConfig) -> tuple[list[str], list[Listing]]:
         for label, name in enumerate(names):
             for file in sorted((folder / name).iterdir()) if (folder / name).is_dir() else []:
                 if file.suffix.lower() in IMAGE_SUFFIXES:
+                    if not file.is_file():  # a worker would block on a FIFO for good
+                        raise DataError(
+                            f"data: '{file}' is not a regular file (a folder, a FIFO, a "
+                            "device or a link to nothing); move it out of the image folder"
+                        )
                     files.append(file)
                     labels.append(label)
         if not files:

@@ -78,9 +78,13 @@ def read_image(source: Path | bytes, shape: tuple[int, int, int]) -> torch.Tenso
 @contextlib.contextmanager
 def open_image(path: Path | io.BytesIO, who: str) -> Iterator[Any]:
     """Pillow's ``Image.open``, with every way an image file can fail (unreadable, not an
-    image, a decompression bomb: a small file that claims billions of pixels) turned into
-    one :class:`DataError` line. Pillow only warns between 89M and 179M pixels; here that
-    is an error too."""
+    image, truncated or corrupt data while decoding in the ``with`` block, a decompression
+    bomb: a small file that claims billions of pixels, a PNG text chunk too large) turned
+    into one :class:`DataError` line. Pillow only warns between 89M and 179M pixels; here
+    that is an error too."""
+    import struct
+    import zlib
+
     from PIL import Image
 
     try:
@@ -88,7 +92,10 @@ def open_image(path: Path | io.BytesIO, who: str) -> Iterator[Any]:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path) as opened:
                 yield opened
-    except (OSError, Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+    except (
+        OSError, ValueError, SyntaxError, EOFError, IndexError, struct.error, zlib.error,
+        Image.DecompressionBombError, Image.DecompressionBombWarning,
+    ) as err:  # fmt: skip
         name = "image bytes" if isinstance(path, io.BytesIO) else f"image '{path}'"
         raise DataError(f"{who}: cannot read {name}: {err}") from err
 

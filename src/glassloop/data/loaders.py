@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Tens
 from glassloop.data.augment import BatchAugment
 from glassloop.data.splits import Splits
 from glassloop.distributed import SINGLE, World
-from glassloop.errors import ConfigError, DataError
+from glassloop.errors import ConfigError, DataError, GlassloopError
 from glassloop.preemption import ignore_stop_signals
 
 
@@ -209,9 +209,15 @@ class ResumableLoader(LoaderPosition):
         if self.buckets is not None:
             self.buckets.epoch, self.buckets.start = self.epoch, self.batches_consumed
         self._generator.manual_seed(epoch_seed(self.seed, self.epoch) ^ 0x5EED)
-        for batch in self.loader:
-            self.batches_consumed += 1  # counted when handed to the loop, not when prefetched
-            yield batch
+        iterator = iter(self.loader)
+        try:
+            for batch in iterator:
+                self.batches_consumed += 1  # counted when handed over, not when prefetched
+                yield batch
+        except GlassloopError as err:  # raised in a worker: its own line, not the wrapping
+            raise type(err)(worker_message(str(err))) from None
+        finally:  # whatever ends the iteration (an error, a limited epoch): no worker stays
+            close_workers(iterator)
         self.epoch += 1
         self.batches_consumed = 0
 
@@ -220,6 +226,37 @@ class ResumableLoader(LoaderPosition):
         if self.buckets is not None:
             return self.buckets.num_batches()
         return self.sampler.num_batches(self.drop_last)
+
+
+def close_workers(iterator: Any) -> None:
+    """Stop a DataLoader iterator's worker processes now, and kill those that do not stop
+    (they ignore SIGTERM, see :func:`glassloop.preemption.ignore_stop_signals`; one may be
+    stuck on a file). Left to garbage collection, an iterator whose epoch ended in an error
+    kept its workers alive, and the process then hung at exit joining them."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is None:  # no worker processes
+        return
+    workers = list(getattr(iterator, "_workers", ()))
+    shutdown()  # (asks them to stop, waits up to 5 s each)
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+            worker.join(timeout=5)
+
+
+def worker_message(text: str) -> str:
+    """The error line of an exception re-raised from a DataLoader worker, without the
+    "Caught ... in DataLoader worker process N. Original Traceback ..." wrapping.
+
+    >>> worker_message("Caught DataError in DataLoader worker process 0.\\nOriginal "
+    ...                "Traceback (most recent call last):\\n  ...\\nglassloop.errors.DataError: "
+    ...                "data: bad file")
+    'data: bad file'
+    """
+    if not text.startswith("Caught "):
+        return text
+    last = text.rstrip().splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last else last
 
 
 class BucketBatchSampler(Sampler[list[int]]):
