@@ -60,6 +60,7 @@ from glassloop.metrics import is_number
 from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import STOP_SIGNALS, Preempted, StopSignals
 from glassloop.provenance import environment
+from glassloop.redaction import redacted
 from glassloop.rng import (
     capture_loader_rng,
     capture_rng_state,
@@ -247,7 +248,8 @@ class Trainer:
         self.run_log = RunLog(
             self.run_dir, world=self.world, tensorboard=tensorboard, tracking=tracking
         )
-        self.config = dict(config) if config is not None else None
+        # What the run records and compares on resume (secrets in URIs replaced by ***).
+        self.config = redacted(dict(config)) if config is not None else None
         # How to rebuild the model from its weights file alone (glassloop.load_model).
         self.model_spec = dict(model_spec) if model_spec is not None else None
         # Only rank 0 talks: the other processes print nothing at all.

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from glassloop.redaction import redacted
+
 
 @functools.lru_cache(maxsize=8)
 def git_sha(cwd: Path | None = None) -> str | None:
@@ -45,5 +47,5 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "git_sha": git_sha(),
-        "argv": list(sys.argv),
+        "argv": redacted(list(sys.argv)),  # (a URI's password on the command line: ***)
     }

@@ -144,3 +144,32 @@ def test_a_wandb_that_cannot_start_costs_one_warning_not_the_run(
     out = capsys.readouterr().out
     assert out.count("warning: tracking (wandb) failed and is off for the rest of this run") == 1
     assert not (run / "tracking.json").exists()
+
+
+def test_a_password_in_the_tracking_uri_reaches_no_file_and_no_tracker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tracking.uri=http://user:password@host used to be written into config.json, run.json
+    (the command line), every checkpoint's meta.json, the report and the tracker's params."""
+    from cli_runner import run_glassloop
+
+    secret = "Pa55-w0rd-PLANTED"
+    token = "tok-PLANTED-9f8e"
+    uri = f"http://ann:{secret}@localhost:9/?api_key={token}"
+    run = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    done = run_glassloop(
+        "train", "--run-dir", str(run), "--set", "data.name=synthetic", "--set", "model.hidden=[8]",
+        "--set", "train.epochs=1", "--set", "train.progress=none", "--set", "tracking.backend=wandb",
+        "--set", f"tracking.uri={uri}",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert secret not in done.stdout + done.stderr and token not in done.stdout + done.stderr
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert any(p.name.endswith(".wandb") for p in files)  # the tracker's own store is searched
+    leaks = [
+        p for p in files if secret.encode() in p.read_bytes() or token.encode() in p.read_bytes()
+    ]
+    assert leaks == [], leaks
+    config = json.loads((run / "config.json").read_text())
+    assert config["tracking"]["uri"] == "http://***@localhost:9/?api_key=***"
