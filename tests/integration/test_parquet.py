@@ -201,3 +201,80 @@ def test_a_text_column_next_to_numeric_columns_is_not_guessed(tmp_path: Path) ->
     numbers = build(load_config(None, [f"data.path={table}", "data.name=parquet",
                                        "data.text_column=", "train.progress=none"]))  # fmt: skip
     assert numbers.splits.input_shape == (1,)  # the stars column
+
+
+# ------------------------------------------------------------- malformed files: one line each
+def parquet_train(table: Path, *extra: str) -> Any:
+    return run_glassloop("train", *sets([
+        f"data.path={table}", "data.name=parquet", "train.epochs=1", "model.hidden=[8]",
+        "train.progress=none", *extra,
+    ]))  # fmt: skip
+
+
+def assert_refused(done: Any, *parts: str) -> None:
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    for part in parts:
+        assert part in lines[0], lines[0]
+
+
+def test_malformed_parquet_files_are_refused_in_one_line_before_training(tmp_path: Path) -> None:
+    """Each of these trained silently, crashed with a traceback, hung, or (a label of
+    10**12) built 10**12 class names until the kernel killed the process."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 2))
+    y = (x[:, 0] > 0).astype(np.int64)
+    with_nan, with_null = x[:, 1].copy(), [None if i == 9 else v for i, v in enumerate(x[:, 1])]
+    with_nan[17] = np.nan
+    texts = [f"good text {i}".encode() for i in range(200)]
+    texts[33] = b"\xff\xfe not utf-8"
+    cases = {
+        "huge.parquet": ({"a": x[:, 0], "label": np.where(np.arange(200) == 5, 10**12, y)},
+                         ["column 'label' has a label of 1000000000000 for 200 rows"]),
+        "nan.parquet": ({"a": x[:, 0], "b": with_nan, "label": y}, ["column 'b' row 17", "NaN"]),
+        "null.parquet": ({"a": x[:, 0], "b": pa.array(with_null), "label": y},
+                         ["column 'b' row 9: a missing value"]),
+        "empty.parquet": ({"a": pa.array([], pa.float64()), "label": pa.array([], pa.int64())},
+                          ["has 0 row(s)"]),
+        "utf8.parquet": ({"text": pa.array(texts, pa.binary()).view(pa.string()), "label": y},
+                         ["column 'text' row 33: bytes that are not UTF-8"]),
+    }  # fmt: skip
+    for name, (columns, message) in cases.items():
+        pq.write_table(pa.table(columns), tmp_path / name)
+        extra = ["model.name=text-classifier", "data.vocab_size=50"] if "utf8" in name else []
+        assert_refused(parquet_train(tmp_path / name, *extra), f"'{tmp_path / name}'", *message)
+
+
+def test_a_damaged_page_is_named_by_its_row_group(tmp_path: Path) -> None:
+    """pyarrow checks page checksums only for files written with them (write_page_checksum);
+    such a file with a flipped bit is refused naming its row group. (Without checksums a
+    flipped bit in a value decodes silently: the docs say so.)"""
+    table = tmp_path / "t.parquet"
+    x = np.random.default_rng(0).normal(size=(400, 2))
+    pq.write_table(pa.table({"a": x[:, 0], "b": x[:, 1], "label": (x[:, 0] > 0).astype(np.int64)}),
+                   table, write_page_checksum=True, compression="none")  # fmt: skip
+    data = bytearray(table.read_bytes())
+    data[200] ^= 0x40  # inside column a's data page
+    table.write_bytes(bytes(data))
+    assert_refused(parquet_train(table), f"'{table}' row group 0 cannot be decoded")
+
+
+def test_the_arrow_cache_copy_is_verified_and_rebuilt(tmp_path: Path) -> None:
+    """A truncated, emptied or bit-flipped cache copy gave an ArrowInvalid traceback on every
+    later run of that file; a corruption that still parsed fed a huge label to training."""
+    table = numeric_parquet(tmp_path / "numbers.parquet")
+    assert parquet_train(table).returncode == 0
+    (copy,) = (tmp_path / "cache" / "arrow").glob("*.arrow")
+    good = copy.read_bytes()
+    for damage in (lambda b: b[: len(b) // 2], lambda b: b"",
+                   lambda b: b[:-100] + bytes([b[-100] ^ 1]) + b[-99:]):  # fmt: skip
+        copy.write_bytes(damage(good))
+        done = parquet_train(table)
+        assert done.returncode == 0, done.stderr
+        assert copy.read_bytes() == good  # written again, the same bytes
+    # A cache folder that cannot be written: one line saying where it is and what to do.
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the cache folder would be")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GLASSLOOP_CACHE_DIR", str(blocked))
+        assert_refused(parquet_train(table), "cannot write the Arrow copy", "GLASSLOOP_CACHE_DIR")

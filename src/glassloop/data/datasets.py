@@ -19,7 +19,13 @@ import numpy as np
 
 from glassloop.atomic import atomic_path
 from glassloop.config import DataConfig
-from glassloop.data.splits import Splits, from_arrays, stratified_split, target_values
+from glassloop.data.splits import (
+    Splits,
+    check_class_count,
+    from_arrays,
+    stratified_split,
+    target_values,
+)
 from glassloop.errors import DataError
 
 # The usual MNIST pixel statistics (over the 60,000 training images, pixels in [0, 1]).
@@ -179,7 +185,8 @@ def npz(cfg: DataConfig, task: str = "classification") -> Splits:
         y_tr = target_values(y_tr, task, f"'{path}' (train)")
         y_va = target_values(y_va, task, f"'{path}' (validation)")
         return from_arrays(x_tr, y_tr, x_va, y_va, int(y_tr.shape[1]), values=True)
-    num_classes = int(max(y_tr.max(), y_va.max())) + 1
+    largest = int(max(y_tr.max(), y_va.max()))
+    num_classes = check_class_count(largest, len(y_tr) + len(y_va), f"'{path}' y")
     if np.issubdtype(x_tr.dtype, np.integer):  # token ids (a language model): kept integers
         vocabulary = max(num_classes, int(max(x_tr.max(), x_va.max())) + 1)
         return from_arrays(x_tr, y_tr, x_va, y_va, vocabulary, {"inputs": "token_ids"})

@@ -18,7 +18,13 @@ import numpy as np
 
 from glassloop.config import DataConfig
 from glassloop.data.lazy import open_image, probe_shape
-from glassloop.data.splits import Splits, from_arrays, stratified_split, target_values
+from glassloop.data.splits import (
+    Splits,
+    check_class_count,
+    from_arrays,
+    stratified_split,
+    target_values,
+)
 from glassloop.errors import DataError
 
 if TYPE_CHECKING:
@@ -51,7 +57,8 @@ def _class_indices(labels: list[str], column: str, path: Path) -> tuple[np.ndarr
         return np.array([index[v] for v in labels], dtype=np.int64), names
     if min(numbers) < 0:
         raise DataError(f"data: labels must be class indices >= 0, found {min(numbers)}")
-    return np.array(numbers, dtype=np.int64), [str(c) for c in range(max(numbers) + 1)]
+    classes = check_class_count(max(numbers), len(numbers), f"'{path}' column {column!r}")
+    return np.array(numbers, dtype=np.int64), [str(c) for c in range(classes)]
 
 
 def tabular_csv(cfg: DataConfig, task: str = "classification") -> Splits:

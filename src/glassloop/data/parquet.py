@@ -33,6 +33,7 @@ from torch.utils.data import Dataset
 
 from glassloop.atomic import atomic_path, refuse_link
 from glassloop.data.lazy import channel_stats, probe_shape, read_image, stats_sample
+from glassloop.data.splits import check_class_count
 from glassloop.data.text import PAD, TextData, tokenizer_for
 from glassloop.errors import DataError
 
@@ -137,19 +138,45 @@ class ParquetTexts(ArrowRows):
 
 def arrow_copy(parquet: Path) -> Path:
     """The uncompressed Arrow IPC copy of ``parquet`` in the cache directory, written once
-    (a row group at a time: memory is bounded by the largest row group) and atomically."""
+    (a row group at a time: memory is bounded by the largest row group) and atomically, with
+    its size and CRC-32 beside it (``.crc``). A copy that does not match them (truncated,
+    emptied, a flipped bit) is written again; a cache folder that cannot be written is one
+    line saying where it is. The key is the file's path, size and modification time: a file
+    rewritten with the same size and time keeps its old copy (delete the copy, or touch the
+    file)."""
     import hashlib
-
-    import pyarrow as pa
 
     from glassloop.data.datasets import cache_dir
 
     stat = parquet.stat()
     key = hashlib.sha256(f"{parquet.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     target = cache_dir() / "arrow" / f"{parquet.stem}-{key.hexdigest()[:16]}.arrow"
-    if refuse_link(target).is_file():  # (a link there is not our copy: never read or replaced)
+    check = target.with_name(target.name + ".crc")
+    # (A link there is not our copy: never read or replaced.)
+    if refuse_link(target).is_file() and _matches(target, refuse_link(check)):
         return target
-    source = _pyarrow().ParquetFile(parquet)
+    try:
+        _convert(parquet, target)
+        with atomic_path(check) as tmp:
+            tmp.write_text(f"{target.stat().st_size} {_crc32(target)}\n", encoding="ascii")
+    except OSError as err:
+        raise DataError(
+            f"data: cannot write the Arrow copy of '{parquet}' into '{target.parent}': "
+            f"{err.strerror or err}; set GLASSLOOP_CACHE_DIR to a writable folder (or free "
+            "space there)"
+        ) from err
+    return target
+
+
+def _convert(parquet: Path, target: Path) -> None:
+    """Write the Arrow copy, a row group at a time, verifying page checksums where the file
+    has them; a row group that cannot be decoded is one line naming it."""
+    import pyarrow as pa
+
+    try:
+        source = _pyarrow().ParquetFile(parquet, page_checksum_verification=True)
+    except Exception as err:  # pyarrow's own errors for a file that is not Parquet
+        raise DataError(f"data: '{parquet}' is not a readable Parquet file: {err}") from err
     try:
         with (
             atomic_path(target) as tmp,
@@ -159,11 +186,37 @@ def arrow_copy(parquet: Path) -> Path:
             # One row group at a time: iter_batches() over the whole file kept every decoded
             # page in Arrow's memory pool until the reader was gone (533 MB for 0.5 GB).
             for group in range(source.num_row_groups):
-                out.write_table(source.read_row_group(group))
+                try:
+                    table = source.read_row_group(group)
+                except (pa.ArrowException, OSError, ValueError, EOFError) as err:
+                    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+                    raise DataError(
+                        f"data: '{parquet}' row group {group} cannot be decoded ({first}): "
+                        "the file is damaged"
+                    ) from err
+                out.write_table(table)
     finally:
         source.close()
     pa.default_memory_pool().release_unused()  # give the conversion's buffers back
-    return target
+
+
+def _matches(copy: Path, check: Path) -> bool:
+    """Whether the Arrow copy has the size and CRC-32 recorded when it was written."""
+    try:
+        size, crc = check.read_text(encoding="ascii").split()
+        return copy.stat().st_size == int(size) and _crc32(copy) == int(crc)
+    except (OSError, ValueError):
+        return False
+
+
+def _crc32(path: Path) -> int:
+    import zlib
+
+    crc = 0
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 23), b""):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def open_arrow(path: Path) -> Any:
@@ -182,8 +235,7 @@ def parquet_splits(
     for numeric features, their columns) is read here, column by column."""
     file, arrow = _checked(path, [label_column, *([image_column] if image_column else [])])
     schema = _schema(file)
-    raw = open_arrow(arrow).column(label_column).to_pylist()
-    labels, classes = _class_indices(raw, label_column, file)
+    labels, classes = _labels(open_arrow(arrow), label_column, file)
     train_idx, val_idx = _split(len(labels), val_fraction, seed)
     if image_column:
         first = open_arrow(arrow).column(image_column)[0].as_py()
@@ -196,7 +248,7 @@ def parquet_splits(
         if not numeric:
             raise DataError(f"data: '{file}' has no numeric feature columns besides the label")
         table = open_arrow(arrow)
-        values = np.column_stack([table.column(c).to_numpy() for c in numeric])[train_idx]
+        values = np.column_stack([_finite(table, c, file) for c in numeric])[train_idx]
         std_values = values.std(axis=0)
         std_values[std_values == 0] = 1.0
         mean, std = values.mean(axis=0).tolist(), std_values.tolist()
@@ -291,8 +343,9 @@ def parquet_texts(
         raise DataError(
             f"data: '{file}' column {text_column!r} has {column.null_count} missing texts"
         )
-    labels, classes = _class_indices(table.column(label_column).to_pylist(), label_column, file)
+    labels, classes = _labels(table, label_column, file)
     train_idx, val_idx = _split(len(labels), val_fraction, seed)
+    _check_utf8(column, text_column, file)
     tokenizer_json = tokenizer_for(tokenizer, _chunks(column, train_idx), vocab_size)
     from tokenizers import Tokenizer
 
@@ -319,6 +372,58 @@ def _chunks(column: Any, rows: np.ndarray, size: int = 8192) -> Iterator[list[st
         yield column.take(rows[start : start + size]).to_pylist()
 
 
+def _labels(table: Any, column: str, file: Path) -> tuple[np.ndarray, list[str]]:
+    """The label column as class indices, and the class names; a file with fewer than two
+    rows (one to train on, one to validate) is refused here."""
+    if table.num_rows < 2:
+        raise DataError(
+            f"data: '{file}' has {table.num_rows} row(s); training needs at least two (one "
+            "to train on, one to validate)"
+        )
+    values = table.column(column)
+    _check_utf8(values, column, file)
+    return _class_indices(values.to_pylist(), column, file)
+
+
+def _finite(table: Any, column: str, file: Path) -> np.ndarray:
+    """A numeric feature column as float64, every value present and finite (as the CSV
+    reader requires): a null or a NaN is one line naming the column and the row."""
+    import pyarrow.compute as pc  # type: ignore[import-untyped]
+
+    values = table.column(column)
+    if values.null_count:
+        row = int(np.flatnonzero(pc.is_null(values).to_numpy(zero_copy_only=False))[0])
+        raise DataError(
+            f"data: '{file}' column {column!r} row {row}: a missing value (null); features "
+            "must be numbers: fill or drop the missing values first"
+        )
+    numbers: np.ndarray = np.asarray(values.to_numpy(), dtype=np.float64)
+    bad = np.flatnonzero(~np.isfinite(numbers))
+    if bad.size:
+        raise DataError(
+            f"data: '{file}' column {column!r} row {int(bad[0])}: {numbers[bad[0]]} (NaN or "
+            "infinite); features must be finite numbers: clean the column first"
+        )
+    return numbers
+
+
+def _check_utf8(column: Any, name: str, file: Path) -> None:
+    """Text that decodes: Parquet does not check that a string column holds UTF-8, and a
+    bad row used to fail with a traceback in the middle of training."""
+    try:
+        column.validate(full=True)
+    except Exception:  # pyarrow's ArrowInvalid: find the row for the message
+        for row in range(len(column)):
+            try:
+                column[row].as_py()
+            except (UnicodeDecodeError, ValueError):
+                raise DataError(
+                    f"data: '{file}' column {name!r} row {row}: bytes that are not UTF-8 "
+                    "text; re-encode the column as UTF-8"
+                ) from None
+        raise
+
+
 def _numeric(kind: Any) -> bool:
     import pyarrow.types as pt
 
@@ -330,10 +435,11 @@ def _class_indices(values: list[Any], column: str, file: Path) -> tuple[np.ndarr
     if any(v is None for v in values):
         raise DataError(f"data: '{file}' column {column!r} has missing labels")
     if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        labels = np.asarray(values, dtype=np.int64)
-        if labels.min() < 0:
+        if min(values) < 0:
             raise DataError(f"data: '{file}' labels must be class indices >= 0")
-        return labels, [str(c) for c in range(int(labels.max()) + 1)]
+        where = f"'{file}' column {column!r}"
+        classes = check_class_count(max(values), len(values), where)  # before anything is built
+        return np.asarray(values, dtype=np.int64), [str(c) for c in range(classes)]
     if all(isinstance(v, str) for v in values):
         names = sorted(set(values))
         index = {name: i for i, name in enumerate(names)}

@@ -67,6 +67,30 @@ def from_arrays(
     )
 
 
+# More classes than this and than rows is no classification: integer labels are class
+# indices 0..C-1, and one label of 10**12 built 10**12 class names (23 GB, killed by the OS).
+MIN_CLASS_LIMIT = 1024
+
+
+def check_class_count(largest: int, rows: int, where: str) -> int:
+    """The number of classes integer labels up to ``largest`` make (``largest + 1``), checked
+    against the data's size before anything is built from it.
+
+    >>> check_class_count(9, 100, "'d.csv'")
+    10
+    >>> check_class_count(10**12, 600, "'d.parquet' column 'label'")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    glassloop.errors.DataError: data: 'd.parquet' column 'label' has a label of 1000000000000 ...
+    """
+    if largest + 1 > max(rows, MIN_CLASS_LIMIT):
+        raise DataError(
+            f"data: {where} has a label of {largest} for {rows} rows: integer labels are "
+            f"class indices 0..C-1 (at most max(rows, {MIN_CLASS_LIMIT}) classes); for IDs or "
+            "codes, store them as strings (each distinct value becomes a class)"
+        )
+    return largest + 1
+
+
 def stratified_split(
     x: np.ndarray, y: np.ndarray, *, val_size: float | int, seed: int, stratify: bool = True
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
