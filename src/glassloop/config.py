@@ -251,20 +251,20 @@ RANGES: dict[tuple[str, str], Range] = {
     ("model", "embed_dim"): Range(1, 2**16),
     ("model", "num_layers"): Range(1, 1024),
     ("model", "num_heads"): Range(1, 1024),
-    ("data", "batch_size"): AT_LEAST_1,
-    ("data", "eval_batch_size"): AT_LEAST_0,
+    ("data", "batch_size"): Range(1, 2**31),
+    ("data", "eval_batch_size"): Range(0, 2**31),
     ("data", "num_workers"): Range(0, 256),
     ("data", "in_memory_mb"): AT_LEAST_0,
     ("data", "val_fraction"): Range(0.0, 1.0, open_low=True, open_high=True),
-    ("data", "num_samples"): AT_LEAST_1,
+    ("data", "num_samples"): Range(1, 2**40),
     ("data", "num_features"): Range(1, 2**24),
     ("data", "num_classes"): Range(2, 2**24),
     ("data", "image_size"): Range(0, 2**15),
     ("data", "vocab_size"): Range(2, 2**24),
-    ("data", "max_length"): AT_LEAST_1,
+    ("data", "max_length"): Range(1, 2**24),
     ("data", "seed"): Range(0, 2**32 - 1),
-    ("optim", "lr"): AT_LEAST_0,
-    ("train", "epochs"): AT_LEAST_1,
+    ("optim", "lr"): Range(0, open_low=True),  # lr = 0 trains nothing, silently
+    ("train", "epochs"): Range(1, 2**31),
     ("train", "seed"): Range(0, 2**63 - 1),
     ("train", "dist_timeout_s"): Range(0, open_low=True),
     ("checkpoint", "every_n_steps"): AT_LEAST_0,
@@ -327,7 +327,12 @@ def beside_the_file(raw: dict[str, Any], folder: Path) -> None:
 def read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config: file '{path}' not found")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"config: '{path}' is not UTF-8 text (byte {err.start}); save it as UTF-8"
+        ) from err
     kind = "JSON" if path.suffix == ".json" else "TOML"
     try:
         data = json.loads(text) if kind == "JSON" else tomllib.loads(text)

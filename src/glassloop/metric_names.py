@@ -67,6 +67,11 @@ def make_metric(name: str, task: str, num_outputs: int) -> Any:
         return tr.PearsonCorrCoef(num_outputs=num_outputs)
     k = _top_k(name)
     if k:
+        if k > num_outputs:
+            raise ConfigError(
+                f"config: train.metrics {name!r} needs k <= the number of classes "
+                f"({num_outputs}); use a smaller k"
+            )
         return tc.MulticlassAccuracy(num_classes=num_outputs, top_k=k, average="micro")
     if name == "balanced_accuracy":
         return tc.MulticlassAccuracy(num_classes=num_outputs, average="macro")

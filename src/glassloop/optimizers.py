@@ -89,9 +89,14 @@ def checked_kwargs(
             value = check_type(f"{section}.{key}", value, float)
             value = int(value) if isinstance(default, int) and value.is_integer() else value
         elif isinstance(default, tuple):
-            if not isinstance(value, list):
-                raise ConfigError(f"config: {section}.{key} must be a list, got {value!r}")
-            value = tuple(value)
+            numbers = all(isinstance(v, (int, float)) for v in default)
+            if not isinstance(value, list) or (numbers and len(value) != len(default)):
+                shape = f"a list of {len(default)} numbers" if numbers else "a list"
+                raise ConfigError(f"config: {section}.{key} must be {shape}, got {value!r}")
+            value = tuple(
+                check_type(f"{section}.{key}[{i}]", v, float) if numbers else v
+                for i, v in enumerate(value)
+            )
         out[key] = value
     return out
 
@@ -107,7 +112,13 @@ def optimizer_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         if key not in ("self", "params", "lr", *IMPLEMENTATION_FLAGS)
         and isinstance(param.default, (bool, int, float, tuple))
     }
-    return {**defaults, **checked}
+    merged = {**defaults, **checked}
+    build: Any = cls  # (a concrete subclass: it takes lr)
+    try:  # its own checks (betas in [0, 1), eps >= 0, ...), before any data is read
+        build([torch.zeros(1, requires_grad=True)], lr=1e-3, **merged)
+    except (TypeError, ValueError, IndexError, RuntimeError) as err:
+        raise ConfigError(f"config: optim: {cls.__name__} refuses these arguments: {err}") from err
+    return merged
 
 
 WARMUP_COSINE_KEYS = {"warmup_steps": int, "min_lr_ratio": float, "total_steps": int}
@@ -159,7 +170,7 @@ def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimiz
         params = parameter_groups(model, float(optim.kwargs.get("weight_decay", 0.0)))
     try:
         optimizer: torch.optim.Optimizer = cls(params, lr=optim.lr, **optim.kwargs)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, IndexError, RuntimeError) as err:
         raise ConfigError(f"config: optim: {cls.__name__} rejected its arguments: {err}") from err
     return optimizer
 
@@ -190,5 +201,5 @@ def build_scheduler(
     cls = scheduler_class(name)
     try:
         return cls(optimizer, **kwargs)
-    except (TypeError, ValueError, ArithmeticError) as err:
+    except (TypeError, ValueError, ArithmeticError, IndexError, RuntimeError) as err:
         raise ConfigError(f"config: scheduler: {name} rejected its arguments: {err}") from err

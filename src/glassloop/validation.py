@@ -120,6 +120,8 @@ def check_type(key: str, value: Any, hint: Any) -> Any:
         ok, want = isinstance(value, bool), "true or false"
     elif hint is int:
         ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        if ok and not -(2**63) <= value < 2**63:  # torch and numpy take 64-bit integers
+            ok, want = False, "an integer that fits in 64 bits"
     elif hint is float:
         ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
         if ok and not math.isfinite(value):  # nan/inf: never what a user meant

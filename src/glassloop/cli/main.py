@@ -50,6 +50,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (``--nproc 0`` trained as one process)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def add_set_option(parser: argparse.ArgumentParser, text: str) -> None:
     """The repeatable ``--set KEY=VALUE`` config override."""
     parser.add_argument(
@@ -105,7 +116,7 @@ def make_parser() -> Parser:
     )
     train.add_argument(
         "--nproc",
-        type=int,
+        type=positive_int,
         metavar="N",
         help="train with N processes on this machine (DDP; FSDP2 with --set "
         "train.strategy=fsdp): runs torchrun --standalone --nproc-per-node N -m glassloop "

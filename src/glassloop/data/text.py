@@ -128,7 +128,14 @@ def tokenizer_for(path: str, texts: Iterable[str] | Iterable[list[str]], vocab_s
     if path:
         if not Path(path).is_file():
             raise DataError(f"data: tokenizer '{path}' not found (data.tokenizer)")
-        return str(Tokenizer.from_file(path).to_str())
+        try:
+            return str(Tokenizer.from_file(path).to_str())
+        except Exception as err:  # the tokenizers library raises a bare Exception
+            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise DataError(
+                f"data: '{path}' is not a tokenizer file (data.tokenizer: a tokenizer.json "
+                f"saved by the tokenizers library): {detail}"
+            ) from err
     return str(train_tokenizer(texts, vocab_size).to_str())
 
 
