@@ -264,7 +264,7 @@ RANGES: dict[tuple[str, str], Range] = {
     ("data", "max_length"): Range(1, 2**24),
     ("data", "seed"): Range(0, 2**32 - 1),
     ("optim", "lr"): Range(0, open_low=True),  # lr = 0 trains nothing, silently
-    ("train", "epochs"): Range(1, 2**31),
+    ("train", "epochs"): AT_LEAST_1,
     ("train", "seed"): Range(0, 2**63 - 1),
     ("train", "dist_timeout_s"): Range(0, open_low=True),
     ("checkpoint", "every_n_steps"): AT_LEAST_0,

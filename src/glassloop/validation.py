@@ -50,10 +50,16 @@ class Range:
 
     def __str__(self) -> str:
         if self.high is None:
-            return f"{'>' if self.open_low else '>='} {self.low:g}"
+            return f"{'>' if self.open_low else '>='} {_shown(self.low)}"
         low = "(" if self.open_low else "["
         high = ")" if self.open_high else "]"
-        return f"in {low}{self.low:g}, {self.high:g}{high}"
+        return f"in {low}{_shown(self.low)}, {_shown(self.high)}{high}"
+
+
+def _shown(value: float | None) -> str:
+    """A bound as a user reads it: whole numbers in full (2147483648, not 2.14748e+09)."""
+    number = float(value or 0)
+    return str(int(number)) if number.is_integer() else f"{number:g}"
 
 
 AT_LEAST_0, AT_LEAST_1 = Range(0), Range(1)
