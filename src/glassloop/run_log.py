@@ -111,6 +111,8 @@ class RunLog:
         if has_val:
             fields[5:5] = ["val_loss", "val_accuracy"]
         fresh = step == 0  # a new run replaces the metrics of one that never saved
+        # (A backend that is not installed is refused before anything is written.)
+        self._tracker = make_tracker(self.tracking)
         # When the run began (a resumed run keeps its first start), for `glassloop runs`.
         earlier = None if fresh else read_json_object(self.run_dir / "run.json").get("started")
         self._started = earlier if isinstance(earlier, str) else _now()
@@ -130,7 +132,6 @@ class RunLog:
             raise write_failure(self.run_dir, err) from err
         if self.tensorboard:
             self._sinks.append(TensorBoardSink(own_dir(self.run_dir / "tensorboard")))
-        self._tracker = make_tracker(self.tracking)
         if self._tracker is not None:
             self._tracker.start(self.run_dir, config, resume=not fresh)
 

@@ -114,11 +114,18 @@ class Tracker:
             return action(*args)
         except Exception as err:  # the backend's errors are its own (HTTP, SQL, OS, ...)
             self.failed = True
+            reason = " ".join(str(err).split())[:300]  # (W&B's run over several lines)
             self.warn(
                 f"warning: tracking ({self.name}) failed and is off for the rest of this run; "
-                f"the run directory has everything: {type(err).__name__}: {str(err)[:300]}"
+                f"the run directory has everything: {type(err).__name__}: {reason}"
+                f"{self.hint}"
             )
             return None
+
+    @property
+    def hint(self) -> str:
+        """What to do about a failure, when the backend's own message does not say it."""
+        return ""
 
 
 class MLflowTracker(Tracker):
@@ -134,9 +141,24 @@ class MLflowTracker(Tracker):
             raise ConfigError(
                 "config: tracking.backend = 'mlflow' needs MLflow: pip install 'glassloop[mlflow]'"
             ) from err
-        self.client = MlflowClient(tracking_uri=config.uri or "sqlite:///mlflow.db")
+        self.make_client = MlflowClient
+        self.client: Any = None
+
+    @property
+    def hint(self) -> str:
+        return (
+            f" (tracking.uri {self.config.uri!r}: MLflow takes e.g. 'sqlite:///mlflow.db' or "
+            "'http://host:5000')"
+            if self.client is None
+            else ""
+        )
 
     def _open(self, run_dir: Path, params: dict[str, Any], previous: str | None) -> str:
+        uri = self.config.uri or "sqlite:///mlflow.db"
+        reachable(uri)  # (a server that is down cost 4 minutes of MLflow's retries)
+        client = self.make_client(tracking_uri=uri)  # (a URI it refuses: one warning)
+        client.search_experiments(max_results=1)  # the store answers, or fails here
+        self.client = client
         if previous is not None:
             self.client.update_run(previous, status="RUNNING")
             return previous
@@ -234,6 +256,24 @@ class WandbTracker(Tracker):
             self.run.log_artifact(artifact)
         self.run.summary["status"] = status
         self.run.finish(exit_code={"finished": 0, "interrupted": 130}.get(status, 1))
+
+
+def reachable(uri: str, timeout: float = 5.0) -> None:
+    """Raise ``ConnectionError`` when an ``http(s)`` tracking server does not accept a
+    connection within ``timeout`` seconds (other URIs are local: nothing to check)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout).close()
+    except OSError as err:
+        raise ConnectionError(
+            f"the tracking server at {parts.hostname}:{port} does not answer ({err})"
+        ) from None
 
 
 TRACKERS: dict[str, type[Tracker]] = {"mlflow": MLflowTracker, "wandb": WandbTracker}

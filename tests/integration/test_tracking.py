@@ -172,3 +172,26 @@ def test_the_command_line_tracks_with_a_config_section(tmp_path: Path) -> None:
     assert run.info.run_name == "digits-1"
     assert run.data.params["optim.lr"] == "0.001" and run.data.params["data.name"] == "digits"
     assert "val_accuracy" in run.data.metrics
+
+
+@pytest.mark.parametrize(
+    "uri", ["file:///{tmp}/mlruns", "foo://bar", "garbage uri", "http://127.0.0.1:9"]
+)
+def test_a_tracking_uri_mlflow_refuses_or_a_server_that_is_down_costs_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], uri: str
+) -> None:
+    """Each used to be a traceback from the tracker's constructor (exit 1, run.json left
+    "running", empty metrics files), or for a server that is down ~4 minutes of MLflow's own
+    retries before the warning."""
+    monkeypatch.chdir(tmp_path)
+    tracking = TrackingConfig(backend="mlflow", uri=uri.format(tmp=tmp_path))
+    start = time.monotonic()
+    history = trainer(tmp_path / "run", tracking).fit(batches(), batches(), epochs=1)
+    assert len(history) == 1 and time.monotonic() - start < 30
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
+    assert len(said) == 1 and "tracking (mlflow) failed" in said[0], said
+    if "127.0.0.1:9" in uri:
+        assert "does not answer" in said[0]
+    else:
+        assert "'sqlite:///mlflow.db'" in said[0]
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "finished"
