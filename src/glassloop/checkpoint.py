@@ -82,8 +82,12 @@ SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 
-def write_failure(path: Path, err: BaseException, last_good: str = "") -> CheckpointWriteError:
-    """One line for a failed write (exit code 3 in the CLI): what, where, the OS's reason.
+def write_failure(
+    path: Path, err: BaseException, last_good: str = "", *, safe: str = "nothing was lost"
+) -> CheckpointWriteError:
+    """One line for a failed write (exit code 3 in the CLI): what, where, the OS's reason,
+    and what is ``safe`` (a failed checkpoint write loses nothing: its temporary folder goes
+    and every earlier checkpoint stays; a failed metrics row is lost itself).
 
     >>> print(write_failure(Path("runs/a"), OSError(28, "No space left on device")))
     checkpoint: could not write 'runs/a': No space left on device (ENOSPC); nothing was lost
@@ -94,7 +98,7 @@ def write_failure(path: Path, err: BaseException, last_good: str = "") -> Checkp
     reason = getattr(err, "strerror", None) or err
     tail = f", last good checkpoint: {last_good}" if last_good else ""
     return CheckpointWriteError(
-        f"checkpoint: could not write '{path}': {reason} ({code}); nothing was lost{tail}"
+        f"checkpoint: could not write '{path}': {reason} ({code}); {safe}{tail}"
     )
 
 

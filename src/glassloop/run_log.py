@@ -90,7 +90,7 @@ class RunLog:
             lock = RunLock(self.run_dir)
             lock.acquire()
         except OSError as err:
-            raise write_failure(self.run_dir, err) from err
+            raise self.failure(err) from err
         try:
             clean_temporaries(self.run_dir)
             yield
@@ -129,7 +129,7 @@ class RunLog:
                 JSONLSink(self.run_dir / "metrics.jsonl", fresh=fresh),
             ]
         except OSError as err:
-            raise write_failure(self.run_dir, err) from err
+            raise self.failure(err) from err
         if self.tensorboard:
             self._sinks.append(TensorBoardSink(own_dir(self.run_dir / "tensorboard")))
         if self._tracker is not None:
@@ -139,12 +139,19 @@ class RunLog:
         """One metrics row to every sink; a full disk is a write failure (exit 3)."""
         if self._tracker is not None:
             self._tracker.log(row)  # never raises: a failing backend turns itself off
-        try:
-            for sink in self._sinks:
+        for sink in self._sinks:
+            try:
                 sink.write(row)
-        except OSError as err:
-            assert self.run_dir is not None  # sinks exist only with a run directory
-            raise write_failure(self.run_dir, err) from err
+            except OSError as err:
+                raise self.failure(err, getattr(sink, "path", None)) from err
+
+    def failure(self, err: OSError | CheckpointError, path: Path | None = None) -> Exception:
+        """The one line of a failed write of a run file: which file, the OS's reason; the
+        checkpoints written so far are intact (that row or file is what is lost)."""
+        assert self.run_dir is not None  # files are written only with a run directory
+        named = getattr(err, "filename", None)
+        where = Path(named) if isinstance(named, str) else (path or self.run_dir)
+        return write_failure(where, err, safe="the checkpoints written so far are intact")
 
     def write_step(
         self,
@@ -193,7 +200,7 @@ class RunLog:
                 predicted_vs_true=predicted_vs_true,
             )  # fmt: skip
         except OSError as err:
-            raise write_failure(self.run_dir, err) from err
+            raise self.failure(err) from err
 
     def check_exists(self) -> None:
         """Refuse to write into a run directory that disappeared during the run (never
@@ -219,7 +226,11 @@ class RunLog:
         or "interrupted"), a failure here is only returned as a warning line, so that error
         is the one the user sees."""
         for sink in self._sinks:
-            sink.close()
+            try:
+                sink.close()
+            except OSError as err:  # the rows a failed write left in its buffer fail again
+                if status == "finished":
+                    raise self.failure(err, getattr(sink, "path", None)) from err
         self._sinks = []
         if not self.active:
             return None
@@ -238,7 +249,7 @@ class RunLog:
                 self._tracker = None
         except (OSError, CheckpointError) as err:
             assert self.run_dir is not None
-            failure = write_failure(self.run_dir, err)
+            failure = self.failure(err)
             if status == "finished":
                 raise failure from err
             print(f"warning: {failure}")
@@ -275,7 +286,7 @@ class RunLog:
                 self.write_status("finished", info)
                 missing.append("run.json")
         except OSError as err:
-            raise write_failure(self.run_dir, err) from err
+            raise self.failure(err) from err
         return missing
 
 

@@ -167,6 +167,7 @@ class JSONLSink:
     """One JSON object per line; non-finite floats are written as null (JSON has no NaN)."""
 
     def __init__(self, path: Path, *, fresh: bool = True) -> None:
+        self.path = path
         self._file = open_own(path, "w" if fresh else "a", encoding="utf-8")
 
     def write(self, row: dict[str, Any]) -> None:

@@ -114,3 +114,22 @@ def test_disk_full_keeps_every_earlier_checkpoint_and_says_where(tmp_path: Path)
     assert {p.name: p.read_bytes() for p in good.iterdir()} == before
     assert read_checkpoint(good).step == 15
     assert json.loads((tmp_path / "r" / "run.json").read_text())["status"] == "failed"
+
+
+def test_a_metrics_file_that_cannot_grow_is_exit_3_in_one_line_and_run_json_says_failed(
+    tmp_path: Path,
+) -> None:
+    """The right one-line error was raised, then closing the metrics file flushed the same
+    rows again and an OSError traceback escaped (exit 1), run.json still "running"."""
+    small = CONFIG.replace("num_features = 64", "num_features = 4").replace("[256]", "[2]")
+    small = small.replace("batch_size = 32", "batch_size = 8") + "log_every = 1\n"
+    (tmp_path / "cfg.toml").write_text(small)
+    # Files may grow to 6,000 bytes: config.json and run.json fit, metrics.jsonl does not.
+    done = run(tmp_path, "-m", "glassloop", "train", "cfg.toml", "--run-dir", "r", limit=6000)
+    assert done.returncode == 3, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "could not write 'r/metrics.jsonl': File too large (EFBIG)" in lines[0]
+    assert "the checkpoints written so far are intact" in lines[0]
+    info = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert info["status"] == "failed" and "metrics.jsonl" in info["error"]
