@@ -102,7 +102,7 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(workdir: Pat
     # Every number of every epoch row too (what history, early stopping and plateau read).
     for a, b in zip(epoch_rows(workdir / "one"), epoch_rows(workdir / "two"), strict=True):
         assert a.keys() == b.keys()
-        for key in a.keys() - {"seconds", "samples_per_s"}:
+        for key in a.keys() - {"kind", "seconds", "samples_per_s"}:
             assert a[key] == pytest.approx(b[key], rel=1e-5), key
 
 
@@ -201,3 +201,35 @@ def test_sigterm_to_the_launcher_checkpoints_one_consistent_step(workdir: Path) 
     assert resumed.returncode == 0, resumed.stderr
     assert f"at step {meta['step']}" in resumed.stdout
     assert last_epoch(workdir / "term")["step"] == 40
+
+
+def test_kill_9_of_the_launcher_takes_torchrun_and_the_workers_with_it(workdir: Path) -> None:
+    """They used to go on headless (re-parented), holding the run directory's lock and
+    finishing the run alone, racing a scheduler's restart of the command."""
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "glassloop", "train", "cfg.toml", "--nproc", "2", "--run-dir",
+         "orphans", "--set", "train.log_every=1", "--set", "train.progress=lines",
+         "--set", "train.epochs=50"],
+        cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        start_new_session=True,  # its own process group: whatever is left of it is found below
+    )  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("loss:"):  # both workers are training
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)  # anything of the group still alive?
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("torchrun or a worker outlived the launcher")
+    again = train(workdir, "--run-dir", "orphans", "--resume", "--set", "train.epochs=1", nproc=2)
+    assert "in use by another training process" not in again.stderr, again.stderr

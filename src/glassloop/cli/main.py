@@ -301,7 +301,11 @@ def launch_torchrun(nproc: int) -> int:
     config refusal as a bug). Each worker records its code in ``GLASSLOOP_EXIT_DIR``; rank 0's
     code wins, then the first non-zero one; torchrun's code only when no worker recorded one
     (a worker that died). SIGTERM/SIGINT to this process go on to torchrun, which forwards
-    them to the workers."""
+    them to the workers. torchrun, and each worker, die with the process that started them
+    (a parent-death signal): a ``kill -9`` of this command leaves nothing running headless,
+    holding the run directory's lock."""
+    from glassloop.preemption import die_with_parent
+
     argv = sys.argv[1:]
     kept: list[str] = []
     skip = False
@@ -318,7 +322,9 @@ def launch_torchrun(nproc: int) -> int:
     ]  # fmt: skip
     sys.stdout.flush()
     with tempfile.TemporaryDirectory(prefix="glassloop-exit-") as exit_dir:
-        child = subprocess.Popen(command, env={**os.environ, EXIT_DIR: exit_dir})
+        child = subprocess.Popen(
+            command, env={**os.environ, EXIT_DIR: exit_dir}, preexec_fn=die_with_parent
+        )
 
         def forward(signum: int, frame: object) -> None:
             child.send_signal(signum)
@@ -498,6 +504,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if EXIT_DIR in os.environ and "RANK" in os.environ:  # a worker of --nproc: it dies with
+        from glassloop.preemption import die_with_parent  # torchrun, which dies with us
+
+        die_with_parent()
     code = run_command(argv)
     if EXIT_DIR in os.environ and "RANK" in os.environ:  # a worker of --nproc: tell the launcher
         with contextlib.suppress(OSError):
