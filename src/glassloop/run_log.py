@@ -10,6 +10,7 @@ reason; checkpoints themselves are :mod:`glassloop.checkpointer`'s job.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -151,6 +152,8 @@ class RunLog:
         assert self.run_dir is not None  # files are written only with a run directory
         named = getattr(err, "filename", None)
         where = Path(named) if isinstance(named, str) else (path or self.run_dir)
+        if ours := TEMPORARY.fullmatch(where.name):  # the file it was about to replace
+            where = where.with_name(ours.group(1))
         return write_failure(where, err, safe="the checkpoints written so far are intact")
 
     def write_step(
@@ -290,6 +293,7 @@ class RunLog:
         return missing
 
 
+TEMPORARY = re.compile(r"\.(.+)\.tmp(?:-\d+)?")  # atomic_path's name for a file being written
 # What glassloop writes in a run directory (checkpoints/ and report/ are checked inside too).
 OWN_NAMES = (
     ".lock", "config.json", "run.json", "metrics.csv", "metrics.jsonl", "model.safetensors",

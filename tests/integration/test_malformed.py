@@ -35,15 +35,15 @@ def assert_error(result: tuple[int, str, str], code: int, message: str) -> None:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("train.seed=100000000000000000000", "train.seed must be in [0, 9.22337e+18]"),
+        ("train.seed=100000000000000000000", "train.seed must be an integer that fits in 64 bits"),
         ("train.seed=1e20", "train.seed must be an integer"),
         ("data.num_workers=-1", "data.num_workers must be in [0, 256], got -1"),
-        ("data.eval_batch_size=-3", "data.eval_batch_size must be >= 0, got -3"),
-        ("model.hidden=[-5]", "model.hidden[0] must be in [1, 1.04858e+06], got -5"),
-        ("model.hidden=[0]", "model.hidden[0] must be in [1, 1.04858e+06], got 0"),
-        ("model.hidden=[1000000000000]", "model.hidden[0] must be in [1, 1.04858e+06]"),
+        ("data.eval_batch_size=-3", "data.eval_batch_size must be in [0, 2147483648], got -3"),
+        ("model.hidden=[-5]", "model.hidden[0] must be in [1, 1048576], got -5"),
+        ("model.hidden=[0]", "model.hidden[0] must be in [1, 1048576], got 0"),
+        ("model.hidden=[1000000000000]", "model.hidden[0] must be in [1, 1048576]"),
         ("model.hidden=[1e12]", "model.hidden[0] must be an integer"),
-        ("data.num_classes=0", "data.num_classes must be in [2, 1.67772e+07], got 0"),
+        ("data.num_classes=0", "data.num_classes must be in [2, 16777216], got 0"),
         ("scheduler.T_max=0", "scheduler.T_max must be >= 1, got 0"),
         ("train.clip_grad_norm=nan", "train.clip_grad_norm must be a finite number, got nan"),
         ("optim.lr=inf", "optim.lr must be a finite number, got inf"),
@@ -141,10 +141,11 @@ def test_a_read_only_run_dir_fresh_and_resumed(
         before = sorted(p.name for p in run.iterdir())
         longer = sets([*constant, "train.epochs=2"])
         result = cli(capsys, "train", *longer, "--run-dir", str(run), "--resume")
-        assert_error(result, 3, f"could not write '{run}': Operation not permitted (EPERM)")
+        assert_error(result, 3, f"could not write '{run}/")  # (the file it was writing)
+        assert "Operation not permitted (EPERM)" in result[2]
         assert sorted(p.name for p in run.iterdir()) == before
         result = cli(capsys, "train", *sets(SMALL), "--run-dir", str(fresh))
-        assert_error(result, 3, f"could not write '{fresh}'")
+        assert_error(result, 3, f"could not write '{fresh}/")
     finally:
         chattr(run, "-i")
         chattr(fresh, "-i")

@@ -326,7 +326,7 @@ def test_a_crafted_checkpoint_is_one_error_and_resume_falls_back(
         ),
         (
             lambda spec: json.dumps({**spec, "model": {**spec["model"], "hidden": [10**12]}}),
-            "model.hidden[0] must be in [1, 1.04858e+06]",
+            "model.hidden[0] must be in [1, 1048576]",
         ),
         (
             lambda spec: json.dumps({**spec, "model": {**spec["model"], "hidden": [4096]}}),
