@@ -17,7 +17,7 @@ from torch import nn
 from glassloop.atomic import atomic_path, open_own
 from glassloop.data.collate import pad_collate
 from glassloop.data.datasets import load_arrays
-from glassloop.data.files import IMAGE_SUFFIXES
+from glassloop.data.files import IMAGE_SUFFIXES, read_csv_rows
 from glassloop.data.lazy import open_image
 from glassloop.errors import DataError
 from glassloop.evaluation import predict as predict_probs
@@ -127,8 +127,7 @@ class Predictor:
 
     def read_csv(self, path: Path) -> tuple[np.ndarray, list[str]]:
         columns = self.preprocessing.get("feature_columns")
-        with path.open(newline="", encoding="utf-8") as handle:
-            rows = list(csv.reader(handle))
+        rows = read_csv_rows(path)
         if not rows:
             raise DataError(f"predict: '{path}' is empty")
         header, body = rows[0], rows[1:]
@@ -226,9 +225,13 @@ class Predictor:
                 outputs.append(self.predict(values, names))
                 sources += names
             elif "tokenizer" in self.preprocessing:
-                lines = [
-                    line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
-                ]
+                try:
+                    text = path.read_text(encoding="utf-8")
+                except UnicodeDecodeError as err:
+                    raise DataError(
+                        f"predict: '{path}' is not UTF-8 text (byte {err.start})"
+                    ) from err
+                lines = [line for line in text.splitlines() if line.strip()]
                 outputs.append(self.predict_texts(lines))
                 sources += [f"{path.name}:{i}" for i in range(1, len(lines) + 1)]
             else:

@@ -159,8 +159,12 @@ def npz(cfg: DataConfig, task: str = "classification") -> Splits:
     elif {"x", "y"} <= arrays.keys():
         if len(arrays["y"]) == 0:
             raise DataError(f"data: '{path}' holds an empty dataset (0 samples)")
+        if len(arrays["x"]) != len(arrays["y"]):  # (before the split, which would say less)
+            raise DataError(
+                f"data: '{path}' holds {len(arrays['x'])} inputs but {len(arrays['y'])} labels"
+            )
         if labels:
-            _check_labels(arrays["y"], path, "")
+            _check_labels(arrays["y"], path, "", arrays["x"])
         parts = stratified_split(
             arrays["x"],
             arrays["y"],
@@ -179,21 +183,28 @@ def npz(cfg: DataConfig, task: str = "classification") -> Splits:
             raise DataError(f"data: the {name} set in '{path}' is empty (0 samples)")
         if len(xs) != len(ys):
             raise DataError(f"data: '{path}' {name} set has {len(xs)} inputs but {len(ys)} labels")
+        if np.issubdtype(xs.dtype, np.floating) and not np.isfinite(xs).all():
+            row = int(np.flatnonzero(~np.isfinite(xs.reshape(len(xs), -1)).all(axis=1))[0])
+            raise DataError(
+                f"data: '{path}' {name} inputs hold NaN or infinite values (row {row} of that "
+                "set); clean them first"
+            )
         if labels:
-            _check_labels(ys, path, f"{name} ")
+            _check_labels(ys, path, f"{name} ", xs)
     if not labels:
         y_tr = target_values(y_tr, task, f"'{path}' (train)")
         y_va = target_values(y_va, task, f"'{path}' (validation)")
         return from_arrays(x_tr, y_tr, x_va, y_va, int(y_tr.shape[1]), values=True)
-    largest = int(max(y_tr.max(), y_va.max()))
-    num_classes = check_class_count(largest, len(y_tr) + len(y_va), f"'{path}' y")
+    num_classes = int(max(y_tr.max(), y_va.max())) + 1  # (checked in _check_labels)
     if np.issubdtype(x_tr.dtype, np.integer):  # token ids (a language model): kept integers
         vocabulary = max(num_classes, int(max(x_tr.max(), x_va.max())) + 1)
         return from_arrays(x_tr, y_tr, x_va, y_va, vocabulary, {"inputs": "token_ids"})
     return from_arrays(x_tr, y_tr, x_va, y_va, num_classes)
 
 
-def _check_labels(ys: np.ndarray, path: Path, name: str) -> None:
+def _check_labels(ys: np.ndarray, path: Path, name: str, xs: np.ndarray) -> None:
+    """Integer class indices >= 0 (-100 pads a sequence), no more classes than the data can
+    hold (its labels, or a language model's input vocabulary)."""
     if not np.issubdtype(ys.dtype, np.integer):
         raise DataError(
             f"data: '{path}' {name}labels must be integers (class indices), got {ys.dtype}; "
@@ -205,6 +216,10 @@ def _check_labels(ys: np.ndarray, path: Path, name: str) -> None:
             f"data: '{path}' {name}labels include {int(kept.min())}; labels must be "
             "class indices in [0, num_classes)"
         )
+    if kept.size:
+        token_ids = np.issubdtype(xs.dtype, np.integer) and xs.size
+        vocabulary = int(xs.max()) + 1 if token_ids else 0
+        check_class_count(int(kept.max()), max(kept.size, vocabulary), f"'{path}' {name}y")
 
 
 def load_splits(cfg: DataConfig, task: str = "classification") -> Splits:

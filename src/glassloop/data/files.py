@@ -67,8 +67,7 @@ def tabular_csv(cfg: DataConfig, task: str = "classification") -> Splits:
     and every other column is a numeric feature, standardised with the training split's
     mean and standard deviation."""
     path = _existing(cfg.path, "data.path (a .csv file)")
-    with path.open(newline="", encoding="utf-8") as handle:
-        rows = list(csv.reader(handle))
+    rows = read_csv_rows(path)
     if len(rows) < 2:
         raise DataError(f"data: '{path}' has no data rows (a header and at least one row)")
     header, body = rows[0], rows[1:]
@@ -130,6 +129,19 @@ def tabular_csv(cfg: DataConfig, task: str = "classification") -> Splits:
     return from_arrays(
         (x_tr - mean) / std, y_tr, (x_va - mean) / std, y_va, names, scale, values=not labels
     )
+
+
+def read_csv_rows(path: Path) -> list[list[str]]:
+    """The rows of a CSV file, which must be UTF-8 text."""
+    try:
+        with path.open(newline="", encoding="utf-8") as handle:
+            return list(csv.reader(handle))
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"data: '{path}' is not UTF-8 text (byte {err.start}); save it as UTF-8"
+        ) from err
+    except csv.Error as err:
+        raise DataError(f"data: '{path}' is not a readable CSV file: {err}") from err
 
 
 def _is_float(value: str) -> bool:

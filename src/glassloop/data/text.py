@@ -82,6 +82,26 @@ class TextData:
 
 def read_texts(path: Path, text_column: str, label_column: str) -> tuple[list[str], list[str]]:
     """Texts and labels from a CSV with a header or a JSONL file (one object per line)."""
+    try:
+        records = _records(path)
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"data: '{path}' is not UTF-8 text (byte {err.start}); save it as UTF-8"
+        ) from err
+    except csv.Error as err:
+        raise DataError(f"data: '{path}' is not a readable CSV file: {err}") from err
+    if not records:
+        raise DataError(f"data: '{path}' holds no texts")
+    for column in (text_column, label_column):
+        if column not in records[0]:
+            raise DataError(
+                f"data: '{path}' has no column {column!r}; it has {', '.join(records[0])} "
+                "(set data.text_column / data.label_column)"
+            )
+    return [str(r[text_column]) for r in records], [str(r[label_column]) for r in records]
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     if path.suffix in (".jsonl", ".json"):
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
@@ -93,15 +113,7 @@ def read_texts(path: Path, text_column: str, label_column: str) -> tuple[list[st
     else:
         with path.open(newline="", encoding="utf-8") as handle:
             records = list(csv.DictReader(handle))
-    if not records:
-        raise DataError(f"data: '{path}' holds no texts")
-    for column in (text_column, label_column):
-        if column not in records[0]:
-            raise DataError(
-                f"data: '{path}' has no column {column!r}; it has {', '.join(records[0])} "
-                "(set data.text_column / data.label_column)"
-            )
-    return [str(r[text_column]) for r in records], [str(r[label_column]) for r in records]
+    return records
 
 
 def train_tokenizer(texts: Iterable[str] | Iterable[list[str]], vocab_size: int) -> Any:
