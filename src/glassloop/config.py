@@ -152,7 +152,7 @@ class TrainConfig:
     ignore_index: int = -100  # the label that "tokens" weighting does not count
     clip_grad_norm: float = 0.0  # 0: off
     clip_grad_value: float = 0.0  # 0: off
-    nonfinite: str = "raise"  # or "skip": drop a step whose loss is NaN/inf
+    nonfinite: str = "raise"  # "strict": checked before each step; "skip": dropped
     max_nonfinite_skips: int = 10  # "skip": stop after this many in a row
     ema_decay: float = 0.0  # 0: off; e.g. 0.999: evaluate and export an EMA of the weights
     compile: bool = False  # torch.compile the model (checkpoints load with or without it)
@@ -229,7 +229,7 @@ CHOICES: dict[tuple[str, str], tuple[Any, ...]] = {
     ("train", "task"): ("auto", "classification", "multilabel", "regression", "language-model"),
     ("early_stopping", "mode"): ("auto", "min", "max"),
     ("tracking", "backend"): ("", "mlflow", "wandb"),
-    ("train", "nonfinite"): ("raise", "skip"),
+    ("train", "nonfinite"): ("raise", "strict", "skip"),
     ("train", "compile_mode"): (
         "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs",
     ),

@@ -55,7 +55,7 @@ from glassloop.evaluation import (
     predictions_and_targets,
 )
 from glassloop.fsdp import ShardedState, gradient_sync
-from glassloop.guards import NonFinitePolicy, check_first_batch, explain
+from glassloop.guards import NonFinitePolicy, NonFiniteWatch, check_first_batch, explain
 from glassloop.metrics import is_number
 from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import STOP_SIGNALS, Preempted, StopSignals
@@ -233,6 +233,10 @@ class Trainer:
         self.clip_grad_norm = clip_grad_norm or None
         self.clip_grad_value = clip_grad_value or None
         self.nonfinite = NonFinitePolicy(nonfinite, max_nonfinite_skips)
+        # The default: NaN/inf noticed on the device, read where the loop reads anyway (no
+        # host sync per step); "strict", "skip" and fp16 (its scaler reads) check each step.
+        self.watch = NonFiniteWatch()
+        self.deferred_check = nonfinite == "raise" and not self.scaler.is_enabled()
         # An exponential moving average of the weights (torch's AveragedModel): evaluated
         # and exported instead of the raw weights when enabled.
         self.ema_decay = ema_decay or None
@@ -321,6 +325,7 @@ class Trainer:
             config=self.config or python_config(self), environment=self._environment,
         )  # fmt: skip
         self.console.info(start_header(self, train_loader, val_loader, epochs))
+        self.watch.check(self.state, self.world)  # counts from here (a resumed run's step)
         start = time.perf_counter()
         status = "failed"
         pairs = None  # a regression's validation outputs and targets, for the report
@@ -391,6 +396,7 @@ class Trainer:
             if explained is err:
                 raise
             raise explained from err
+        self.watch.check(state, self.world)  # before anything of the epoch is recorded
         if state.batch_in_epoch == 0:
             raise DataError(
                 "data: the training loader yielded no batches (an empty dataset, or "
@@ -550,13 +556,17 @@ class Trainer:
         params = [p for p in self._parameters if p.grad is not None]
         if self.clip_grad_value:
             torch.nn.utils.clip_grad_value_(params, self.clip_grad_value)
-        checked = [window_loss]  # what one host sync reads: the loss and gradient norms
+        checked = [window_loss]  # the loss and the gradient norms, read together
         if self.clip_grad_norm:
             # Returns the norm before clipping: what is logged as grad_norm.
             norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
             self.last_grad_norm = fsdp.full(norm)  # FSDP: the norm over every process's shard
             checked.append(self.last_grad_norm)
-        elif not self.scaler.is_enabled() and params:  # (fp16: the scaler checks gradients)
+        if self.deferred_check:  # read at the next step row, checkpoint or epoch end
+            self.watch.observe(*checked)
+            return True
+        if not self.clip_grad_norm and not self.scaler.is_enabled() and params:
+            # (fp16: the scaler checks the gradients itself)
             # Fused L2 norms (one kernel on GPU; 51 us/step on the tutorial MLP on this CPU;
             # the inf-norm would be 885 us): finite exactly when every gradient is.
             grads = [cast(torch.Tensor, p.grad) for p in params]
@@ -613,6 +623,7 @@ class Trainer:
         self._stop_if_signalled()
 
     def _log_step(self, loss: torch.Tensor) -> None:
+        self.watch.check(self.state, self.world)  # (a NaN since the last row stops here)
         value = loss.item()  # a host sync, only every log_every steps
         if self.world.distributed:
             # Each process's step loss is its samples' share of the whole window's (times the
@@ -668,6 +679,7 @@ class Trainer:
     # ------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, *, finished: bool = False) -> Path | None:
         """Commit a checkpoint of the current step under ``run_dir`` (None without one)."""
+        self.watch.check(self.state, self.world)  # never a checkpoint after a NaN step
         state = self.state_dict()  # collective (RNG of every process): all processes call it
         self.run_log.check_exists()
         meta = self.checkpoint_meta(finished=finished)

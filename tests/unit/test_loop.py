@@ -189,7 +189,10 @@ def test_run_dir_files(tmp_path: Path) -> None:
             "Trainer: scheduler_interval must be one of epoch, step; got 'batch'",
         ),
         ({"ema_decay": 1.0}, "Trainer: ema_decay must be in [0, 1), got 1.0"),
-        ({"nonfinite": "ignore"}, "train.nonfinite must be 'raise' or 'skip', got 'ignore'"),
+        (
+            {"nonfinite": "ignore"},
+            "train.nonfinite must be 'raise', 'strict' or 'skip', got 'ignore'",
+        ),
     ],
 )
 def test_python_api_arguments_are_checked_with_one_line(

@@ -159,8 +159,8 @@ def nan_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x[i : i + 10], y[i : i + 10]) for i in range(0, 80, 10)]
 
 
-def test_nonfinite_raise_names_step_and_parameter() -> None:
-    trainer = make()
+def test_nonfinite_strict_names_step_and_parameter() -> None:
+    trainer = make(nonfinite="strict")
     with pytest.raises(NonFiniteError) as info:
         trainer.fit(nan_batches(), epochs=1)
     message = str(info.value)

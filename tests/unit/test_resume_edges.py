@@ -260,11 +260,13 @@ class PoisonAt(nn.Module):
 
 @pytest.mark.parametrize("clip", [0.0, 1.0])
 def test_a_nan_gradient_with_a_finite_loss_is_never_applied(clip: float) -> None:
+    """With nonfinite="strict" (and "skip"): the default notices it later, see
+    test_the_default_check_names_the_first_bad_step_and_saves_nothing_after_it."""
     torch.manual_seed(0)
     model = PoisonAt(3)
     trainer = Trainer(
         model, torch.optim.AdamW(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(),
-        device="cpu", progress="none", clip_grad_norm=clip or None,
+        device="cpu", progress="none", clip_grad_norm=clip or None, nonfinite="strict",
     )  # fmt: skip
     with pytest.raises(NonFiniteError, match=r"step 3 \(epoch 1, batch 3\).*'linear.weight'"):
         trainer.fit(user_loader(), epochs=1)
@@ -451,3 +453,68 @@ def test_a_kill_between_an_epochs_row_and_its_checkpoint_leaves_one_row_per_epoc
     resumed.fit(user_loader(), epochs=2, resume="auto")
     assert_same(weights(resumed), weights(straight))
     assert metric_rows(tmp_path / "run") == metric_rows(tmp_path / "straight")
+
+
+@pytest.mark.parametrize(("what", "clip", "named"), [("loss", 0.0, 3), ("gradient", 1.0, 3),
+                                                      ("gradient", 0.0, 4)])  # fmt: skip
+def test_the_default_check_names_the_first_bad_step_and_saves_nothing_after_it(
+    tmp_path: Path, what: str, clip: float, named: int
+) -> None:
+    """nonfinite="raise" (the default) reads no value per step: a NaN loss (or clipped norm)
+    is noticed at the next point the loop reads anyway (here the step-5 checkpoint), named
+    by its step; the checkpoint is refused and the last good one (step 2) stays. A NaN
+    gradient with a finite loss and no clipping shows in the next step's loss (step 4)."""
+    torch.manual_seed(0)
+    model = PoisonAt(3, what)
+    trainer = Trainer(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(),
+        device="cpu", progress="none", clip_grad_norm=clip or None, run_dir=tmp_path / "run",
+        log_every=1000, checkpoint=CheckpointConfig(every_n_steps=5, every_n_epochs=0),
+    )  # fmt: skip
+    with pytest.raises(NonFiniteError, match=rf"NaN/inf at step {named}, seen at step 5"):
+        trainer.fit(user_loader(), epochs=1)
+    steps = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert steps == [] and not (tmp_path / "run" / "model.safetensors").exists()
+    # With a checkpoint before the bad step, that one stays the newest, intact.
+    torch.manual_seed(0)
+    poisoned = PoisonAt(3, what)
+    again = Trainer(
+        poisoned, torch.optim.SGD(poisoned.parameters(), lr=1e-2), nn.CrossEntropyLoss(),
+        device="cpu", progress="none", clip_grad_norm=clip or None, run_dir=tmp_path / "again",
+        checkpoint=CheckpointConfig(every_n_steps=2, every_n_epochs=0),
+    )  # fmt: skip
+    with pytest.raises(NonFiniteError):
+        again.fit(user_loader(), epochs=1)
+    latest = (tmp_path / "again" / "checkpoints" / "latest").read_text().strip()
+    assert latest == "step-00000002"
+    assert read_checkpoint(tmp_path / "again" / "checkpoints" / latest).step == 2
+
+
+def test_the_default_step_reads_nothing_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every way a tensor's value reaches Python from glassloop's code, counted over 300
+    steps of one epoch with step rows off: a few at the epoch's ends, none per step (the
+    per-step check read 306). (torch.optim's own reads of its CPU step counters are not
+    device syncs and not glassloop's.)"""
+    import sys
+
+    import glassloop
+
+    package = str(Path(glassloop.__file__).parent)
+    reads = {"count": 0}
+    for name in ("item", "__bool__", "__float__", "__int__", "tolist", "numpy", "cpu"):
+        real = getattr(torch.Tensor, name)
+
+        def counting(self: torch.Tensor, *args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            if sys._getframe(1).f_code.co_filename.startswith(package):
+                reads["count"] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    torch.manual_seed(0)
+    x, y = torch.randn(300 * 8, 6), torch.randint(0, 3, (300 * 8,))
+    loader = make_loader((x, y), batch_size=8, shuffle=True, seed=0)
+    trainer = make(None, log_every=10**6)
+    before = reads["count"]
+    trainer.fit(loader, epochs=1)
+    assert trainer.state.step == 300
+    assert reads["count"] - before <= 30, reads["count"] - before
