@@ -1,23 +1,31 @@
 """Per-step cost of the same training under glassloop, a hand-written loop, PyTorch Lightning,
-Lightning Fabric, Hugging Face Accelerate and Keras 3 (torch backend), in one process.
+Lightning Fabric, PyTorch Ignite, Hugging Face Accelerate and Keras 3 (torch backend), in one
+process, fed the way users feed them: a ``DataLoader``.
 
     python3 -m venv .venv-bench
     .venv-bench/bin/pip install torch==2.13.0 -r benchmarks/requirements.txt
     .venv-bench/bin/pip install -e .
-    .venv-bench/bin/python benchmarks/peers.py [--reps 7]
+    OMP_NUM_THREADS=1 .venv-bench/bin/python benchmarks/peers.py --threads 1 2 [--rounds 9]
 
 Workload: the tutorial MLP (784-512-512-10) and Linear(784, 10), SGD lr 1e-3, batch 64, on
 in-memory batches served by one ``DataLoader(batch_size=None)`` over pre-made batches (the
-same iterable for every framework but Keras, which takes the arrays). Fixed start-up costs
-(a Lightning Trainer's setup, Keras compile) are excluded by timing a short and a long epoch
-and dividing the difference by the difference in steps: the marginal cost of one step. Each
-framework runs with its logging, checkpointing and progress bars off.
+same iterable for every framework but Keras, which takes the arrays). glassloop runs twice:
+on that DataLoader, and on its own loader (``make_loader``, the fast path) against the hand
+loop over the same tensors sliced the same way. Fixed start-up costs (a Lightning Trainer's
+setup, Keras compile) are excluded by timing a short and a long epoch and dividing the
+difference by the difference in steps: the marginal cost of one step. Every round runs every
+framework once in a random order (so drift of the machine hits all alike); the first round is
+dropped; the ratio reported is the median over rounds of each round's ratio to the hand loop.
+Each framework runs with its logging, checkpointing and progress bars off. ``--fixed`` also
+times glassloop's per-fit fixed cost (header, environment, first-batch checks) on a 75-step
+fit against the hand loop's.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -82,6 +90,52 @@ def glassloop_fit(kind: str, batches: list[Any]) -> None:
     Trainer(model, optimizer, nn.CrossEntropyLoss(), device="cpu", progress="none").fit(
         loader(batches), epochs=1
     )
+
+
+_TENSORS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def tensors(batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batches as two tensors, made once (outside the timed steps)."""
+    if id(batches) not in _TENSORS:
+        _TENSORS[id(batches)] = (torch.cat([b[0] for b in batches]),
+                                 torch.cat([b[1] for b in batches]))  # fmt: skip
+    return _TENSORS[id(batches)]
+
+
+def hand_tensors(kind: str, batches: list[Any]) -> None:
+    """The hand loop over the tensors glassloop's own loader gets, sliced the same way."""
+    model = make_model(kind)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss_fn = nn.CrossEntropyLoss()
+    model.train()
+    x, y = tensors(batches)
+    for start in range(0, len(x), 64):
+        loss = loss_fn(model(x[start : start + 64]), y[start : start + 64])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def glassloop_own_loader(kind: str, batches: list[Any]) -> None:
+    from glassloop import Trainer
+    from glassloop.data import make_loader
+
+    model = make_model(kind)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    own = make_loader(tensors(batches), batch_size=64, shuffle=False)
+    Trainer(model, optimizer, nn.CrossEntropyLoss(), device="cpu", progress="none").fit(
+        own, epochs=1
+    )
+
+
+def ignite_fit(kind: str, batches: list[Any]) -> None:
+    from ignite.engine import create_supervised_trainer
+
+    model = make_model(kind)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    trainer = create_supervised_trainer(model, optimizer, nn.CrossEntropyLoss())
+    trainer.run(loader(batches), max_epochs=1)
 
 
 def lightning_fit(kind: str, batches: list[Any]) -> None:
@@ -163,52 +217,93 @@ FRAMEWORKS: dict[str, Callable[[str, list[Any]], None]] = {
     "glassloop": glassloop_fit,
     "Lightning": lightning_fit,
     "Fabric": fabric_fit,
+    "Ignite": ignite_fit,
     "Accelerate": accelerate_fit,
     "Keras 3 (torch)": keras_fit,
 }
+# glassloop's own loader, against the hand loop over the same tensors.
+OWN_LOADER: dict[str, Callable[[str, list[Any]], None]] = {
+    "hand-written, tensors": hand_tensors,
+    "glassloop, own loader": glassloop_own_loader,
+}
 
 
-def marginal_steps(kind: str, reps: int) -> dict[str, float]:
-    """Median marginal step cost of every installed framework; the frameworks take turns
-    rep by rep, so that drift of the machine hits all of them alike."""
+def marginal(fn: Callable[[str, list[Any]], None], kind: str, short: Any, long: Any) -> float:
+    """One framework's marginal cost of a step: (long epoch - short epoch) / extra steps."""
+    start = time.perf_counter()
+    fn(kind, short)
+    t_short = time.perf_counter() - start
+    start = time.perf_counter()
+    fn(kind, long)
+    return (time.perf_counter() - start - t_short) / (LONG - SHORT)
+
+
+def ratios(kind: str, rounds: int, seed: int = 0) -> dict[str, tuple[float, float]]:
+    """``{name: (median us/step, median per-round ratio to its baseline)}`` for every
+    installed framework; each round runs all of them once in a random order, the first
+    round is dropped."""
     short, long = data(SHORT), data(LONG)
-    available = {}
-    for name, fn in FRAMEWORKS.items():
+    tensors(short), tensors(long)  # (made before anything is timed)
+    available: dict[str, Callable[[str, list[Any]], None]] = {}
+    for name, fn in {**FRAMEWORKS, **OWN_LOADER}.items():
         try:
             fn(kind, short)  # warm-up (imports, kernels)
         except ImportError as err:
-            print(f"  {name:<16} not installed ({err.name})")
+            print(f"  {name:<22} not installed ({err.name})")
             continue
         available[name] = fn
-    costs: dict[str, list[float]] = {name: [] for name in available}
-    for _ in range(reps):
-        for name, fn in available.items():
+    order = random.Random(seed)
+    rows: list[dict[str, float]] = []
+    for _ in range(rounds):
+        names = list(available)
+        order.shuffle(names)
+        rows.append({name: marginal(available[name], kind, short, long) for name in names})
+    rows = rows[1:]  # (the first round warms caches and allocators)
+    out = {}
+    for name in available:
+        base = "hand-written, tensors" if name in OWN_LOADER else "hand-written"
+        per_round = [row[name] / row[base] for row in rows]
+        out[name] = (statistics.median(row[name] for row in rows), statistics.median(per_round))
+    return out
+
+
+def fixed_cost(rounds: int) -> tuple[float, float]:
+    """glassloop's and the hand loop's whole time for a 75-step fit of the tutorial MLP
+    (medians): what a fit costs beyond its steps (environment, header, first-batch checks)."""
+    batches = data(75)
+    times: dict[str, list[float]] = {"hand-written": [], "glassloop": []}
+    for _ in range(rounds):
+        for name in times:
             start = time.perf_counter()
-            fn(kind, short)
-            t_short = time.perf_counter() - start
-            start = time.perf_counter()
-            fn(kind, long)
-            t_long = time.perf_counter() - start
-            costs[name].append((t_long - t_short) / (LONG - SHORT))
-    return {name: statistics.median(values) for name, values in costs.items()}
+            FRAMEWORKS[name]("mlp", batches)
+            times[name].append(time.perf_counter() - start)
+    return statistics.median(times["glassloop"]), statistics.median(times["hand-written"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=7, help="short/long pairs per framework")
+    parser.add_argument("--rounds", type=int, default=9, help="rounds (the first is dropped)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads")
+    parser.add_argument("--fixed", action="store_true", help="also glassloop's per-fit cost")
     args = parser.parse_args()
     import logging
     import warnings
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch 64, SGD")
-    for kind in ("mlp", "linear"):
-        print(f"\n{'tutorial MLP' if kind == 'mlp' else 'Linear(784, 10)'}")
-        costs = marginal_steps(kind, args.reps)
-        base = costs["hand-written"]
-        for name, cost in costs.items():
-            print(f"  {name:<16} {1e6 * cost:8.1f} us/step   ratio {cost / base:5.2f}")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        print(f"\ntorch {torch.__version__}, {threads} thread(s), batch 64, SGD, DataLoader")
+        for kind in ("mlp", "linear"):
+            print(f"{'tutorial MLP (784-512-512-10)' if kind == 'mlp' else 'Linear(784, 10)'}")
+            for name, (cost, ratio) in ratios(kind, args.rounds).items():
+                print(f"  {name:<22} {1e6 * cost:8.1f} us/step   ratio {ratio:5.3f}")
+    if args.fixed:
+        torch.set_num_threads(args.threads[0])
+        ours, hand_time = fixed_cost(args.rounds)
+        share = (ours - hand_time) / ours
+        print(f"\n75-step fit: glassloop {ours * 1e3:.1f} ms, hand loop {hand_time * 1e3:.1f} ms "
+              f"({100 * share:.1f}% of the fit beyond the steps)")  # fmt: skip
 
 
 if __name__ == "__main__":

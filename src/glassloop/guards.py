@@ -120,9 +120,8 @@ class NonFiniteWatch:
         from ``state.step``."""
         first = -1  # the first bad step, counted from `base`
         if self.pending:
-            values = torch.stack([v.detach().float().reshape(()) for step in self.pending
-                                  for v in step])  # fmt: skip
-            finite = torch.isfinite(values).view(len(self.pending), -1).all(dim=1)
+            values = torch.stack([value for step in self.pending for value in step])
+            finite = torch.isfinite(values.detach()).view(len(self.pending), -1).all(dim=1)
             if not bool(finite.all()):
                 first = int(torch.argmin(finite.int())) + 1
         if world is not None and world.distributed:

@@ -195,6 +195,7 @@ class Trainer:
         resolved = resolve_device(device)
         self.world = world if world is not None else init_from_env(resolved, strategy=strategy)
         self.device = local_device(resolved, self.world)
+        self.distributed = self.world.distributed  # (read every step: an attribute)
         check_precision(precision, self.device)
         model = model.to(self.device)
         # torch.compile wraps the module (state_dict keys gain "_orig_mod."); checkpoints
@@ -470,7 +471,7 @@ class Trainer:
         carries the counts and "did any process get SIGTERM/SIGINT" (acted on after the step).
         """
         samples = sum(sizes)
-        if len(micro) == 1 and not self.world.distributed:
+        if len(micro) == 1 and not self.distributed:
             return Window(micro, [None], samples), None
         if self.loss_weighting == "tokens" and self.loss_reduction == "mean":
             if self._label_shift is None:  # a model's own loss may count shifted labels
@@ -533,11 +534,12 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             return None
         self.state.consecutive_nonfinite = 0
-        scale = self.scaler.get_scale()
+        fp16 = self.scaler.is_enabled()
+        scale = self.scaler.get_scale() if fp16 else 1.0
         self.scaler.step(self.optimizer)  # optimizer.step(); fp16: unless gradients overflowed
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)  # None frees memory; next backward writes
-        if self.scaler.get_scale() < scale:  # fp16: the scale drops only on a skipped step
+        if fp16 and self.scaler.get_scale() < scale:  # the scale drops only on a skipped step
             self.state.skipped_steps += 1
             return None
         if self.ema is not None:
@@ -549,6 +551,9 @@ class Trainer:
     def _clip_and_check(self, window_loss: torch.Tensor) -> bool:
         """Unscale (fp16) and clip the gradients; whether the loss and gradients are finite,
         decided alike in every process."""
+        if self.deferred_check and not (self.clip_grad_norm or self.clip_grad_value):
+            self.watch.observe(window_loss)  # read at the next step row, checkpoint, epoch end
+            return True
         self.scaler.unscale_(self.optimizer)  # fp16: true gradients for clipping and the check
         # Every parameter, frozen ones too, filtered by gradient each step: layers unfrozen
         # after the Trainer was built are clipped and checked (the list is kept: walking the
@@ -668,7 +673,7 @@ class Trainer:
         agree on the step, so the checkpoint is consistent). ``agreed`` is the signal the
         processes already agreed on in this step's collective."""
         signum = self._signals.received or 0
-        if self.world.distributed:
+        if self.distributed:
             if agreed is None:
                 agreed = int(all_reduce(torch.tensor([signum]), "max").item())
             signum = agreed

@@ -44,6 +44,9 @@ def check_precision(precision: str, device: torch.device) -> None:
         )
 
 
+NO_AUTOCAST = contextlib.nullcontext()
+
+
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """The forward-pass context for ``precision``: ``torch.autocast``, or a no-op for
     ``"32"`` (a ``nullcontext``: it costs nothing per step).
@@ -53,7 +56,7 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     torch.bfloat16
     """
     if precision == "32":
-        return contextlib.nullcontext()
+        return NO_AUTOCAST  # (one shared object: nullcontext is reusable)
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
 
 
