@@ -49,7 +49,6 @@ DIAGONAL = [
     ("multilabel", "glassloop", "epoch-boundary", 1),
     ("regression", "glassloop", "none", 2),
     ("lm", "glassloop", "mid-epoch", 1),
-    ("sum", "generator", "epoch-boundary", 1),
     ("sum", "glassloop", "mid-epoch", 2),
 ]
 FULL = [
