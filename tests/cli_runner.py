@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import sys
 import traceback
@@ -46,6 +47,27 @@ def run_python(code: str, cwd: Path, timeout: int = 600) -> subprocess.Completed
         [sys.executable, str(script)], cwd=cwd, capture_output=True, text=True,
         timeout=timeout, check=False,
     )  # fmt: skip
+
+
+def run_group(
+    args: list[str], *, timeout: float, cwd: Path | None = None, env: dict[str, str] | None = None,
+    capture_output: bool = True, text: bool = True, check: bool = False,
+) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """``subprocess.run(args, ...)`` in a process group of its own: on a timeout the whole group
+    is killed (a launch's torchrun and its workers too, which ``subprocess.run`` would leave
+    running), then ``TimeoutExpired`` is raised as usual."""
+    assert capture_output and text and not check  # (the only way the tests call it)
+    proc = subprocess.Popen(
+        args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
 def sets(items: list[str]) -> list[str]:

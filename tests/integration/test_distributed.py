@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import run_group
 from safetensors.torch import load_file
 
 KILLABLE = Path(__file__).with_name("killable_model.py")  # copied next to the config
@@ -38,7 +39,7 @@ def train(
     cwd: Path, *args: str, nproc: int = 0, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     launch = ["--nproc", str(nproc)] if nproc else []
-    return subprocess.run(
+    return run_group(
         [sys.executable, "-m", "glassloop", "train", "cfg.toml", *launch, *args],
         cwd=cwd,
         capture_output=True,

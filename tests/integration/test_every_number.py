@@ -17,7 +17,6 @@ import itertools
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from cli_runner import run_group
 from matrix_runs import (
     BATCH,
     EPOCHS,
@@ -64,9 +64,8 @@ def run_script(run: Path, task: str, kind: str, procs: int, *extra: str) -> int:
     args = [str(SCRIPT), task, kind, str(run), *extra]
     if procs > 1:
         args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", *args]
-    done = subprocess.run(
+    done = run_group(
         [sys.executable, *args], capture_output=True, text=True, timeout=300, check=False,
-        start_new_session=True,  # (a kill of the group on timeout leaves no worker behind)
     )  # fmt: skip
     if done.returncode not in (0, -9) and "--kill-at" not in extra:
         raise AssertionError(done.stderr[-3000:])

@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import run_group
 from safetensors.torch import load_file
 from test_distributed import CONFIG as DDP_CONFIG
 from test_distributed import KILLABLE, last_epoch, train
@@ -190,7 +190,7 @@ def test_each_process_predicts_and_evaluates_its_own_data_with_a_sharded_model(
     tmp_path: Path,
 ) -> None:
     (tmp_path / "predict.py").write_text(PREDICT)
-    done = subprocess.run(
+    done = run_group(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "predict.py", "run"],
         cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False,
@@ -215,7 +215,7 @@ def test_each_process_predicts_and_evaluates_its_own_data_with_a_sharded_model(
 def plotted_samples(cwd: Path, sets: list[str], *args: str) -> str:
     """Train a regression; how many validation samples its predicted-vs-true plot shows."""
     run = f"run-{len(list(cwd.glob('run-*')))}"
-    done = subprocess.run(
+    done = run_group(
         [sys.executable, "-m", "glassloop", "train", *[f"--set={s}" for s in sets], *args,
          "--run-dir", run],
         cwd=cwd, capture_output=True, text=True, timeout=180, check=False,

@@ -6,9 +6,10 @@ from __future__ import annotations
 import contextlib
 import io
 import re
-import subprocess
 import sys
 from pathlib import Path
+
+from cli_runner import run_group
 
 README = Path(__file__).parents[2] / "README.md"
 
@@ -31,7 +32,7 @@ def test_the_readme_step_runs_in_one_process() -> None:
 def test_the_readme_step_runs_with_two_processes(tmp_path: Path) -> None:
     script = tmp_path / "step.py"
     script.write_text(example(), encoding="utf-8")
-    done = subprocess.run(
+    done = run_group(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(script)],
         capture_output=True, text=True, timeout=180, check=False,
