@@ -140,6 +140,23 @@ def test_a_checkpoint_reshards_from_two_processes_to_one_and_back(workdir: Path,
     close(workdir / "to-two" / "model.safetensors", two / "model.safetensors")
 
 
+def test_a_corrupt_shard_is_refused_in_one_line(workdir: Path, two: Path) -> None:
+    """The right reason, but in 46 lines: once per process, then torchrun's traceback and
+    its report of a failed job."""
+    shutil.copytree(two, workdir / "corrupt")
+    for step in ("step-00000020", "step-00000040"):
+        shard = next((workdir / "corrupt" / "checkpoints" / step / "shards").glob("*.safetensors"))
+        data = bytearray(shard.read_bytes())
+        data[-10] ^= 1
+        shard.write_bytes(bytes(data))
+    (workdir / "corrupt" / "model.safetensors").unlink()  # (else: finished, nothing to resume)
+    done = train(workdir, "--run-dir", "corrupt", "--resume", "--set", "train.epochs=3", nproc=2)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "fails its SHA-256 check (corrupt or modified)" in lines[0]
+
+
 def test_bf16_shards_train_and_strategy_mismatches_are_refused(workdir: Path, two: Path) -> None:
     bf16 = train(workdir, "--run-dir", "bf16", "--set", "train.precision=bf16",
                  "--set", "train.epochs=1", "--set", "checkpoint.monitor=val_loss",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -321,10 +322,14 @@ def launch_torchrun(nproc: int) -> int:
         f"--nproc-per-node={nproc}", "-m", "glassloop", *kept,
     ]  # fmt: skip
     sys.stdout.flush()
+    # (OMP_NUM_THREADS set: torchrun's banner about setting it is not printed.)
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
     with tempfile.TemporaryDirectory(prefix="glassloop-exit-") as exit_dir:
         child = subprocess.Popen(
-            command, env={**os.environ, EXIT_DIR: exit_dir}, preexec_fn=die_with_parent
-        )
+            command, env={**env, EXIT_DIR: exit_dir}, preexec_fn=die_with_parent,
+            stderr=subprocess.PIPE, text=True, errors="replace",
+        )  # fmt: skip
+        relay = StderrRelay(child.stderr)
 
         def forward(signum: int, frame: object) -> None:
             child.send_signal(signum)
@@ -332,10 +337,16 @@ def launch_torchrun(nproc: int) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, forward)
         code = child.wait()
+        relay.join()
         recorded = {}
         for path in Path(exit_dir).glob("rank-*"):
             with contextlib.suppress(OSError, ValueError):
                 recorded[int(path.name[5:])] = int(path.read_text())
+    # torchrun's own report of a failed job: noise when a process said why it stopped (its
+    # one line, its recorded code) and the others were only stopped by torchrun (SIGTERM);
+    # the only clue when one died on its own (a crash, the kernel's OOM killer).
+    if code != 0 and (not any(recorded.values()) or relay.died_on_their_own()):
+        relay.print_held()
     if recorded.get(0):
         return recorded[0]
     failed = [recorded[rank] for rank in sorted(recorded) if recorded[rank]]
@@ -344,6 +355,48 @@ def launch_torchrun(nproc: int) -> int:
     if len(recorded) == nproc:  # every worker finished its command and said 0
         return EXIT_OK
     return code if code >= 0 else 128 - code  # killed by a signal: 128 + N, as a shell says
+
+
+class StderrRelay:
+    """Copies torchrun's stderr (its workers' too) to ours as it comes, with two changes: an
+    error line every process prints (``glassloop: error: ...``) is shown once, and what
+    torchrun prints once a worker failed (its log lines, its traceback and report, 40 lines
+    that repeat the exit code) is held back for :meth:`print_held`."""
+
+    REPORT = re.compile(r"^[EWI]\d{4} [\d:.]+ \d+ .*torch/distributed/elastic/")
+
+    def __init__(self, stream: Any) -> None:
+        import threading
+
+        self.held: list[str] = []
+        self.seen: set[str] = set()
+        self.thread = threading.Thread(target=self._copy, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _copy(self, stream: Any) -> None:
+        reporting = False
+        for line in stream:
+            reporting = reporting or bool(self.REPORT.match(line))
+            if reporting:
+                self.held.append(line)
+            elif line.startswith("glassloop: error:") and line in self.seen:
+                continue
+            else:
+                self.seen.add(line)
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+    def join(self) -> None:
+        self.thread.join(timeout=10)
+
+    def died_on_their_own(self) -> bool:
+        """Whether torchrun reports a worker killed by a signal other than its own SIGTERM."""
+        codes = re.findall(r"exitcode\s*:\s*(-?\d+)", "".join(self.held))
+        return any(int(code) < 0 and int(code) != -signal.SIGTERM for code in codes)
+
+    def print_held(self) -> None:
+        sys.stderr.write("".join(self.held))
+        sys.stderr.flush()
 
 
 def evaluate_weights(
