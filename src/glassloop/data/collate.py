@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.nn import functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 
 def pad_collate(
@@ -33,10 +35,8 @@ def pad_collate(
             sequences.append(torch.as_tensor(sequence))
             labels.append(label)
     lengths = torch.tensor([len(s) for s in sequences])
-    longest = int(lengths.max())
-    input_ids = torch.full((len(sequences), longest), pad_value, dtype=sequences[0].dtype)
-    for row, sequence in enumerate(sequences):
-        input_ids[row, : len(sequence)] = sequence
+    input_ids = pad_sequence(sequences, batch_first=True, padding_value=pad_value)
+    longest = input_ids.shape[1]
     mask = (torch.arange(longest)[None, :] < lengths[:, None]).long()
     batch = {"input_ids": input_ids, "attention_mask": mask, "lengths": lengths}
     if labels[0] is None:
@@ -44,11 +44,9 @@ def pad_collate(
     label_tensors = [torch.as_tensor(label) for label in labels]
     if label_tensors[0].ndim == 0:
         batch["labels"] = torch.stack(label_tensors)
-    else:
-        padded = torch.full((len(labels), longest), label_pad_value, dtype=label_tensors[0].dtype)
-        for row, label in enumerate(label_tensors):
-            padded[row, : len(label)] = label
-        batch["labels"] = padded
+    else:  # per token: padded to the inputs' length
+        padded = pad_sequence(label_tensors, batch_first=True, padding_value=label_pad_value)
+        batch["labels"] = F.pad(padded, (0, longest - padded.shape[1]), value=label_pad_value)
     return batch
 
 
