@@ -379,20 +379,6 @@ class Checkpoint:
     model_metadata: dict[str, str]
     sharded: bool = False  # an FSDP run's: the weights are in shards/ (glassloop.fsdp)
 
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """The model's whole weights (a sharded checkpoint's gathered from its shards)."""
-        if not self.sharded:
-            return self.model_tensors
-        from glassloop.fsdp import read_full_weights  # torch.distributed, only when needed
-
-        tensors = read_full_weights(self.path / SHARDS)
-        bad = [k for k, t in tensors.items() if not _finite(t)]
-        if bad:
-            raise CheckpointError(
-                f"checkpoint: '{self.path}': the shards hold NaN/inf values (in '{bad[0]}')"
-            )
-        return tensors
-
     @property
     def step(self) -> int:
         return int(self.meta["step"])

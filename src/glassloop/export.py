@@ -25,6 +25,8 @@ from torch import nn
 
 from glassloop.atomic import atomic_path
 from glassloop.checkpoint import (
+    SHARDS,
+    Checkpoint,
     CheckpointError,
     check_fit,
     find_resumable,
@@ -78,13 +80,29 @@ def read_weights(source: str | Path) -> Weights:
         raise CheckpointError(
             f"checkpoint: '{source}' is not a run directory, a checkpoint or a .safetensors file"
         )
-    tensors = checkpoint.full_weights()  # verified with the checkpoint (FSDP: gathered)
+    tensors = full_weights(checkpoint)  # verified with the checkpoint (FSDP: gathered)
     ema = checkpoint.state.get("ema")
     if isinstance(ema, dict):  # AveragedModel's state: "module.<key>" plus "n_averaged"
         tensors = {k[len("module.") :]: v for k, v in ema.items() if k.startswith("module.")}
     if not isinstance(config, dict):
         config = None
     return Weights(checkpoint.path, tensors, checkpoint.model_metadata, config)
+
+
+def full_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    """A checkpoint's whole weights: ``model.safetensors``, or a sharded (FSDP) checkpoint's
+    gathered from its shards (checked for NaN/inf as the reader checks model.safetensors)."""
+    if not checkpoint.sharded:
+        return checkpoint.model_tensors
+    from glassloop.fsdp import read_full_weights  # torch.distributed, only when needed
+
+    tensors = read_full_weights(checkpoint.path / SHARDS)
+    bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]
+    if bad:
+        raise CheckpointError(
+            f"checkpoint: '{checkpoint.path}': the shards hold NaN/inf values (in '{bad[0]}')"
+        )
+    return tensors
 
 
 def _json_file(path: Path) -> dict[str, Any]:

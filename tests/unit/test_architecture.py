@@ -119,3 +119,10 @@ def test_the_command_starts_without_torch_or_sklearn() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     assert "HEAVY []" in out, out
+
+
+def test_storage_never_reaches_up_into_fsdp() -> None:
+    """checkpoint.py (and atomic.py) store bytes; what is sharded is handed to them."""
+    edges = graph()
+    for storage in ("glassloop.checkpoint", "glassloop.atomic"):
+        assert "glassloop.fsdp" not in edges[storage], storage
