@@ -2,7 +2,7 @@
 valgrind's callgrind, which gives the same count for the same run whatever else the machine
 is doing (wall-clock ratios on a shared 2-core VM moved by +-10% between identical runs).
 
-    OMP_NUM_THREADS=1 python benchmarks/overhead_instructions.py   # needs valgrind; minutes
+    OMP_NUM_THREADS=1 python benchmarks/overhead_instructions.py [--mlp]   # valgrind; ~10 min
 
 For each workload of benchmarks/peers.py (the tutorial MLP and Linear(784, 10), SGD, batch 64,
 one DataLoader over pre-made batches) and each of the hand loop and glassloop, a process runs
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SHORT, LONG = 50, 250
+SHORT, LONG = 20, 100
 CHILD = """
 import sys, torch
 sys.path.insert(0, {here!r})
@@ -41,7 +41,8 @@ def instructions(which: str, kind: str, steps: int) -> int:
 
 
 def main() -> None:
-    for kind in ("linear", "mlp"):
+    kinds = ["linear", "mlp"] if "--mlp" in sys.argv else ["linear"]  # (the MLP: ~1 h)
+    for kind in kinds:
         per_step = {}
         for which in ("hand", "glassloop"):
             short, long = instructions(which, kind, SHORT), instructions(which, kind, LONG)
