@@ -232,5 +232,7 @@ def test_kill_9_of_the_launcher_takes_torchrun_and_the_workers_with_it(workdir: 
     else:
         os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError("torchrun or a worker outlived the launcher")
-    again = train(workdir, "--run-dir", "orphans", "--resume", "--set", "train.epochs=1", nproc=2)
-    assert "in use by another training process" not in again.stderr, again.stderr
+    from glassloop.run_lock import RunLock
+
+    with RunLock(workdir / "orphans"):  # no one holds the run directory any more
+        pass
