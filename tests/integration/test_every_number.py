@@ -47,9 +47,9 @@ DIAGONAL = [
     ("classification", "generator", "mid-epoch", 1),
     ("bce", "dataloader", "none", 1),
     ("multilabel", "glassloop", "epoch-boundary", 1),
-    ("regression", "glassloop", "none", 2),
+    ("regression", "glassloop", "mid-epoch", 2),  # (a mid-epoch DDP resume: every rank's)
     ("lm", "glassloop", "mid-epoch", 1),
-    ("sum", "glassloop", "mid-epoch", 2),
+    ("sum", "generator", "epoch-boundary", 1),
 ]
 FULL = [
     (task, kind, kill, procs)
