@@ -6,8 +6,14 @@
 Rows (each a measurement and a verdict):
 
 * overhead of ``Trainer.fit`` against the hand-written loop, tutorial MLP and a small CNN, fp32
-  and bf16, the two loops interleaved in one process (as benchmarks/overhead.py does), with
-  the device synchronised before each clock read;
+  and bf16, and a small GPT (33M parameters, bf16, ``torch.compile`` off and on), the two
+  loops interleaved in one process (as benchmarks/overhead.py does), with the device
+  synchronised before each clock read;
+* the GPT's tokens/s and MFU (model FLOPs utilisation: FLOPs of a step counted by
+  ``torch.utils.flop_counter``, the peak bf16 dense FLOP/s looked up from the device's name);
+* host syncs per step of a default ``fit`` and of the hand loop (CUDA:
+  ``torch.cuda.set_sync_debug_mode("warn")``'s warnings counted; CPU: reads of a tensor's
+  value, ``Tensor.item``/``__bool__``/``__float__``/``__int__``/``tolist``/``numpy``/``cpu``);
 * bf16 speed-up over fp32 (hand loop);
 * fp16 + GradScaler: steps skipped after warm-up (should be 0) and the final loss against fp32;
 * peak memory of a fit;
@@ -27,13 +33,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.flop_counter import FlopCounterMode
 
 from glassloop import Trainer
 from glassloop.data import make_loader
@@ -64,8 +74,8 @@ def data(n: int, batch: int, device: torch.device, seed: int = 0) -> Batches:
 
 
 def hand_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Any,
-               precision: str, device: torch.device) -> None:  # fmt: skip
-    loss_fn = nn.CrossEntropyLoss()
+               precision: str, device: torch.device, loss_fn: Any = None) -> None:  # fmt: skip
+    loss_fn = loss_fn or nn.CrossEntropyLoss()
     model.train()
     for x, y in batches:
         with autocast(precision, device):
@@ -76,10 +86,47 @@ def hand_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Any,
 
 
 def glassloop_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Any,
-                    precision: str, device: torch.device) -> None:  # fmt: skip
-    trainer = Trainer(model, optimizer, nn.CrossEntropyLoss(), device=device, progress="none",
-                      precision=precision)  # fmt: skip
+                    precision: str, device: torch.device, loss_fn: Any = None,
+                    task: str = "auto") -> None:  # fmt: skip
+    trainer = Trainer(model, optimizer, loss_fn or nn.CrossEntropyLoss(), device=device,
+                      progress="none", precision=precision, task=task)  # fmt: skip
     trainer.fit(batches, epochs=1)
+
+
+class SmallGPT(nn.Module):
+    """A GPT-style decoder: token and position embeddings, pre-norm transformer blocks under
+    a causal mask (torch's own layers: scaled-dot-product attention), a linear head."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(context, width)
+        block = nn.TransformerEncoderLayer(
+            width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True,
+            norm_first=True,
+        )  # fmt: skip
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        mask = nn.Transformer.generate_square_subsequent_mask(context)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        length = idx.shape[1]
+        h = self.tokens(idx) + self.positions.weight[:length]
+        h = self.blocks(h, mask=self.mask[:length, :length], is_causal=True)
+        return self.head(self.norm(h))
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy (the targets are the inputs shifted by one)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def gpt_data(steps: int, batch: int, context: int, vocab: int, device: torch.device) -> Batches:
+    g = torch.Generator().manual_seed(0)
+    text = torch.randint(0, vocab, (steps * batch, context + 1), generator=g)
+    return [(t[:, :-1].to(device), t[:, 1:].to(device)) for t in text.split(batch)]
 
 
 def timed(fn: Callable[[], None], device: torch.device) -> float:
@@ -91,22 +138,32 @@ def timed(fn: Callable[[], None], device: torch.device) -> float:
 
 
 def overhead(name: str, build: Callable[[], nn.Module], precision: str, batches: Batches,
-             device: torch.device, reps: int) -> float:  # fmt: skip
-    """Median ratio glassloop/hand over interleaved reps; returns the hand loop's s/step."""
+             device: torch.device, reps: int, loss_fn: Any = None, task: str = "auto",
+             compiled: bool = False) -> tuple[float, float]:  # fmt: skip
+    """Median ratio glassloop/hand over interleaved reps; returns the hand loop's s/step and
+    the ratio.
+    ``compiled``: both loops train a ``torch.compile``d model (glassloop's ``compile=True``
+    compiles its own copy the same way)."""
     torch.manual_seed(0)
     a, b = build().to(device), build().to(device)
     b.load_state_dict(a.state_dict())
     opt_a = torch.optim.SGD(a.parameters(), lr=1e-3)
     opt_b = torch.optim.SGD(b.parameters(), lr=1e-3)
-    hand_epoch(a, opt_a, batches, precision, device)  # warm-up: kernels, allocator
-    glassloop_epoch(b, opt_b, batches, precision, device)
+    hand_model = torch.compile(a) if compiled else a
+    trainer = Trainer(b, opt_b, loss_fn or nn.CrossEntropyLoss(), device=device,
+                      progress="none", precision=precision, task=task,
+                      compile=compiled)  # fmt: skip
+
+    def hand() -> None:
+        hand_epoch(cast(nn.Module, hand_model), opt_a, batches, precision, device, loss_fn)
+
+    def ours() -> None:
+        trainer.fit(batches, epochs=trainer.state.epoch + 1)  # one more epoch
+
+    hand(), ours()  # warm-up: kernels, allocator, compilation
     ratios, hands = [], []
     for rep in range(reps):
-        runs = [
-            lambda: hand_epoch(a, opt_a, batches, precision, device),
-            lambda: glassloop_epoch(b, opt_b, batches, precision, device),
-        ]
-        order = runs if rep % 2 == 0 else runs[::-1]
+        order = [hand, ours] if rep % 2 == 0 else [ours, hand]
         first, second = (timed(fn, device) for fn in order)
         t_hand, t_glass = (first, second) if rep % 2 == 0 else (second, first)
         ratios.append(t_glass / t_hand)
@@ -114,8 +171,113 @@ def overhead(name: str, build: Callable[[], nn.Module], precision: str, batches:
     ratio = statistics.median(ratios)
     hand_us = 1e6 * statistics.median(hands)
     verdict = "ok" if ratio <= 1.05 else "above 5%"
-    row(f"overhead {name} {precision}", f"{ratio:.3f} (hand {hand_us:.0f} us/step)", verdict)
-    return statistics.median(hands)
+    label = f"overhead {name} {precision}{' compiled' if compiled else ''}"
+    row(label, f"{ratio:.3f} (hand {hand_us:.0f} us/step)", verdict)
+    return statistics.median(hands), ratio
+
+
+# Peak dense bf16 tensor FLOP/s by device name (vendors' data sheets; SXM parts).
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
+             "A10": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12}  # fmt: skip
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16.items() if key in name), None)
+
+
+def gpt_check(device: torch.device, quick: bool, reps: int) -> None:
+    """The small GPT: overhead in bf16 with compile off and on, tokens/s and MFU."""
+    vocab, width, layers, heads, context, batch, steps = (
+        (128, 64, 2, 2, 32, 4, 2) if quick else (8192, 512, 8, 8, 256, 32, 40)
+    )
+    build = lambda: SmallGPT(vocab, width, layers, heads, context)  # noqa: E731
+    batches = gpt_data(steps, batch, context, vocab, device)
+    params = sum(p.numel() for p in build().parameters())
+    label = f"small GPT ({params / 1e6:.1f}M)"
+    compile_runs = (False,) if quick and device.type == "cpu" else (False, True)
+    per_step, ratio = 0.0, 1.0
+    for compiled in compile_runs:
+        per_step, ratio = overhead(label, build, "bf16", batches, device, reps, lm_loss,
+                            "language-model", compiled)  # fmt: skip
+    if len(compile_runs) == 1:
+        row(f"overhead {label} bf16 compiled", "skipped (--quick on CPU)")
+    model = build().to(device)
+    with FlopCounterMode(display=False) as counter:  # one step's forward and backward
+        with autocast("bf16", device):
+            loss = lm_loss(model(batches[0][0]), batches[0][1])
+        loss.backward()
+    flops = counter.get_total_flops()
+    tokens = batch * context
+    peak = peak_flops(device)
+    how = "compiled" if compile_runs[-1] else "eager"
+    for loop, seconds in (("hand loop", per_step), ("glassloop", per_step * ratio)):
+        mfu = f", MFU {flops / seconds / peak:.1%} of {peak / 1e12:.0f}" if peak else ""
+        speed = f"{tokens / seconds:,.0f} tokens/s, {flops / seconds / 1e12:.2f} TFLOP/s"
+        row(f"{label} bf16 {how}, {loop}", speed + mfu)
+
+
+READS = ("item", "__bool__", "__float__", "__int__", "tolist", "numpy", "cpu")
+
+
+@contextmanager
+def host_syncs(device: torch.device) -> Iterator[list[int]]:
+    """Counts host syncs inside the block into the yielded list's one element: CUDA's sync
+    debug mode warns at each synchronising call; on a CPU every read of a tensor's value."""
+    count = [0]
+    if device.type == "cuda":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield count
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        count[0] = sum("synchroniz" in str(w.message) for w in caught)
+        return
+    real = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def counting(name: str) -> Any:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            count[0] += 1
+            return real[name](self, *args, **kwargs)
+
+        return read
+
+    try:
+        for name in READS:
+            setattr(torch.Tensor, name, counting(name))
+        yield count
+    finally:
+        for name, method in real.items():
+            setattr(torch.Tensor, name, method)
+
+
+def sync_check(device: torch.device, quick: bool) -> None:
+    """Host syncs of one epoch: the hand loop and a default ``fit`` (step rows off)."""
+    batches = data(64 * 16 if quick else 200 * 64, 16 if quick else 64, device, seed=1)
+    counts = {}
+    for loop in ("hand", "glassloop"):
+        torch.manual_seed(0)
+        model = mlp((1, 28, 28), 10, [512, 512]).to(device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        if loop == "glassloop":  # (built outside the count: its set-up is not a step)
+            trainer = Trainer(model, optimizer, nn.CrossEntropyLoss(), device=device,
+                              progress="none", log_every=10**6)  # fmt: skip
+        with host_syncs(device) as count:
+            if loop == "hand":
+                hand_epoch(model, optimizer, batches, "32", device)
+            else:
+                trainer.fit(batches, epochs=1)
+        counts[loop] = count[0]
+    steps = len(batches)
+    value = (f"{counts['glassloop'] / steps:.2f} per step ({counts['glassloop']} in a "
+             f"{steps}-step fit; hand loop {counts['hand']})")  # fmt: skip
+    # A default fit reads a few values per epoch (its end), none per step.
+    ok = counts["glassloop"] - counts["hand"] <= 30
+    row("host syncs, default fit (MLP, one epoch)", value, "ok" if ok else "per step")
 
 
 def fp16_check(batches: Batches, device: torch.device) -> None:
@@ -263,9 +425,12 @@ def main() -> None:
     cnn_build = lambda: cnn((1, 28, 28), 10)  # noqa: E731
     per_step = {}
     for precision in ("32", "bf16"):
-        per_step[precision] = overhead("tutorial MLP", mlp_build, precision, batches, device, reps)
+        mlp_step, _ = overhead("tutorial MLP", mlp_build, precision, batches, device, reps)
+        per_step[precision] = mlp_step
         overhead("small CNN", cnn_build, precision, batches, device, reps)
     row("bf16 speed-up over fp32 (hand loop, MLP)", f"x{per_step['32'] / per_step['bf16']:.2f}")
+    gpt_check(device, args.quick, reps)
+    sync_check(device, args.quick)
     fp16_check(batches, device)
     memory_check(batches, device)
     compile_check(batches, device, args.quick)
