@@ -30,11 +30,13 @@ if TYPE_CHECKING:
     from glassloop.data.lazy import DiskData
 from glassloop.device import resolve_device
 from glassloop.distributed import SINGLE, World, init_from_env, local_device
+from glassloop.guards import NonFinitePolicy
 from glassloop.loop import Trainer
 from glassloop.losses import build_loss
 from glassloop.models import build_model, target_scale_of
 from glassloop.optimizers import build_optimizer, build_scheduler, schedule_span
 from glassloop.rng import seed_everything
+from glassloop.run_log import RunInfo
 
 
 @dataclass
@@ -221,6 +223,26 @@ def fmt_values(values: torch.Tensor) -> str:
     return shown + (", ..." if len(values) > 4 else "")
 
 
+def trainer_options(cfg: Config) -> dict[str, Any]:
+    """The Trainer's arguments that a config sets as they are: each key of ``[train]`` that
+    is a Trainer argument of the same name (the config's 0 for "off" becomes ``None``), the
+    scheduler's interval, tracking and checkpointing. (A test compares these names with
+    the Trainer's signature: a key added to one and not the other fails it.)"""
+    t = cfg.train
+    return {
+        "metrics": t.metrics, "validate_every_n_steps": t.validate_every_n_steps,
+        "limit_batches": t.limit_batches, "progress": t.progress, "log_every": t.log_every,
+        "precision": t.precision, "grad_accum_steps": t.grad_accum_steps,
+        "loss_weighting": t.loss_weighting, "ignore_index": t.ignore_index,
+        "clip_grad_norm": t.clip_grad_norm or None, "clip_grad_value": t.clip_grad_value or None,
+        "nonfinite": NonFinitePolicy(t.nonfinite, t.max_nonfinite_skips),
+        "ema_decay": t.ema_decay or None, "strategy": t.strategy,
+        "compile": {"mode": t.compile_mode, "dynamic": t.compile_dynamic} if t.compile else False,
+        "tensorboard": t.tensorboard, "tracking": cfg.tracking, "checkpoint": cfg.checkpoint,
+        "scheduler_interval": cfg.scheduler.interval,
+    }  # fmt: skip
+
+
 def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
     """Join torchrun's process group (if any), build the parts (:func:`build_parts`), the
     optimizer and scheduler, and return a :class:`Run` with its Trainer."""
@@ -249,40 +271,10 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
         )
     t = cfg.train
     trainer = Trainer(
-        model,
-        optimizer,
-        parts.loss_fn,
-        scheduler=scheduler,
-        scheduler_interval=cfg.scheduler.interval,
-        task=parts.task,
-        metrics=t.metrics,
-        validate_every_n_steps=t.validate_every_n_steps,
-        limit_batches=t.limit_batches,
-        device=device,
-        progress=cfg.train.progress,
-        log_every=cfg.train.log_every,
-        run_dir=run_dir,
-        callbacks=callbacks,
-        precision=t.precision,
-        grad_accum_steps=t.grad_accum_steps,
-        loss_weighting=t.loss_weighting,
-        ignore_index=t.ignore_index,
-        clip_grad_norm=t.clip_grad_norm or None,
-        clip_grad_value=t.clip_grad_value or None,
-        nonfinite=t.nonfinite,
-        max_nonfinite_skips=t.max_nonfinite_skips,
-        ema_decay=t.ema_decay or None,
-        compile=t.compile,
-        compile_mode=t.compile_mode,
-        compile_dynamic=t.compile_dynamic,
-        world=world,
-        strategy=t.strategy,
-        tensorboard=t.tensorboard,
-        tracking=cfg.tracking,
-        checkpoint=cfg.checkpoint,
-        config=to_dict(cfg),
-        model_spec=model_spec(cfg, data),
-    )
+        model, optimizer, parts.loss_fn, scheduler=scheduler, task=parts.task, device=device,
+        run_dir=run_dir, callbacks=callbacks, world=world,
+        run_info=RunInfo(to_dict(cfg), model_spec(cfg, data)), **trainer_options(cfg),
+    )  # fmt: skip
     if world.distributed or t.grad_accum_steps > 1:
         trainer.console.message(
             f"global batch {cfg.data.batch_size * world.size * t.grad_accum_steps} = "

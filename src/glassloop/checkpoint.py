@@ -49,6 +49,7 @@ from glassloop.atomic import (
     remove_tree,
     replace_own,
 )
+from glassloop.distributed import unwrap_model
 from glassloop.errors import CheckpointError as CheckpointError  # re-exported: its old home
 from glassloop.errors import CheckpointWriteError as CheckpointWriteError
 from glassloop.rng import check_rng_state
@@ -100,16 +101,6 @@ def write_failure(
     return CheckpointWriteError(
         f"checkpoint: could not write '{path}': {reason} ({code}); {safe}{tail}"
     )
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module under DDP (``.module``) and ``torch.compile`` (``._orig_mod``)
-    wrappers, so saved keys carry no ``module.`` / ``_orig_mod.`` prefixes."""
-    while True:
-        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
 
 
 def write_json(path: Path, data: Any) -> None:

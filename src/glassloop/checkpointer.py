@@ -3,11 +3,12 @@ with the checks that keep a resume honest. Storage (atomic files, verification, 
 is :mod:`glassloop.checkpoint`; this module decides, that one writes.
 
 The Trainer hands it the model and one dict of every stateful part's ``state_dict()``
-(:meth:`glassloop.Trainer.state_dict`) and saves in one line::
+(:func:`state_of`, :meth:`glassloop.Trainer.state_dict`) and saves in one line; a resume is
+one call too (:meth:`Checkpointer.restore`)::
 
     checkpointer = Checkpointer(run_dir, CheckpointConfig(every_n_steps=100, monitor="val_loss"))
     if checkpointer.due_after_step(step):
-        checkpointer.save(model, trainer.state_dict(), trainer.checkpoint_meta())
+        checkpointer.save(model, trainer.state_dict(), checkpointer.meta(state, history, info))
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ import glassloop.fsdp as fsdp
 from glassloop.best import improves, monitor_mode
 from glassloop.checkpoint import (
     BEST,
+    FORMAT_VERSION,
     SHARDS,
     Checkpoint,
     CheckpointError,
@@ -35,6 +38,7 @@ from glassloop.checkpoint import (
     checkpoints_dir,
     find_resumable,
     latest_pointer,
+    load_checked,
     not_finite,
     prune,
     read_checkpoint,
@@ -50,7 +54,48 @@ from glassloop.distributed import SINGLE, World, all_reduce, gather_objects
 from glassloop.errors import ConfigError, GlassloopError
 from glassloop.fsdp import ShardedState
 from glassloop.metrics import is_number
+from glassloop.rng import capture_rng_state, replay_caveat, restore_rng_state
+from glassloop.run_log import RunInfo
 from glassloop.serialization import dotted, stable_repr
+from glassloop.state import EpochRecord, TrainState
+
+
+def state_of(
+    parts: Mapping[str, Any], record: EpochRecord, callbacks: Sequence[Any], loader: Any,
+    world: World,
+) -> dict[str, Any]:  # fmt: skip
+    """Everything but the weights that an exact resume needs: each part's ``state_dict()``
+    (``None``: not part of this run), the epoch's losses so far (every process's: a
+    collective), the callbacks' states, and the RNG, the loader's generators included (every
+    process's: dropout masks differ per process; a collective)."""
+    rng = capture_rng_state(loader)
+    return {
+        **{name: part.state_dict() if part is not None else None for name, part in parts.items()},
+        **record.state_dict(world),
+        "callbacks": [cb.state_dict() if hasattr(cb, "state_dict") else None for cb in callbacks],
+        "rng": rng,
+        "rng_per_rank": gather_objects(rng) if world.distributed else None,
+    }
+
+
+def restore_state(
+    state: dict[str, Any], parts: Mapping[str, Any], record: EpochRecord,
+    callbacks: Sequence[Any], loader: Any, world: World, device: torch.device,
+) -> None:  # fmt: skip
+    """:func:`state_of` back into the parts; the global RNGs last, right before training goes
+    on. A part the state lacks is a ``KeyError`` (reported as "does not fit")."""
+    for name, part in parts.items():
+        saved = state[name]
+        if part is not None and saved is not None:
+            part.load_state_dict(saved)
+    record.load_state_dict(state, device, world)
+    for callback, saved in zip(callbacks, state["callbacks"], strict=False):
+        if saved is not None and hasattr(callback, "load_state_dict"):
+            callback.load_state_dict(saved)
+    per_rank = state.get("rng_per_rank") or []
+    # (A resharded FSDP resume has another number of processes: rank 0's RNG for all.)
+    same_world = len(per_rank) == world.size
+    restore_rng_state(per_rank[world.rank] if same_world else state["rng"], loader)
 
 
 @dataclass
@@ -185,7 +230,47 @@ class Checkpointer:
         if failure is not None:
             raise failure
 
+    def meta(
+        self, state: TrainState, history: list[dict[str, Any]], info: RunInfo, *,
+        finished: bool = False,
+    ) -> dict[str, Any]:  # fmt: skip
+        """meta.json of a checkpoint: where the run stands, its config, what ran it."""
+        return {
+            "format": FORMAT_VERSION, "world_size": self.world.size, "step": state.step,
+            "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
+            "finished": finished, "metrics": history[-1] if history else None,
+            "config": info.config, "model_spec": info.model_spec, "versions": info.versions,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }  # fmt: skip
+
     # --------------------------------------------------------------------------- restore
+    def restore(
+        self, resume: str | Path, model: nn.Module, load_state: Callable[[dict[str, Any]], None],
+        *, config: Any, allow_config_change: bool, warn: Callable[[str], None],
+        shards: ShardedState | None = None,
+    ) -> Checkpoint | None:  # fmt: skip
+        """Resume: find the checkpoint (:meth:`find`), check it fits (:meth:`check_compatible`),
+        load the weights into ``model`` (an FSDP run: ``shards`` read them from the
+        checkpoint's shards/ when the optimizer state loads), then ``load_state`` the rest
+        (:func:`restore_state`). The checkpoint, or ``None`` when there is none to resume."""
+        checkpoint = self.find(resume, warn)
+        if checkpoint is None:
+            return None
+        sharded = shards is not None
+        self.check_compatible(checkpoint, config, allow_config_change, warn, sharded=sharded)
+        if shards is not None:  # weights and optimizer come from shards/ with the state
+            shards.source = checkpoint.path / SHARDS
+        else:
+            load_checked(model, checkpoint.model_tensors, checkpoint.weights)  # read once
+        try:
+            load_state(checkpoint.state)
+        except (KeyError, ValueError, TypeError, RuntimeError) as err:
+            raise CheckpointError(
+                f"checkpoint: '{checkpoint.path}' does not fit this trainer: "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        return checkpoint
+
     def refuse_overwrite(self) -> None:
         """A fresh run never writes over a run directory that holds checkpoints."""
         if self.run_dir is not None and step_dirs(self.run_dir):
@@ -312,3 +397,14 @@ def config_differences(saved: Any, current: Any) -> list[str]:
             change = f"{epochs} (the learning-rate schedule spans the run: {change})"
         changes.append(change)
     return changes
+
+
+def resumed_messages(checkpoint: Checkpoint, state: TrainState, loader: Any) -> list[str]:
+    """What a resume says: where it goes on and, for a loader whose position is replayed,
+    what that replay cannot promise (:func:`glassloop.rng.replay_caveat`)."""
+    caveat = replay_caveat(loader, state.batch_in_epoch)
+    where = (
+        f"resumed from '{checkpoint.path}' at step {state.step} (epoch {state.epoch + 1}, "
+        f"batch {state.batch_in_epoch})"
+    )
+    return [caveat, where] if caveat else [where]

@@ -124,6 +124,16 @@ def wrap(model: nn.Module, world: World, device: torch.device) -> nn.Module:
     return ddp
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module under DDP (``.module``) and ``torch.compile`` (``._orig_mod``)
+    wrappers, so saved keys carry no ``module.`` / ``_orig_mod.`` prefixes."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
 def distributed_job() -> bool:
     """True inside an initialised process group of more than one process."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, Protocol
 
 import torch
@@ -14,11 +15,12 @@ from torch.nn import functional as F
 
 from glassloop.batch import batch_size_of, required_inputs, split_batch, split_inputs
 from glassloop.device import move_to_device
-from glassloop.distributed import distributed_job
+from glassloop.distributed import World, distributed_job, gather_objects
 from glassloop.errors import DataError
 from glassloop.fsdp import evenly
 from glassloop.metric_names import check_metric_name, make_metric
 from glassloop.metrics import ClassificationSums, MultilabelSums, RegressionSums
+from glassloop.precision import autocast
 from glassloop.tasks import (
     LABEL_TASKS,
     activate,
@@ -310,6 +312,45 @@ def check_same_shape(prediction: torch.Tensor, target: Any, where: str) -> None:
             "broadcast them and compare every output with every target): reshape the target "
             "(e.g. y.unsqueeze(1)) or the output (out.squeeze(1))"
         )
+
+
+class FirstBatches:
+    """The first ``limit`` batches of a loader that has a ``len()``, with that length."""
+
+    def __init__(self, loader: Sized, limit: int) -> None:
+        self.loader, self.limit = loader, limit
+
+    def __len__(self) -> int:
+        return min(len(self.loader), self.limit)
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.loader), self.limit)  # type: ignore[call-overload]
+
+
+def first_batches(loader: Iterable[Any], limit: int, *, counted: bool = False) -> Iterable[Any]:
+    """The first ``limit`` batches of ``loader`` (``limit_batches``), counted when it can be:
+    an FSDP evaluation evens the processes' batch counts out (``counted``: a loader without
+    a ``len()`` is refused)."""
+    if isinstance(loader, Sized):
+        return FirstBatches(loader, limit)
+    if counted:
+        raise DataError("data: with train.strategy = 'fsdp' the validation loader needs a len()")
+    return itertools.islice(loader, limit)
+
+
+def gathered_outputs(
+    model: nn.Module, loader: Iterable[Any], device: torch.device, precision: str,
+    world: World,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A regression's outputs and targets of every process's shard of ``loader`` (a
+    collective with several processes: gathered in rank order), for the report's
+    predicted-vs-true plot."""
+    with autocast(precision, device):
+        outputs, targets = predictions_and_targets(model, loader, device)
+    if not world.distributed:
+        return outputs, targets
+    parts = gather_objects((outputs, targets))  # (pickled between our own processes)
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def predictions_and_targets(

@@ -299,8 +299,8 @@ def evenly(
     predicting: bool = False,
 ) -> Iterable[Any]:  # fmt: skip
     """``batches`` as they are, or, for a sharded model, through :func:`even_batches` (when
-    they can be counted: an uncounted iterable is the caller's to even out, as
-    ``Trainer._validate`` does for ``limit_batches``). What the evaluation and prediction
+    they can be counted: ``limit_batches`` keeps the count, see
+    :func:`glassloop.evaluation.first_batches`). What the evaluation and prediction
     loops of :mod:`glassloop.evaluation` run the model over."""
     if not isinstance(model, FSDPModule):
         return batches

@@ -25,51 +25,38 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import glassloop.fsdp as fsdp
 from glassloop.batch import Inputs, batch_size_of, split_batch
 from glassloop.callbacks import Callback
-from glassloop.checkpoint import (
-    FORMAT_VERSION,
-    SHARDS,
-    CheckpointError,
-    load_checked,
-    unwrap_model,
+from glassloop.checkpointer import (
+    CheckpointConfig,
+    Checkpointer,
+    restore_state,
+    resumed_messages,
+    state_of,
 )
-from glassloop.checkpointer import CheckpointConfig, Checkpointer
 from glassloop.device import move_to_device, resolve_device
-from glassloop.distributed import (
-    World,
-    all_reduce,
-    barrier,
-    check_strategy,
-    gather_objects,
-    init_from_env,
-    local_device,
-    wrap,
-)
+from glassloop.distributed import World, all_reduce, barrier, init_from_env, local_device
+from glassloop.distributed import unwrap_model as unwrap_model  # (re-exported: its old home)
 from glassloop.errors import DataError, GlassloopError
 from glassloop.evaluation import (
     LossFn,
     Metric,
     evaluate,
+    first_batches,
+    gathered_outputs,
     label_shift,
     metric_table,
     predict,
-    predictions_and_targets,
 )
-from glassloop.fsdp import ShardedState, gradient_sync
+from glassloop.fsdp import gradient_sync
 from glassloop.guards import NonFinitePolicy, NonFiniteWatch, check_first_batch, explain
 from glassloop.metrics import is_number
+from glassloop.parallelize import prepare_model
 from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import STOP_SIGNALS, Preempted, StopSignals
 from glassloop.provenance import environment
 from glassloop.redaction import redacted
-from glassloop.rng import (
-    capture_loader_rng,
-    capture_rng_state,
-    replay_caveat,
-    replay_epoch,
-    restore_rng_state,
-    seed_everything,
-)
-from glassloop.run_log import RunLog, python_config
+from glassloop.replaced import fold_replaced
+from glassloop.rng import capture_loader_rng, replay_epoch, seed_everything
+from glassloop.run_log import RunInfo, RunLog, python_config
 from glassloop.sinks import ProgressReporter
 from glassloop.state import EpochRecord, TrainState
 from glassloop.summary import end_summary, samples_in, start_header
@@ -127,8 +114,58 @@ class Trainer:
         history = trainer.fit(train_loader, val_loader, epochs=10)
         probs = trainer.predict(x_new)
 
-    ``seed`` seeds python/numpy/torch here, after the model was built; to make the initial
-    weights reproducible call :func:`glassloop.seed_everything` before building the model.
+    Arguments (all but the first three by keyword; the config keys of the same names, under
+    ``[train]`` unless said, set them from the command line):
+
+    *The model, its loss and what it is for.* ``loss_fn(output, target)`` returns the loss
+    to minimise; ``None``: the model computes its own loss (it gets the target as
+    ``labels=``, as Hugging Face models do). ``task``: "auto" (from the loss),
+    "classification", "multilabel", "regression", "language-model" or "custom"; it decides
+    what ``predict`` returns and which metrics are reported (:mod:`glassloop.tasks`).
+    ``metrics``: more metrics by name (``["top5_accuracy", "auroc"]``) or ``{name: metric
+    object}``, reported as ``val_<name>``.
+
+    *The step.* ``precision``: "32", "bf16" (autocast) or "fp16" (autocast and a
+    GradScaler). ``grad_accum_steps``: micro-batches per optimizer step, their losses
+    weighted by ``loss_weighting`` ("samples", or "tokens": labels other than
+    ``ignore_index``) so a step equals one big batch. ``loss_reduction``: "auto" (the loss
+    module's ``reduction``), "mean", or "sum" (a loss that adds up over its batch: reported
+    per sample). ``clip_grad_norm`` / ``clip_grad_value``: clip the gradients before the
+    step (the norm before clipping is reported as ``grad_norm``). ``nonfinite``: what a NaN
+    or infinite loss or gradient does: "raise" (checked on the device, read where the loop
+    reads anyway: stops naming the first bad step, no checkpoint after it), "strict" (checked
+    every step, before the step is taken) or "skip" (the step is dropped; at most
+    ``max_skips`` in a row), or a :class:`~glassloop.guards.NonFinitePolicy`.
+    ``ema_decay``: also keep an exponential moving average of the weights, evaluated and
+    exported instead of them. ``compile``: ``torch.compile`` the model (``True`` or a mapping
+    of ``mode`` and ``dynamic``). ``scheduler`` steps once per ``scheduler_interval``
+    ("epoch" or "step"; ``ReduceLROnPlateau`` on ``val_loss``, else ``train_loss``).
+
+    *The epoch.* ``validate_every_n_steps``: also validate inside epochs (``"kind": "val"``
+    rows). ``limit_batches``: at most this many training and validation batches per epoch
+    (a quick run through everything). ``seed`` seeds python/numpy/torch here, after the
+    model was built; to make the initial weights reproducible call
+    :func:`glassloop.seed_everything` before building the model. ``callbacks``:
+    :class:`~glassloop.callbacks.Callback` objects (early stopping, your own hooks).
+
+    *Where it runs.* ``device``: "auto" (CUDA, then MPS, then the CPU) or a device.
+    ``world``: the processes of a multi-process job (default: torchrun's environment, a
+    single process without it); ``strategy``: "auto"/"ddp" (the model replicated) or "fsdp"
+    (sharded, FSDP2).
+
+    *The run directory.* ``run_dir``: where checkpoints, metrics, the report and the final
+    weights go (``None``: nothing is written). ``checkpoint``: when to save, how many to keep,
+    which metric picks ``best/`` (:class:`~glassloop.checkpointer.CheckpointConfig`).
+    ``run_info``: the config the run records and a resume compares, and the model spec that
+    rebuilds the model from its weights file (:class:`~glassloop.run_log.RunInfo`).
+    ``tensorboard``: also write TensorBoard event files; ``tracking``: MLflow or W&B
+    (:class:`~glassloop.tracking.TrackingConfig`). ``progress``: "auto", "bar", "lines" or
+    "none"; ``log_every``: a step row (and the tutorial's loss line) every this many steps.
+
+    Replaced names, still accepted with a deprecation warning (until glassloop 0.3):
+    ``max_nonfinite_skips`` (``nonfinite=NonFinitePolicy(..., max_skips)``),
+    ``compile_mode`` and ``compile_dynamic`` (``compile={"mode": ..., "dynamic": ...}``),
+    ``config`` and ``model_spec`` (``run_info=RunInfo(config, model_spec)``).
     """
 
     def __init__(
@@ -137,18 +174,10 @@ class Trainer:
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn | None,
         *,
+        # the model, its loss and what it is for
         task: str = "auto",
         metrics: Sequence[str] | Mapping[str, Metric | str] | None = None,
-        validate_every_n_steps: int = 0,
-        limit_batches: int = 0,
-        scheduler: Any = None,
-        scheduler_interval: str = "epoch",
-        device: str | torch.device = "auto",
-        seed: int | None = None,
-        progress: str = "auto",
-        log_every: int = 100,
-        run_dir: str | Path | None = None,
-        callbacks: Sequence[Callback] = (),
+        # the step
         precision: str = "32",
         grad_accum_steps: int = 1,
         loss_weighting: str = "samples",
@@ -156,25 +185,36 @@ class Trainer:
         ignore_index: int = -100,
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
-        nonfinite: str = "raise",
-        max_nonfinite_skips: int = 10,
+        nonfinite: str | NonFinitePolicy = "raise",
         ema_decay: float | None = None,
-        compile: bool = False,
-        compile_mode: str = "default",
-        compile_dynamic: bool = False,
+        compile: bool | Mapping[str, Any] = False,
+        scheduler: Any = None,
+        scheduler_interval: str = "epoch",
+        # the epoch
+        validate_every_n_steps: int = 0,
+        limit_batches: int = 0,
+        seed: int | None = None,
+        callbacks: Sequence[Callback] = (),
+        # where it runs
+        device: str | torch.device = "auto",
         world: World | None = None,
         strategy: str = "auto",
+        # the run directory
+        run_dir: str | Path | None = None,
+        checkpoint: CheckpointConfig | None = None,
+        run_info: RunInfo | None = None,
         tensorboard: bool = False,
         tracking: TrackingConfig | None = None,
-        checkpoint: CheckpointConfig | None = None,
-        config: Mapping[str, Any] | None = None,
-        model_spec: Mapping[str, Any] | None = None,
+        progress: str = "auto",
+        log_every: int = 100,
+        **replaced: Any,  # the names above replaced (max_nonfinite_skips, config, ...)
     ) -> None:
+        policy, compiled, run_info = fold_replaced(replaced, nonfinite, compile, run_info)
         check_trainer_options({  # the rules the config reader applies too, one table
             "scheduler_interval": scheduler_interval, "loss_weighting": loss_weighting,
             "log_every": log_every, "grad_accum_steps": grad_accum_steps, "ema_decay": ema_decay,
             "clip_grad_norm": clip_grad_norm, "clip_grad_value": clip_grad_value,
-            "max_nonfinite_skips": max_nonfinite_skips, "precision": precision,
+            "max_nonfinite_skips": policy.max_skips, "precision": precision,
             "validate_every_n_steps": validate_every_n_steps, "limit_batches": limit_batches,
         })  # fmt: skip
         # What the model is trained to do (glassloop.tasks): decides what predict returns,
@@ -185,8 +225,6 @@ class Trainer:
         self.loss_reduction = reduction_of(loss_fn, loss_reduction)
         self.metrics = metric_table(metrics, self.task)
         self.validate_every_n_steps = validate_every_n_steps
-        # At most this many training and validation batches per epoch (0: all): a quick
-        # check of a whole run, like Lightning's limit_train_batches / fast_dev_run.
         self.limit_batches = limit_batches
         if seed is not None:
             seed_everything(seed)
@@ -196,31 +234,13 @@ class Trainer:
         self.world = world if world is not None else init_from_env(resolved, strategy=strategy)
         self.device = local_device(resolved, self.world)
         self.distributed = self.world.distributed  # (read every step: an attribute)
-        check_precision(precision, self.device)
-        model = model.to(self.device)
-        # torch.compile wraps the module (state_dict keys gain "_orig_mod."); checkpoints
-        # store the unwrapped keys, so they load with or without compile. dynamic=False: one
-        # static graph per input shape. Dynamo's default ("automatic dynamic") switches to a
-        # dynamic graph after the second shape it sees (the short last batch), so which
-        # kernels run depends on the order a process met the shapes in, which a resumed
-        # process does not repeat (a max weight diff of 0.018 was reported on a resume).
-        if compile:
-            compiled = torch.compile(model, mode=compile_mode, dynamic=compile_dynamic)
-            model = cast(nn.Module, compiled)
-        # Several processes: DistributedDataParallel (gradients averaged across them during
-        # backward, once per optimizer step, see gradient_sync in train_step), or with
-        # strategy="fsdp" FSDP2 (parameters, gradients and optimizer state sharded; the
-        # optimizer is pointed at the sharded parameters; glassloop.fsdp).
-        check_strategy(strategy)  # (also when the world was given)
-        self.sharded: ShardedState | None = None  # an FSDP run's weights and optimizer state
-        if strategy == "fsdp":
-            fsdp.check_options(precision=precision, ema=bool(ema_decay), compile=compile)
-            if self.world.distributed:
-                model = fsdp.shard_model(model, optimizer, self.world, self.device, precision)
-            self.model: nn.Module = model
-            self.sharded = ShardedState(model, optimizer)
-        else:
-            self.model = wrap(model, self.world, self.device)
+        self.precision_note = check_precision(precision, self.device)
+        # Compiled, then under DDP or FSDP2 with several processes (glassloop.parallelize);
+        # sharded: an FSDP run's weights and optimizer state, which checkpoints save.
+        self.model, self.sharded = prepare_model(
+            model, optimizer, self.world, self.device, strategy=strategy, precision=precision,
+            compile=compiled, ema=bool(ema_decay),
+        )  # fmt: skip
         self._parameters = list(self.model.parameters())
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -233,11 +253,11 @@ class Trainer:
         self.ignore_index = ignore_index
         self.clip_grad_norm = clip_grad_norm or None
         self.clip_grad_value = clip_grad_value or None
-        self.nonfinite = NonFinitePolicy(nonfinite, max_nonfinite_skips)
+        self.nonfinite = policy
         # The default: NaN/inf noticed on the device, read where the loop reads anyway (no
         # host sync per step); "strict", "skip" and fp16 (its scaler reads) check each step.
         self.watch = NonFiniteWatch()
-        self.deferred_check = nonfinite == "raise" and not self.scaler.is_enabled()
+        self.deferred_check = policy.policy == "raise" and not self.scaler.is_enabled()
         # An exponential moving average of the weights (torch's AveragedModel): evaluated
         # and exported instead of the raw weights when enabled.
         self.ema_decay = ema_decay or None
@@ -254,9 +274,10 @@ class Trainer:
             self.run_dir, world=self.world, tensorboard=tensorboard, tracking=tracking
         )
         # What the run records and compares on resume (secrets in URIs replaced by ***).
-        self.config = redacted(dict(config)) if config is not None else None
-        # How to rebuild the model from its weights file alone (glassloop.load_model).
-        self.model_spec = dict(model_spec) if model_spec is not None else None
+        info = run_info or RunInfo()
+        self.config = redacted(dict(info.config)) if info.config is not None else None
+        self.model_spec = dict(info.model_spec) if info.model_spec is not None else None
+        self.info = RunInfo(self.config, self.model_spec)  # (and fit's versions)
         # Only rank 0 talks: the other processes print nothing at all.
         self.console = ProgressReporter(progress, silent=not self.world.is_main)
         self.state = TrainState()
@@ -267,7 +288,6 @@ class Trainer:
         self._signals = StopSignals()
         self._train_loader: Iterable[Any] = ()
         self._val_loader: Iterable[Any] | None = None
-        self._environment: dict[str, Any] = {}
         self._checked_first_batch = False
         self._label_shift: int | None = None  # tokens a model's own loss counts: from t+shift
         self._failure: str | None = None  # the error a failed fit ended with, for run.json
@@ -297,9 +317,10 @@ class Trainer:
         self.should_stop = False
         self._checked_first_batch = False
         self._train_loader, self._val_loader = train_loader, val_loader
-        # Versions and git SHA for run.json and checkpoint metadata (a git subprocess: only
-        # worth it when something is written).
-        self._environment = environment() if self.run_dir is not None else {}
+        # The config a resume compares (without a config file: the Trainer's arguments), the
+        # versions and git SHA (a git subprocess: only worth it when something is written).
+        self.info.config = self.config or python_config(self)
+        self.info.versions = environment() if self.run_dir is not None else {}
         with self.run_log.hold():  # the run directory's lock, for the whole fit
             barrier()  # nobody reads the run dir while rank 0 tidies it
             if resume is not None:
@@ -316,15 +337,9 @@ class Trainer:
         self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
     ) -> None:
         """The epochs, between opening and closing the run directory's files."""
-        if self.precision == "fp16" and self.device.type == "cpu":
-            self.console.message(
-                "warning: fp16 on a CPU is emulated and slow (11x slower than '32' on the "
-                "tutorial MLP in docs/benchmarks.md); 'bf16' is the CPU's mixed precision"
-            )
-        self.run_log.open(
-            step=self.state.step, epoch=self.state.epoch, has_val=val_loader is not None,
-            config=self.config or python_config(self), environment=self._environment,
-        )  # fmt: skip
+        if self.precision_note:  # (fp16 on a CPU)
+            self.console.message(self.precision_note)
+        self.run_log.start(self.state, has_val=val_loader is not None, info=self.info)
         self.console.info(start_header(self, train_loader, val_loader, epochs))
         self.watch.check(self.state, self.world)  # counts from here (a resumed run's step)
         start = time.perf_counter()
@@ -342,7 +357,9 @@ class Trainer:
                 self.save_checkpoint(finished=True)  # always at the end
             status = "finished"
             if self.task == "regression" and val_loader is not None and self.run_dir:
-                pairs = self._predicted_vs_true(val_loader)  # (every process: its shard)
+                pairs = gathered_outputs(  # (every process: its shard)
+                    self.eval_model, val_loader, self.device, self.precision, self.world
+                )
         except (KeyboardInterrupt, Preempted):
             status = "interrupted"
             raise
@@ -351,14 +368,10 @@ class Trainer:
             raise
         finally:
             self.console.close()
-            info = {"step": self.state.step, "epoch": self.state.epoch, **self._environment}
-            if self._failure is not None and status == "failed":
-                info["error"] = self._failure
-            weights = self._final_weights() if status == "finished" else self.eval_model
-            # The final report after run.json says how the run ended (it shows that).
-            report = self.run_log.close(
-                status, model=weights, model_spec=self.model_spec, info=info,
-                report=lambda: self._write_report(pairs, final=True),
+            # The final weights and run.json, then the final report, which shows the end.
+            report = self.run_log.finish(
+                status, self.state, self.eval_model, self.info, error=self._failure,
+                evaluation=self.last_eval, predicted_vs_true=pairs,
             )  # fmt: skip
         self.console.info(end_summary(self, time.perf_counter() - start, report))
 
@@ -616,15 +629,12 @@ class Trainer:
         best = self.checkpointer.better(row, self.state.best_metric)
         if best is not None:
             self.state.best_metric = best
-            if self.run_dir is not None:
-                # best/ before the epoch's checkpoint: a kill in between resumes before this
-                # epoch, which then writes both again, so they never disagree for good.
-                state = self.state_dict()  # collective: every process takes part
-                self.run_log.check_exists()
-                self.checkpointer.save_best(self.model, state, self.checkpoint_meta(), self.sharded)
+            # best/ before the epoch's checkpoint: a kill in between resumes before this
+            # epoch, which then writes both again, so they never disagree for good.
+            self.save_checkpoint(best=True)
         if self.checkpointer.due_after_epoch(self.state.epoch):
             self.save_checkpoint()
-        self._write_report(None, final=False)  # when due: a long run's live view
+        self.run_log.report(self.last_eval, self.info)  # when due: a long run's live view
         self._stop_if_signalled()
 
     def _log_step(self, loss: torch.Tensor) -> None:
@@ -644,30 +654,6 @@ class Trainer:
             grad_norm=float(norm) if norm is not None else None,
         )  # fmt: skip
 
-    def _write_report(
-        self, pairs: tuple[torch.Tensor, torch.Tensor] | None, *, final: bool
-    ) -> Path | None:
-        """``RUN_DIR/report/`` from the metrics and the last validation (rank 0); for a
-        regression with its predicted-vs-true ``pairs`` (computed at the end only: iterating
-        a DataLoader draws from the global RNG, which must not depend on when a refresh fell
-        due)."""
-        if not self.run_log.active or (not final and not self.run_log.report_due()):
-            return None
-        names = (self.model_spec or {}).get("class_names")
-        return self.run_log.write_report(
-            evaluation=self.last_eval, class_names=names, predicted_vs_true=pairs, final=final
-        )
-
-    def _predicted_vs_true(self, loader: Iterable[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A regression's validation outputs and targets, of every process's shard (a
-        collective with several processes: gathered in rank order)."""
-        with autocast(self.precision, self.device):
-            outputs, targets = predictions_and_targets(self.eval_model, loader, self.device)
-        if not self.world.distributed:
-            return outputs, targets
-        parts = gather_objects((outputs, targets))  # (pickled between our own processes)
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
     def _stop_if_signalled(self, agreed: int | None = None) -> None:
         """Stop after this step if a SIGTERM/SIGINT arrived (in any process: all processes
         agree on the step, so the checkpoint is consistent). ``agreed`` is the signal the
@@ -682,13 +668,17 @@ class Trainer:
             raise Preempted(signum, self.state.step, str(path) if path is not None else None)
 
     # ------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, *, finished: bool = False) -> Path | None:
-        """Commit a checkpoint of the current step under ``run_dir`` (None without one)."""
+    def save_checkpoint(self, *, finished: bool = False, best: bool = False) -> Path | None:
+        """Commit a checkpoint of the current step under ``run_dir`` (None without one);
+        ``best``: ``RUN_DIR/best/`` instead."""
         self.watch.check(self.state, self.world)  # never a checkpoint after a NaN step
+        if self.run_dir is None:
+            return None
         state = self.state_dict()  # collective (RNG of every process): all processes call it
         self.run_log.check_exists()
-        meta = self.checkpoint_meta(finished=finished)
-        return self.checkpointer.save(self.model, state, meta, self.sharded)
+        meta = self.checkpointer.meta(self.state, self.history, self.info, finished=finished)
+        save = self.checkpointer.save_best if best else self.checkpointer.save
+        return save(self.model, state, meta, self.sharded)
 
     def stateful(self) -> dict[str, Any]:
         """What a checkpoint holds besides the weights, by name: objects with ``state_dict()``
@@ -707,92 +697,35 @@ class Trainer:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything but the weights that an exact resume needs (see :mod:`checkpoint`)."""
-        parts = self.stateful().items()
-        loader = self._train_loader
-        return {
-            **{name: part.state_dict() if part is not None else None for name, part in parts},
-            # The epoch's losses so far (every process's: a collective), its RNG, the history.
-            **self.record.state_dict(self.world),
-            "callbacks": [
-                cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.callbacks
-            ],
-            "rng": capture_rng_state(loader),
-            # Every process's RNG (dropout masks differ per process); a collective call.
-            "rng_per_rank": (
-                gather_objects(capture_rng_state(loader)) if self.world.distributed else None
-            ),
-        }
+        """Everything but the weights that an exact resume needs (:func:`~glassloop.
+        checkpointer.state_of`: :meth:`stateful`, the epoch's losses, callbacks, RNG)."""
+        parts, loader = self.stateful(), self._train_loader
+        return state_of(parts, self.record, self.callbacks, loader, self.world)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the global RNGs last, right before training goes on."""
-        for name, part in self.stateful().items():
-            saved = state[name]  # missing: a KeyError, reported as "does not fit"
-            if part is not None and saved is not None:
-                part.load_state_dict(saved)
-        self.record.load_state_dict(state, self.device, self.world)
-        for callback, saved in zip(self.callbacks, state["callbacks"], strict=False):
-            if saved is not None and hasattr(callback, "load_state_dict"):
-                callback.load_state_dict(saved)
-        per_rank = state.get("rng_per_rank") or []
-        # (A resharded FSDP resume has another number of processes: rank 0's RNG for all.)
-        same_world = len(per_rank) == self.world.size
-        restore_rng_state(
-            per_rank[self.world.rank] if same_world else state["rng"], self._train_loader
-        )
-
-    def checkpoint_meta(self, *, finished: bool = False) -> dict[str, Any]:
-        """meta.json of a checkpoint: where the run stands, its config, what ran it."""
-        return {
-            "format": FORMAT_VERSION, "world_size": self.world.size, "step": self.state.step,
-            "epoch": self.state.epoch, "batch_in_epoch": self.state.batch_in_epoch,
-            "finished": finished, "metrics": self.history[-1] if self.history else None,
-            "config": self.config or python_config(self), "model_spec": self.model_spec,
-            "versions": self._environment, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }  # fmt: skip
+        parts, loader = self.stateful(), self._train_loader
+        restore_state(state, parts, self.record, self.callbacks, loader, self.world, self.device)
 
     def _resume(self, resume: str | Path, allow_config_change: bool, epochs: int) -> None:
-        checkpoint = self.checkpointer.find(resume, self.console.message)
-        if checkpoint is None:
-            return
-        config = self.config or python_config(self)
-        self.checkpointer.check_compatible(
-            checkpoint, config, allow_config_change, self.console.message,
-            sharded=self.sharded is not None,
+        checkpoint = self.checkpointer.restore(
+            resume, self.model, self.load_state_dict, config=self.info.config,
+            allow_config_change=allow_config_change, warn=self.console.message,
+            shards=self.sharded,
         )  # fmt: skip
-        if self.sharded is not None:  # FSDP: weights and optimizer come from shards/ below
-            self.sharded.source = checkpoint.path / SHARDS
-        else:
-            load_checked(self.model, checkpoint.model_tensors, checkpoint.weights)  # read once
-        try:
-            self.load_state_dict(checkpoint.state)
-        except (KeyError, ValueError, TypeError, RuntimeError) as err:
-            raise CheckpointError(
-                f"checkpoint: '{checkpoint.path}' does not fit this trainer: "
-                f"{type(err).__name__}: {err}"
-            ) from err
-        if self.state.epoch >= epochs or self.state.stopped:
-            return  # a finished run: _finish_again says so, nothing resumes
-        caveat = replay_caveat(self._train_loader, self.state.batch_in_epoch)
-        if caveat:
-            self.console.message(caveat)
-        self.console.message(
-            f"resumed from '{checkpoint.path}' at step {self.state.step} (epoch "
-            f"{self.state.epoch + 1}, batch {self.state.batch_in_epoch})"
-        )
+        if checkpoint is not None and self.state.epoch < epochs and not self.state.stopped:
+            for line in resumed_messages(checkpoint, self.state, self._train_loader):
+                self.console.message(line)
 
     def _finish_again(self, epochs: int) -> None:
-        """Resuming a finished run: complete whatever final file a kill left unwritten
-        (finishing is idempotent), then stop."""
-        state = self.state
-        info = {"step": state.step, "epoch": state.epoch, **self._environment}
-        missing = self.run_log.complete(
-            model=self._final_weights(), model_spec=self.model_spec, info=info
-        )
-        why = "stopped early" if state.stopped else "already finished"
+        """Resuming a finished run: complete whatever final file a kill left unwritten, then
+        stop."""
+        missing = self.run_log.finish_again(self.state, self.eval_model, self.info)
+        why = "stopped early" if self.state.stopped else "already finished"
         done = f"; wrote what its end left out: {', '.join(missing)}" if missing else ""
         self.console.message(
-            f"run {why} at step {state.step} (epoch {state.epoch}/{epochs}); nothing to do{done}"
+            f"run {why} at step {self.state.step} (epoch {self.state.epoch}/{epochs}); "
+            f"nothing to do{done}"
         )
 
     @property
@@ -808,13 +741,6 @@ class Trainer:
             return self.ema.module
         # Evaluation needs no gradient sync: the module under DDP, each process on its shard.
         return self.model.module if isinstance(self.model, DDP) else self.model
-
-    def _final_weights(self) -> nn.Module | dict[str, torch.Tensor]:
-        """What RUN_DIR/model.safetensors gets: :attr:`eval_model`; a sharded model's
-        weights gathered into rank 0 (a collective: every process calls this)."""
-        if fsdp.is_sharded(self.model):
-            return fsdp.full_weights(self.model)
-        return self.eval_model
 
     def evaluate(self, loader: Iterable[Any]) -> dict[str, Any]:
         """The loss (mean over samples) and the task's metrics (:func:`glassloop.evaluate`),
@@ -832,19 +758,11 @@ class Trainer:
         """:meth:`evaluate` between the validation hooks of the callbacks."""
         for callback in self.callbacks:
             callback.on_validation_start(self)
-        original = loader
-        if self.limit_batches:
-            count = min(len(loader), self.limit_batches) if isinstance(loader, Sized) else None
-            loader = itertools.islice(loader, self.limit_batches)
-            if fsdp.is_sharded(self.model):  # (evaluate cannot count an islice)
-                if count is None:
-                    raise DataError("data: with train.strategy = 'fsdp' the validation "
-                                    "loader needs a len()")  # fmt: skip
-                own = self.loss_fn is None
-                loader = fsdp.even_batches(loader, count, self.model, self.device, own)
-        metrics = self.evaluate(loader)
-        if self.limit_batches and hasattr(original, "finish_epoch"):
-            original.finish_epoch()  # the next validation starts at the first batch again
+        limit = self.limit_batches  # (FSDP: the processes' batch counts are evened out)
+        shown = first_batches(loader, limit, counted=self.sharded is not None) if limit else loader
+        metrics = self.evaluate(shown)
+        if limit and hasattr(loader, "finish_epoch"):
+            loader.finish_epoch()  # the next validation starts at the first batch again
         for callback in self.callbacks:
             callback.on_validation_end(self, metrics)
         return metrics
@@ -856,10 +774,7 @@ class Trainer:
         row = {"kind": "val", "epoch": self.state.epoch + 1, "step": self.state.step}
         row.update({f"val_{k}": v for k, v in self.last_eval.items() if is_number(v)})
         self.run_log.write(row)
-        self.console.message(
-            f"step {self.state.step}: "
-            + ", ".join(f"{k} {v:.4g}" for k, v in row.items() if k.startswith("val_"))
-        )
+        self.console.validation_row(row)
 
     def predict(
         self, data: torch.Tensor | Iterable[Any], *, batch_size: int = 256,

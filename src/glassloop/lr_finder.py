@@ -22,8 +22,8 @@ from torch import nn
 
 from glassloop.atomic import atomic_path
 from glassloop.batch import split_batch
-from glassloop.checkpoint import unwrap_model
 from glassloop.device import move_to_device
+from glassloop.distributed import unwrap_model
 from glassloop.errors import DataError
 from glassloop.evaluation import LossFn
 from glassloop.tasks import model_loss

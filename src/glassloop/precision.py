@@ -20,14 +20,15 @@ PRECISIONS = ("32", "bf16", "fp16")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def check_precision(precision: str, device: torch.device) -> None:
-    """Refuse a precision the device cannot run, with what to use instead."""
+def check_precision(precision: str, device: torch.device) -> str | None:
+    """Refuse a precision the device cannot run, with what to use instead; a warning line
+    for one it runs slowly (``None``: none)."""
     if precision not in PRECISIONS:
         raise ConfigError(
             f"config: train.precision must be one of {', '.join(PRECISIONS)}; got {precision!r}"
         )
     if precision == "32":
-        return
+        return None
     if not torch.amp.autocast_mode.is_autocast_available(device.type):
         raise ConfigError(
             f"config: train.precision = {precision!r} needs autocast, which {device.type} "
@@ -42,6 +43,12 @@ def check_precision(precision: str, device: torch.device) -> None:
             "config: train.precision = 'fp16' (with a GradScaler) is not supported on MPS here; "
             "use 'bf16' or '32'"
         )
+    if precision == "fp16" and device.type == "cpu":
+        return (
+            "warning: fp16 on a CPU is emulated and slow (11x slower than '32' on the "
+            "tutorial MLP in docs/benchmarks.md); 'bf16' is the CPU's mixed precision"
+        )
+    return None
 
 
 NO_AUTOCAST = contextlib.nullcontext()

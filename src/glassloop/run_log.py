@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -30,21 +31,18 @@ from glassloop.checkpoint import (
     CheckpointWriteError,
     clean_temporaries,
     save_weights,
-    unwrap_model,
     weights_metadata,
     write_failure,
     write_json,
 )
-from glassloop.distributed import SINGLE, World
+from glassloop.distributed import SINGLE, World, unwrap_model
 from glassloop.errors import GlassloopError
 from glassloop.run_lock import RunLock
 from glassloop.runs import read_json_object
 from glassloop.serialization import stable_repr
 from glassloop.sinks import CSVSink, JSONLSink, TensorBoardSink, truncate_rows
+from glassloop.state import TrainState
 from glassloop.tracking import Tracker, TrackingConfig, make_tracker
-
-if TYPE_CHECKING:
-    from glassloop.loop import Trainer
 
 CSV_FIELDS = [
     "kind", "epoch", "step", "samples", "train_loss", "loss", "lr", "grad_norm", "samples_per_s",
@@ -52,6 +50,19 @@ CSV_FIELDS = [
 ]  # fmt: skip
 Sink = CSVSink | JSONLSink | TensorBoardSink
 REPORT_EVERY_S = 60.0  # how often a running run's report/ is refreshed (plots take ~0.5 s)
+
+
+@dataclass
+class RunInfo:
+    """What a run records about itself in run.json and every checkpoint's meta.json: its
+    ``config`` (compared on resume; ``None``: the Trainer's own arguments are recorded, see
+    :func:`python_config`), the ``model_spec`` that rebuilds the model from its weights file
+    alone (:func:`glassloop.load_model`), and the versions that ran it (filled in by
+    ``fit``)."""
+
+    config: dict[str, Any] | None = None
+    model_spec: dict[str, Any] | None = None
+    versions: dict[str, Any] = field(default_factory=dict)
 
 
 class RunLog:
@@ -98,16 +109,14 @@ class RunLog:
         finally:
             lock.release()
 
-    def open(
-        self, *, step: int, epoch: int = 0, has_val: bool, config: dict[str, Any],
-        environment: dict[str, Any],
-    ) -> None:  # fmt: skip
+    def start(self, state: TrainState, *, has_val: bool, info: RunInfo) -> None:
         """Write config.json and run.json ("running") and open the metric files; a resumed
-        run (``step`` > 0) keeps its rows up to ``step`` (epoch rows up to ``epoch``, the
-        epochs it finished) and appends."""
+        run (``state.step`` > 0) keeps its rows up to that step (epoch rows up to the epochs
+        it finished) and appends."""
         if not self.active:
             return
         assert self.run_dir is not None
+        step, epoch, config = state.step, state.epoch, info.config or {}
         fields = list(CSV_FIELDS)
         if has_val:
             fields[5:5] = ["val_loss", "val_accuracy"]
@@ -123,7 +132,7 @@ class RunLog:
             write_json(self.run_dir / "config.json", config)
             write_json(
                 self.run_dir / "run.json",
-                {"status": "running", "started": self._started, **environment},
+                {"status": "running", "started": self._started, **info.versions},
             )
             self._sinks = [
                 CSVSink(self.run_dir / "metrics.csv", fields, fresh=fresh),
@@ -179,20 +188,19 @@ class RunLog:
     def report_due(self) -> bool:
         return time.monotonic() - self._last_report >= REPORT_EVERY_S
 
-    def write_report(
-        self,
-        *,
-        evaluation: dict[str, Any] | None,
-        class_names: list[str] | None,
-        predicted_vs_true: Any = None,
+    def report(
+        self, evaluation: dict[str, Any] | None, info: RunInfo, *, predicted_vs_true: Any = None,
         final: bool = False,
-    ) -> Path | None:
-        """``RUN_DIR/report/`` (:func:`glassloop.report.write_report`), at most every
-        ``REPORT_EVERY_S`` seconds during the run (so a long run's report can be watched, at
-        a cost of well under 1% of its time) and always at the end; its path, or ``None``
-        when nothing was written."""
+    ) -> Path | None:  # fmt: skip
+        """``RUN_DIR/report/`` (:func:`glassloop.report.write_report`) from the metrics and
+        the last validation, at most every ``REPORT_EVERY_S`` seconds during the run (so a
+        long run's report can be watched, at a cost of well under 1% of its time) and always
+        at the end; its path, or ``None`` when nothing was written. A regression's
+        ``predicted_vs_true`` is computed at the end only (iterating a DataLoader draws from
+        the global RNG, which must not depend on when a refresh fell due)."""
         if not self.active or (not final and not self.report_due()):
             return None
+        class_names = (info.model_spec or {}).get("class_names")
         self._last_report = time.monotonic()
         from glassloop.report import write_report
 
@@ -214,20 +222,18 @@ class RunLog:
                 "(deleted or unmounted?); not recreating it without its config and metrics"
             )
 
-    def close(
-        self,
-        status: str,
-        *,
-        model: nn.Module | dict[str, torch.Tensor],
-        model_spec: dict[str, Any] | None,
-        info: dict[str, Any],
-        report: Callable[[], Path | None] | None = None,
-    ) -> Path | None:
-        """Close the metric files; write the final weights (``status == "finished"``) and
-        run.json, then (finished) the final ``report()``, which shows how the run ended;
-        return its path. While another error is already on its way out (``status`` "failed"
-        or "interrupted"), a failure here is only returned as a warning line, so that error
-        is the one the user sees."""
+    def finish(
+        self, status: str, state: TrainState, model: nn.Module, info: RunInfo, *,
+        error: str | None = None, evaluation: dict[str, Any] | None = None,
+        predicted_vs_true: Any = None,
+    ) -> Path | None:  # fmt: skip
+        """Close the metric files; write the final weights (``status == "finished"``: those
+        of ``model``, a sharded one gathered into rank 0, a collective) and run.json, then
+        (finished) the final report, which shows how the run ended; return its path. While
+        another error is already on its way out (``status`` "failed" or "interrupted"), a
+        failure here is only returned as a warning line, so that error is the one the user
+        sees."""
+        weights = final_weights(model) if status == "finished" else model
         for sink in self._sinks:
             try:
                 sink.close()
@@ -238,13 +244,18 @@ class RunLog:
         if not self.active:
             return None
         written = None
+        status_info = {"step": state.step, "epoch": state.epoch, **info.versions}
+        if error is not None and status == "failed":
+            status_info["error"] = error
         try:
             self.check_exists()
             if status == "finished":
-                self.write_weights(model, model_spec)
-            self.write_status(status, info)
-            if status == "finished" and report is not None:
-                written = report()
+                self.write_weights(weights, info.model_spec)
+            self.write_status(status, status_info)
+            if status == "finished":
+                written = self.report(
+                    evaluation, info, predicted_vs_true=predicted_vs_true, final=True
+                )
             if self._tracker is not None:
                 assert self.run_dir is not None  # a tracker exists only with a run directory
                 files = sorted((self.run_dir / "report").glob("*"))
@@ -269,28 +280,32 @@ class RunLog:
         times = {"started": self._started, "ended": _now()} if self._started else {}
         write_json(self.run_dir / "run.json", {"status": status, **times, **info})
 
-    def complete(
-        self,
-        *,
-        model: nn.Module | dict[str, torch.Tensor],
-        model_spec: dict[str, Any] | None,
-        info: dict[str, Any],
-    ) -> list[str]:
-        """For a finished run resumed: write the final files a kill left out; their names."""
+    def finish_again(self, state: TrainState, model: nn.Module, info: RunInfo) -> list[str]:
+        """Resuming a finished run: write the final files a kill left out (finishing is
+        idempotent); their names. ``model`` as for :meth:`finish` (a collective when
+        sharded)."""
+        weights = final_weights(model)
         if not self.active:
             return []
         assert self.run_dir is not None
         missing = []
         try:
             if not (self.run_dir / "model.safetensors").is_file():
-                self.write_weights(model, model_spec)
+                self.write_weights(weights, info.model_spec)
                 missing.append("model.safetensors")
             if _status(self.run_dir) != "finished":
-                self.write_status("finished", info)
+                status = {"step": state.step, "epoch": state.epoch, **info.versions}
+                self.write_status("finished", status)
                 missing.append("run.json")
         except OSError as err:
             raise self.failure(err) from err
         return missing
+
+
+def final_weights(model: nn.Module) -> nn.Module | dict[str, torch.Tensor]:
+    """What RUN_DIR/model.safetensors gets: ``model``; a sharded model's weights gathered
+    into rank 0 (a collective: every process calls this)."""
+    return fsdp.full_weights(model) if fsdp.is_sharded(model) else model
 
 
 TEMPORARY = re.compile(r"\.(.+)\.tmp(?:-\d+)?")  # atomic_path's name for a file being written
@@ -331,7 +346,27 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-def python_config(trainer: Trainer) -> dict[str, Any]:
+class Configured(Protocol):
+    """What :func:`python_config` reads of a trainer."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: Any
+    task: str
+    scheduler: Any
+    scheduler_interval: str
+    precision: str
+    grad_accum_steps: int
+    limit_batches: int
+    loss_weighting: str
+    loss_reduction: str
+    clip_grad_norm: float | None
+    clip_grad_value: float | None
+    ema_decay: float | None
+    device: torch.device
+
+
+def python_config(trainer: Configured) -> dict[str, Any]:
     """The configuration of a run built in Python (no config file): what a resume compares."""
     return {
         "model": fsdp.class_name(unwrap_model(trainer.model)),

@@ -111,6 +111,11 @@ class ProgressReporter:
         if not self.quiet:
             print(format_epoch_summary(row, num_epochs), file=self.stream, flush=True)
 
+    def validation_row(self, row: dict[str, Any]) -> None:
+        """A validation inside an epoch (``validate_every_n_steps``): its step and numbers."""
+        numbers = ", ".join(f"{k} {v:.4g}" for k, v in row.items() if k.startswith("val_"))
+        self.message(f"step {row['step']}: {numbers}")
+
     def message(self, text: str) -> None:
         """Resume notices and warnings: printed whatever the progress mode."""
         if not self.silent:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from glassloop.best import best_epoch, shown
-from glassloop.checkpoint import unwrap_model
+from glassloop.distributed import unwrap_model
 from glassloop.fsdp import class_name
 
 if TYPE_CHECKING:

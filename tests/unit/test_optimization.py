@@ -15,6 +15,7 @@ from glassloop import Trainer
 from glassloop.callbacks import EarlyStopping
 from glassloop.data import ResumableLoader
 from glassloop.errors import NonFiniteError
+from glassloop.guards import NonFinitePolicy
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -185,7 +186,7 @@ def test_nonfinite_skip_stops_after_too_many_in_a_row() -> None:
     # The first batch is clean (a NaN there is refused up front); then NaN after NaN.
     poisoned = batches[:1] + [(torch.full_like(x, float("nan")), y) for x, y in batches[1:]]
     with pytest.raises(NonFiniteError, match="3 non-finite steps in a row"):
-        make(nonfinite="skip", max_nonfinite_skips=3).fit(poisoned, epochs=1)
+        make(nonfinite=NonFinitePolicy("skip", max_skips=3)).fit(poisoned, epochs=1)
 
 
 def test_scheduler_steps_once_per_optimizer_step_with_accumulation() -> None:

@@ -1,0 +1,70 @@
+"""Trainer arguments that were replaced in glassloop 0.2, still accepted (with a
+``DeprecationWarning``) until 0.3: each folds into the argument that replaced it.
+
+======================  ==================================================
+replaced                use instead
+======================  ==================================================
+``max_nonfinite_skips``  ``nonfinite=NonFinitePolicy("skip", max_skips=N)``
+``compile_mode``         ``compile={"mode": ...}``
+``compile_dynamic``      ``compile={"dynamic": ...}``
+``config``               ``run_info=RunInfo(config=...)``
+``model_spec``           ``run_info=RunInfo(model_spec=...)``
+======================  ==================================================
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from glassloop.errors import GlassloopError
+from glassloop.guards import NonFinitePolicy
+from glassloop.run_log import RunInfo
+
+REPLACED = {
+    "max_nonfinite_skips": "nonfinite=NonFinitePolicy(policy, max_skips=N)",
+    "compile_mode": "compile={'mode': ...}",
+    "compile_dynamic": "compile={'dynamic': ...}",
+    "config": "run_info=RunInfo(config=...)",
+    "model_spec": "run_info=RunInfo(model_spec=...)",
+}
+COMPILE_KEYS = ("mode", "dynamic")
+
+
+def fold_replaced(
+    replaced: dict[str, Any], nonfinite: str | NonFinitePolicy, compile: bool | Mapping[str, Any],
+    run_info: RunInfo | None,
+) -> tuple[NonFinitePolicy, dict[str, Any] | None, RunInfo]:  # fmt: skip
+    """``nonfinite`` as a policy, ``compile`` as ``torch.compile``'s options (``None``: not
+    compiled) and the run's info, with the replaced names in ``replaced`` folded in (each
+    with a warning); an unknown name is a ``TypeError``, as Python's own would be."""
+    for name in replaced:
+        if name not in REPLACED:
+            raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}")
+        warnings.warn(
+            f"Trainer({name}=...) is replaced by {REPLACED[name]}; the old name goes in "
+            "glassloop 0.3",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    if isinstance(nonfinite, str):
+        nonfinite = NonFinitePolicy(nonfinite, replaced.get("max_nonfinite_skips", 10))
+    options: dict[str, Any] | None = None
+    if isinstance(compile, Mapping):
+        unknown = sorted(set(compile) - set(COMPILE_KEYS))
+        if unknown:
+            raise GlassloopError(f"Trainer: compile takes {COMPILE_KEYS}, got {unknown}")
+        options = {"mode": "default", "dynamic": False, **compile}
+    elif compile:
+        options = {"mode": "default", "dynamic": False}
+    if options is not None:
+        for key in COMPILE_KEYS:
+            if f"compile_{key}" in replaced:
+                options[key] = replaced[f"compile_{key}"]
+    info = run_info if run_info is not None else RunInfo()
+    if "config" in replaced or "model_spec" in replaced:
+        info = RunInfo(
+            replaced.get("config", info.config), replaced.get("model_spec", info.model_spec)
+        )
+    return nonfinite, options, info
