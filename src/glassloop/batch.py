@@ -14,6 +14,8 @@ The convention (documented in the README):
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -126,3 +128,23 @@ def describe_batch(batch: Any) -> str:
     if isinstance(batch, dict):
         return "{" + ", ".join(f"{k}: {describe_batch(v)}" for k, v in batch.items()) + "}"
     return type(batch).__name__
+
+
+@dataclass
+class Window(Sequence[tuple[Inputs, Any]]):
+    """The micro-batches of one optimizer step, as ``train_step`` receives them; a sequence of
+    ``(inputs, target)`` pairs (``inputs`` is ``(args, kwargs)``) that also carries what the
+    loop computed about them."""
+
+    batches: list[tuple[Inputs, Any]]
+    weights: list[float | None]  # each micro-batch's share of the step's loss (None: as is)
+    samples: int  # samples in the window, over every process
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.batches[index]
+
+    def __iter__(self) -> Iterator[tuple[Inputs, Any]]:  # (Sequence's own calls __getitem__)
+        return iter(self.batches)

@@ -17,7 +17,7 @@ from glassloop.batch import batch_size_of, required_inputs, split_batch, split_i
 from glassloop.device import move_to_device
 from glassloop.distributed import World, distributed_job, gather_objects
 from glassloop.errors import DataError
-from glassloop.fsdp import evenly
+from glassloop.fsdp import evenly, is_sharded
 from glassloop.metric_names import check_metric_name, make_metric
 from glassloop.metrics import ClassificationSums, MultilabelSums, RegressionSums
 from glassloop.precision import autocast
@@ -402,6 +402,9 @@ def predict(
     """
     task = task_of(model, resolve_task(task, None))
     device = device if device is not None else model_device(model)
+    # (FSDP: the processes' batch counts are evened out, which needs a len())
+    if is_sharded(model) and not isinstance(data, (torch.Tensor, Sized)):
+        raise DataError("data: with train.strategy = 'fsdp', predict needs a len()")
     batches: Iterable[Any] = (
         torch.split(data, batch_size) if isinstance(data, torch.Tensor) else data
     )

@@ -10,20 +10,17 @@ the loop itself, in the order it runs: ``fit`` → ``_train`` → ``_run_epoch``
 from __future__ import annotations
 
 import itertools
-import math
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import glassloop.fsdp as fsdp
-from glassloop.batch import Inputs, batch_size_of, split_batch
+from glassloop.batch import Inputs, Window, batch_size_of, split_batch
 from glassloop.callbacks import Callback
 from glassloop.checkpointer import (
     CheckpointConfig,
@@ -47,9 +44,15 @@ from glassloop.evaluation import (
     predict,
 )
 from glassloop.fsdp import gradient_sync
-from glassloop.guards import NonFinitePolicy, NonFiniteWatch, check_first_batch, explain
+from glassloop.guards import (
+    NonFinitePolicy,
+    NonFiniteWatch,
+    all_finite,
+    check_first_batch,
+    explain,
+)
 from glassloop.metrics import is_number
-from glassloop.parallelize import prepare_model
+from glassloop.parallelize import averaged, prepare_model
 from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import STOP_SIGNALS, Preempted, StopSignals
 from glassloop.provenance import environment
@@ -58,31 +61,11 @@ from glassloop.replaced import fold_replaced
 from glassloop.rng import capture_loader_rng, replay_epoch, seed_everything
 from glassloop.run_log import RunInfo, RunLog, python_config
 from glassloop.sinks import ProgressReporter
-from glassloop.state import EpochRecord, TrainState
+from glassloop.state import EpochRecord, TrainState, step_loss
 from glassloop.summary import end_summary, samples_in, start_header
 from glassloop.tasks import model_loss, reduction_of, resolve_task, takes_probabilities
 from glassloop.tracking import TrackingConfig
 from glassloop.validation import check_trainer_options
-
-
-@dataclass
-class Window(Sequence[tuple[Inputs, Any]]):
-    """The micro-batches of one optimizer step, as ``train_step`` receives them; a sequence of
-    ``(inputs, target)`` pairs (``inputs`` is ``(args, kwargs)``) that also carries what the
-    loop computed about them."""
-
-    batches: list[tuple[Inputs, Any]]
-    weights: list[float | None]  # each micro-batch's share of the step's loss (None: as is)
-    samples: int  # samples in the window, over every process
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.batches[index]
-
-    def __iter__(self) -> Iterator[tuple[Inputs, Any]]:  # (Sequence's own calls __getitem__)
-        return iter(self.batches)
 
 
 class Trainer:
@@ -114,101 +97,66 @@ class Trainer:
         history = trainer.fit(train_loader, val_loader, epochs=10)
         probs = trainer.predict(x_new)
 
-    Arguments (all but the first three by keyword; the config keys of the same names, under
-    ``[train]`` unless said, set them from the command line):
+    Arguments (keywords after the first three; a config sets each under ``[train]``):
 
-    *The model, its loss and what it is for.* ``loss_fn(output, target)`` returns the loss
-    to minimise; ``None``: the model computes its own loss (it gets the target as
-    ``labels=``, as Hugging Face models do). ``task``: "auto" (from the loss),
-    "classification", "multilabel", "regression", "language-model" or "custom"; it decides
-    what ``predict`` returns and which metrics are reported (:mod:`glassloop.tasks`).
-    ``metrics``: more metrics by name (``["top5_accuracy", "auroc"]``) or ``{name: metric
-    object}``, reported as ``val_<name>``.
+    - ``loss_fn(output, target)``: the loss; ``None``: the model's own (it gets the target as
+      ``labels=``, as Hugging Face models do). ``task``: "auto" (from the loss),
+      "classification", "multilabel", "regression", "language-model" or "custom": what
+      ``predict`` returns and which metrics are reported (:mod:`glassloop.tasks`);
+      ``metrics``: more, by name (``["top5_accuracy"]``) or ``{name: metric}``.
+    - The step: ``precision`` "32", "bf16" or "fp16" (with a GradScaler);
+      ``grad_accum_steps`` micro-batches per step, weighted by ``loss_weighting`` ("samples"
+      or "tokens": labels other than ``ignore_index``) so a step is one big batch;
+      ``loss_reduction`` "auto" (the loss module's), "mean" or "sum" (reported per sample);
+      ``clip_grad_norm``/``clip_grad_value`` (the norm before clipping is ``grad_norm``);
+      ``nonfinite`` on a NaN/inf loss or gradient: "raise" (seen on the device, read where
+      the loop reads anyway, stops naming the first bad step, nothing saved after it),
+      "strict" (checked before every step) or "skip" (dropped), or a
+      :class:`~glassloop.guards.NonFinitePolicy` (``max_skips`` in a row); ``ema_decay``: a
+      moving average of the weights, evaluated and exported instead; ``compile``: ``True``
+      or ``torch.compile``'s ``{"mode", "dynamic"}``; ``scheduler`` steps every
+      ``scheduler_interval`` ("epoch" or "step"; ``ReduceLROnPlateau`` on val_loss).
+    - The epoch: ``validate_every_n_steps`` (also inside epochs: ``"kind": "val"`` rows);
+      ``limit_batches`` (at most this many batches per epoch: a quick run through
+      everything); ``seed`` seeds python/numpy/torch here, after the model was built (call
+      :func:`glassloop.seed_everything` before building it for reproducible initial
+      weights); ``callbacks`` (:mod:`glassloop.callbacks`).
+    - Where: ``device`` "auto" (CUDA, MPS, CPU) or a device; ``world``: the job's processes
+      (default: torchrun's environment); ``strategy`` "auto"/"ddp" or "fsdp" (FSDP2).
+    - The run directory: ``run_dir`` (``None``: nothing written); ``checkpoint``: when to
+      save, how many to keep, what picks ``best/`` (:class:`~glassloop.checkpointer.
+      CheckpointConfig`); ``run_info``: the config a resume compares and the model spec that
+      rebuilds the model from its weights (:class:`~glassloop.run_log.RunInfo`);
+      ``tensorboard``; ``tracking``: MLflow or W&B (:class:`~glassloop.tracking.
+      TrackingConfig`); ``progress`` "auto", "bar", "lines" or "none"; ``log_every``: a step
+      row (and the tutorial's loss line) every this many steps.
 
-    *The step.* ``precision``: "32", "bf16" (autocast) or "fp16" (autocast and a
-    GradScaler). ``grad_accum_steps``: micro-batches per optimizer step, their losses
-    weighted by ``loss_weighting`` ("samples", or "tokens": labels other than
-    ``ignore_index``) so a step equals one big batch. ``loss_reduction``: "auto" (the loss
-    module's ``reduction``), "mean", or "sum" (a loss that adds up over its batch: reported
-    per sample). ``clip_grad_norm`` / ``clip_grad_value``: clip the gradients before the
-    step (the norm before clipping is reported as ``grad_norm``). ``nonfinite``: what a NaN
-    or infinite loss or gradient does: "raise" (checked on the device, read where the loop
-    reads anyway: stops naming the first bad step, no checkpoint after it), "strict" (checked
-    every step, before the step is taken) or "skip" (the step is dropped; at most
-    ``max_skips`` in a row), or a :class:`~glassloop.guards.NonFinitePolicy`.
-    ``ema_decay``: also keep an exponential moving average of the weights, evaluated and
-    exported instead of them. ``compile``: ``torch.compile`` the model (``True`` or a mapping
-    of ``mode`` and ``dynamic``). ``scheduler`` steps once per ``scheduler_interval``
-    ("epoch" or "step"; ``ReduceLROnPlateau`` on ``val_loss``, else ``train_loss``).
-
-    *The epoch.* ``validate_every_n_steps``: also validate inside epochs (``"kind": "val"``
-    rows). ``limit_batches``: at most this many training and validation batches per epoch
-    (a quick run through everything). ``seed`` seeds python/numpy/torch here, after the
-    model was built; to make the initial weights reproducible call
-    :func:`glassloop.seed_everything` before building the model. ``callbacks``:
-    :class:`~glassloop.callbacks.Callback` objects (early stopping, your own hooks).
-
-    *Where it runs.* ``device``: "auto" (CUDA, then MPS, then the CPU) or a device.
-    ``world``: the processes of a multi-process job (default: torchrun's environment, a
-    single process without it); ``strategy``: "auto"/"ddp" (the model replicated) or "fsdp"
-    (sharded, FSDP2).
-
-    *The run directory.* ``run_dir``: where checkpoints, metrics, the report and the final
-    weights go (``None``: nothing is written). ``checkpoint``: when to save, how many to keep,
-    which metric picks ``best/`` (:class:`~glassloop.checkpointer.CheckpointConfig`).
-    ``run_info``: the config the run records and a resume compares, and the model spec that
-    rebuilds the model from its weights file (:class:`~glassloop.run_log.RunInfo`).
-    ``tensorboard``: also write TensorBoard event files; ``tracking``: MLflow or W&B
-    (:class:`~glassloop.tracking.TrackingConfig`). ``progress``: "auto", "bar", "lines" or
-    "none"; ``log_every``: a step row (and the tutorial's loss line) every this many steps.
-
-    Replaced names, still accepted with a deprecation warning (until glassloop 0.3):
-    ``max_nonfinite_skips`` (``nonfinite=NonFinitePolicy(..., max_skips)``),
-    ``compile_mode`` and ``compile_dynamic`` (``compile={"mode": ..., "dynamic": ...}``),
-    ``config`` and ``model_spec`` (``run_info=RunInfo(config, model_spec)``).
+    Replaced in 0.2, accepted with a deprecation warning until 0.3 (:mod:`glassloop.replaced`):
+    ``max_nonfinite_skips``, ``compile_mode``, ``compile_dynamic``, ``config``, ``model_spec``.
     """
 
     def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn | None,
-        *,
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn | None, *,
         # the model, its loss and what it is for
-        task: str = "auto",
-        metrics: Sequence[str] | Mapping[str, Metric | str] | None = None,
+        task: str = "auto", metrics: Sequence[str] | Mapping[str, Metric | str] | None = None,
         # the step
-        precision: str = "32",
-        grad_accum_steps: int = 1,
-        loss_weighting: str = "samples",
-        loss_reduction: str = "auto",
-        ignore_index: int = -100,
-        clip_grad_norm: float | None = None,
-        clip_grad_value: float | None = None,
-        nonfinite: str | NonFinitePolicy = "raise",
-        ema_decay: float | None = None,
+        precision: str = "32", grad_accum_steps: int = 1, loss_weighting: str = "samples",
+        loss_reduction: str = "auto", ignore_index: int = -100,
+        clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
+        nonfinite: str | NonFinitePolicy = "raise", ema_decay: float | None = None,
         compile: bool | Mapping[str, Any] = False,
-        scheduler: Any = None,
-        scheduler_interval: str = "epoch",
+        scheduler: Any = None, scheduler_interval: str = "epoch",
         # the epoch
-        validate_every_n_steps: int = 0,
-        limit_batches: int = 0,
-        seed: int | None = None,
+        validate_every_n_steps: int = 0, limit_batches: int = 0, seed: int | None = None,
         callbacks: Sequence[Callback] = (),
         # where it runs
-        device: str | torch.device = "auto",
-        world: World | None = None,
-        strategy: str = "auto",
+        device: str | torch.device = "auto", world: World | None = None, strategy: str = "auto",
         # the run directory
-        run_dir: str | Path | None = None,
-        checkpoint: CheckpointConfig | None = None,
-        run_info: RunInfo | None = None,
-        tensorboard: bool = False,
-        tracking: TrackingConfig | None = None,
-        progress: str = "auto",
-        log_every: int = 100,
-        **replaced: Any,  # the names above replaced (max_nonfinite_skips, config, ...)
-    ) -> None:
+        run_dir: str | Path | None = None, checkpoint: CheckpointConfig | None = None,
+        run_info: RunInfo | None = None, tensorboard: bool = False,
+        tracking: TrackingConfig | None = None, progress: str = "auto", log_every: int = 100,
+        **replaced: Any,  # names replaced in 0.2 (glassloop.replaced), with a warning
+    ) -> None:  # fmt: skip
         policy, compiled, run_info = fold_replaced(replaced, nonfinite, compile, run_info)
         check_trainer_options({  # the rules the config reader applies too, one table
             "scheduler_interval": scheduler_interval, "loss_weighting": loss_weighting,
@@ -261,11 +209,7 @@ class Trainer:
         # An exponential moving average of the weights (torch's AveragedModel): evaluated
         # and exported instead of the raw weights when enabled.
         self.ema_decay = ema_decay or None
-        self.ema: AveragedModel | None = None
-        if self.ema_decay:
-            average = get_ema_multi_avg_fn(self.ema_decay)  # type: ignore[no-untyped-call]
-            raw = unwrap_model(self.model)
-            self.ema = AveragedModel(raw, multi_avg_fn=average, use_buffers=True)
+        self.ema = averaged(self.model, ema_decay) if ema_decay else None
         self.log_every = log_every
         self.callbacks = list(callbacks)
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -294,14 +238,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ the loop
     def fit(
-        self,
-        train_loader: Iterable[Any],
-        val_loader: Iterable[Any] | None = None,
-        *,
-        epochs: int,
-        resume: str | Path | None = None,
-        allow_config_change: bool = False,
-    ) -> list[dict[str, Any]]:
+        self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None = None, *,
+        epochs: int, resume: str | Path | None = None, allow_config_change: bool = False,
+    ) -> list[dict[str, Any]]:  # fmt: skip
         """Train until ``epochs`` epochs are done; return the history, one dict per epoch.
 
         ``train_loader`` is any iterable of batches (a ``DataLoader``, a list, ...) and is
@@ -583,40 +522,10 @@ class Trainer:
         if self.deferred_check:  # read at the next step row, checkpoint or epoch end
             self.watch.observe(*checked)
             return True
-        if not self.clip_grad_norm and not self.scaler.is_enabled() and params:
-            # (fp16: the scaler checks the gradients itself)
-            # Fused L2 norms (one kernel on GPU; 51 us/step on the tutorial MLP on this CPU;
-            # the inf-norm would be 885 us): finite exactly when every gradient is.
-            grads = [cast(torch.Tensor, p.grad) for p in params]
-            if self.sharded is not None:  # this process's shards; the verdict is shared below
-                grads = [fsdp.local(grad) for grad in grads]
-            checked.extend(torch._foreach_norm(grads))
-        # One host sync checks the loss and the gradients (a sum is finite only if all its
-        # terms are; item() is ~25x cheaper than torch.isfinite on a CPU scalar): the price
-        # of never stepping on a NaN, also one with a finite loss.
-        # (Summed in float32: half-precision norms that are each finite can overflow.)
-        check = torch.stack(checked).sum(dtype=torch.float32) if len(checked) > 1 else window_loss
-        finite = math.isfinite(check.item())
-        if self.world.distributed:  # every process takes the same decision
-            finite = not all_reduce(torch.tensor([float(not finite)]), "max").item()
-        return finite
-
-    def own_label_shift(self, inputs: Inputs, target: Any) -> int:
-        """How a model that computes its own loss lines tokens up with labels (a Hugging Face
-        causal LM: shifted by one), so ``loss_weighting="tokens"`` counts the tokens its loss
-        averages over (:func:`glassloop.evaluation.label_shift`, once per fit)."""
-        with autocast(self.precision, self.device):
-            return label_shift(self.model, inputs, target, self.ignore_index, self.device)
-
-    def check_first_batch(self, inputs: Inputs, target: Any) -> None:
-        """The first-batch guard (:func:`glassloop.guards.check_first_batch`): NaN/inf
-        inputs, labels within the model's outputs. Override it to replace it, or with
-        ``pass`` to switch it off (e.g. for a model that keeps state between steps)."""
-        check_first_batch(
-            unwrap_model(self.model), inputs, target, precision=self.precision,
-            device=self.device, ignore_index=self.ignore_index, task=self.task,
-            own_loss=self.loss_fn is None,
-        )  # fmt: skip
+        # "strict", "skip", fp16: decided now, alike in every process (fp16: the scaler
+        # checks the gradients itself; a clipped norm is finite exactly when they all are).
+        gradients = params if not self.clip_grad_norm and not self.scaler.is_enabled() else []
+        return all_finite(checked, gradients, self.world, sharded=self.sharded is not None)
 
     def _end_epoch(self, row: dict[str, Any], epochs: int) -> None:
         """Record the epoch, let callbacks see it, track the best, checkpoint per policy."""
@@ -639,13 +548,7 @@ class Trainer:
 
     def _log_step(self, loss: torch.Tensor) -> None:
         self.watch.check(self.state, self.world)  # (a NaN since the last row stops here)
-        value = loss.item()  # a host sync, only every log_every steps
-        if self.world.distributed:
-            # Each process's step loss is its samples' share of the whole window's (times the
-            # number of processes, see _window): their sum over processes, divided by that
-            # number, is the loss of every sample of the step, as one process would log it.
-            total = all_reduce(loss.detach().float().cpu().reshape(1))
-            value = float(total) / self.world.size
+        value = step_loss(loss, self.world)  # a host sync, only every log_every steps
         self.console.log_step(value, sum(self.record.sizes))
         norm = self.last_grad_norm
         self.run_log.write_step(
@@ -666,6 +569,24 @@ class Trainer:
         if signum:
             path = self.save_checkpoint()
             raise Preempted(signum, self.state.step, str(path) if path is not None else None)
+
+    # ---------------------------------------------------------------- hooks of the step
+    def own_label_shift(self, inputs: Inputs, target: Any) -> int:
+        """How a model that computes its own loss lines tokens up with labels (a Hugging Face
+        causal LM: shifted by one), so ``loss_weighting="tokens"`` counts the tokens its loss
+        averages over (:func:`glassloop.evaluation.label_shift`, once per fit)."""
+        with autocast(self.precision, self.device):
+            return label_shift(self.model, inputs, target, self.ignore_index, self.device)
+
+    def check_first_batch(self, inputs: Inputs, target: Any) -> None:
+        """The first-batch guard (:func:`glassloop.guards.check_first_batch`): NaN/inf
+        inputs, labels within the model's outputs. Override it to replace it, or with
+        ``pass`` to switch it off (e.g. for a model that keeps state between steps)."""
+        check_first_batch(
+            unwrap_model(self.model), inputs, target, precision=self.precision,
+            device=self.device, ignore_index=self.ignore_index, task=self.task,
+            own_loss=self.loss_fn is None,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, *, finished: bool = False, best: bool = False) -> Path | None:
@@ -720,12 +641,8 @@ class Trainer:
     def _finish_again(self, epochs: int) -> None:
         """Resuming a finished run: complete whatever final file a kill left unwritten, then
         stop."""
-        missing = self.run_log.finish_again(self.state, self.eval_model, self.info)
-        why = "stopped early" if self.state.stopped else "already finished"
-        done = f"; wrote what its end left out: {', '.join(missing)}" if missing else ""
         self.console.message(
-            f"run {why} at step {self.state.step} (epoch {self.state.epoch}/{epochs}); "
-            f"nothing to do{done}"
+            self.run_log.finish_again(self.state, self.eval_model, self.info, epochs)
         )
 
     @property
@@ -783,9 +700,6 @@ class Trainer:
         """What the task means by a prediction (softmax or sigmoid probabilities, or the
         outputs as they are; :func:`glassloop.predict`), on the CPU, under inference mode.
         In a multi-process FSDP job every process calls it, each with its own data."""
-        # (FSDP: glassloop.predict evens out the processes' batch counts, which needs a len())
-        if fsdp.is_sharded(self.model) and not isinstance(data, (torch.Tensor, Sized)):
-            raise DataError("data: with train.strategy = 'fsdp', predict needs a len()")
         with autocast(self.precision, self.device):
             return predict(
                 self.eval_model, data, task=self.task, batch_size=batch_size,

@@ -12,9 +12,10 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import glassloop.fsdp as fsdp
-from glassloop.distributed import World, check_strategy, wrap
+from glassloop.distributed import World, check_strategy, unwrap_model, wrap
 from glassloop.fsdp import ShardedState
 
 
@@ -46,3 +47,10 @@ def prepare_model(
     if world.distributed:
         model = fsdp.shard_model(model, optimizer, world, device, precision)
     return model, ShardedState(model, optimizer)
+
+
+def averaged(model: nn.Module, decay: float) -> AveragedModel:
+    """An exponential moving average of ``model``'s weights and buffers (torch's
+    ``AveragedModel``): what is evaluated and exported when ``ema_decay`` is set."""
+    average = get_ema_multi_avg_fn(decay)  # type: ignore[no-untyped-call]
+    return AveragedModel(unwrap_model(model), multi_avg_fn=average, use_buffers=True)

@@ -280,13 +280,19 @@ class RunLog:
         times = {"started": self._started, "ended": _now()} if self._started else {}
         write_json(self.run_dir / "run.json", {"status": status, **times, **info})
 
-    def finish_again(self, state: TrainState, model: nn.Module, info: RunInfo) -> list[str]:
+    def finish_again(self, state: TrainState, model: nn.Module, info: RunInfo, epochs: int) -> str:
         """Resuming a finished run: write the final files a kill left out (finishing is
-        idempotent); their names. ``model`` as for :meth:`finish` (a collective when
+        idempotent); what to say about it. ``model`` as for :meth:`finish` (a collective when
         sharded)."""
         weights = final_weights(model)
-        if not self.active:
-            return []
+        missing = self._write_missing(state, weights, info) if self.active else []
+        why = "stopped early" if state.stopped else "already finished"
+        done = f"; wrote what its end left out: {', '.join(missing)}" if missing else ""
+        return f"run {why} at step {state.step} (epoch {state.epoch}/{epochs}); nothing to do{done}"
+
+    def _write_missing(
+        self, state: TrainState, weights: nn.Module | dict[str, torch.Tensor], info: RunInfo
+    ) -> list[str]:
         assert self.run_dir is not None
         missing = []
         try:

@@ -126,3 +126,13 @@ class EpochRecord:
         self.weights = [float(w) for w in steps.get("epoch_weights", self.sizes)]
         self.epoch_rng = state.get("epoch_rng")
         self.history = list(state["history"])
+
+
+def step_loss(loss: torch.Tensor, world: World) -> float:
+    """A step's loss as one process would log it (a host read). With several processes each
+    holds its samples' share of the whole window's loss times the number of processes (see
+    ``Trainer._window``): their sum over processes, divided by that number, is the loss of
+    every sample of the step."""
+    if not world.distributed:
+        return loss.item()
+    return float(all_reduce(loss.detach().float().cpu().reshape(1))) / world.size
