@@ -17,7 +17,9 @@ from glassloop.best import improves, monitor_mode
 if TYPE_CHECKING:
     import torch
 
-    from glassloop.loop import Trainer
+# (Each hook's ``trainer`` is the glassloop.Trainer that runs the loop, typed Any here: the
+# callbacks never import the loop, and a subclass may annotate it as Trainer.)
+AnyTrainer = Any
 
 
 class Callback:
@@ -29,27 +31,27 @@ class Callback:
     ...         if row["epoch"] >= self.n: trainer.should_stop = True
     """
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: AnyTrainer) -> None:
         """Called once before the first epoch."""
 
-    def on_step_end(self, trainer: Trainer, step: int, loss: torch.Tensor) -> None:
+    def on_step_end(self, trainer: AnyTrainer, step: int, loss: torch.Tensor) -> None:
         """Called after each optimizer step (not after a skipped one) with the step number
         and the step's loss, detached and still on the device (``loss.item()`` waits for the
         device: do it only when you need the number)."""
 
-    def on_validation_start(self, trainer: Trainer) -> None:
+    def on_validation_start(self, trainer: AnyTrainer) -> None:
         """Called before each validation pass (end of epoch, or every
         ``validate_every_n_steps`` steps)."""
 
-    def on_validation_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+    def on_validation_end(self, trainer: AnyTrainer, metrics: dict[str, Any]) -> None:
         """Called after each validation pass with its metrics (``loss``, ``accuracy``, ...);
         keys added here reach the epoch row as ``val_<key>``."""
 
-    def on_epoch_end(self, trainer: Trainer, row: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: AnyTrainer, row: dict[str, Any]) -> None:
         """Called after each epoch's training and validation, with the epoch's metrics;
         keys added to ``row`` are written with it."""
 
-    def on_fit_end(self, trainer: Trainer) -> None:
+    def on_fit_end(self, trainer: AnyTrainer) -> None:
         """Called once after the last epoch, also when a callback stopped the run early."""
 
 
@@ -74,7 +76,7 @@ class EarlyStopping(Callback):
         self.bad_epochs = 0
         self.stopped_epoch: int | None = None
 
-    def on_epoch_end(self, trainer: Trainer, row: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: AnyTrainer, row: dict[str, Any]) -> None:
         if self.monitor not in row:
             from glassloop.errors import ConfigError
 

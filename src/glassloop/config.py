@@ -30,8 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from glassloop.checkpointer import CheckpointConfig
+from glassloop.data.options import DataConfig as DataConfig
 from glassloop.errors import ConfigError
+from glassloop.losses import LossConfig as LossConfig
 from glassloop.metric_names import check_metric_name
+from glassloop.models import ModelConfig as ModelConfig
+from glassloop.optimizers import OptimConfig as OptimConfig
+from glassloop.optimizers import SchedulerConfig as SchedulerConfig
 from glassloop.optimizers import optimizer_kwargs, scheduler_kwargs
 from glassloop.tracking import TrackingConfig
 from glassloop.validation import (
@@ -50,93 +55,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
-
-
-@dataclass
-class ModelConfig:
-    """``name="mlp"`` (``hidden``, ``dropout``), ``name="text-classifier"`` (``embed_dim``,
-    ``encoder``, ``num_layers``, ``num_heads``, ``dropout``), or ``target="pkg.module:Class"``
-    / ``"path/to/file.py:Class"`` with ``kwargs`` for your own model."""
-
-    name: str = "mlp"
-    hidden: list[int] = field(default_factory=lambda: [512, 512])
-    dropout: float = 0.0
-    target: str = ""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    # text-classifier: embedding + encoder ("gru" or "transformer") + masked mean pooling
-    embed_dim: int = 64
-    encoder: str = "gru"
-    num_layers: int = 1
-    num_heads: int = 4
-
-
-@dataclass
-class DataConfig:
-    """``name``: ``mnist-5k`` (bundled), ``digits`` (scikit-learn), ``synthetic``, ``npz``,
-    ``csv`` (tabular), ``image-folder``, ``mnist``, ``fashion-mnist``, ``cifar10`` (files in
-    ``root``); see docs/datasets.md."""
-
-    name: str = "mnist-5k"
-    path: str = ""  # npz, csv, image-folder
-    root: str = "data"  # mnist, fashion-mnist, cifar10: where their files are (or go)
-    download: bool = False  # mnist, fashion-mnist: fetch with torchvision (glassloop[vision])
-    label_column: str = "label"  # csv: the target column
-    label_columns: list[str] = field(default_factory=list)  # csv: several (multilabel, outputs)
-    image_column: str = ""  # parquet: a column of encoded images (else: text or numbers)
-    in_memory_mb: int = 4096  # image-folder: larger once decoded, images are read in workers
-    image_size: int = 0  # image-folder: resize to this square size (0: keep; all must match)
-    channels: int = 0  # image-folder: 1 (grayscale) or 3 (RGB); 0: from the first image
-    text_column: str = "text"  # text-csv; parquet: a string column of this name: texts
-    tokenizer: str = ""  # text-csv: a tokenizer.json to use instead of training one
-    vocab_size: int = 8000  # text-csv: size of the tokenizer trained on the training texts
-    max_length: int = 256  # text-csv: longer texts are cut
-    bucket_by_length: bool = True  # text-csv: batches of similar lengths (less padding)
-    augment: list[str] = field(default_factory=list)  # images, training: "hflip", "crop"
-    normalize: bool = True  # images: standardise per channel; false: pixels in [0, 1] only
-    standardize_targets: bool = False  # regression: learn (y - mean) / std, report y's units
-    batch_size: int = 64
-    eval_batch_size: int = 0  # 0: same as batch_size
-    shuffle: bool = True
-    num_workers: int = 0
-    val_fraction: float = 0.2  # for datasets without a fixed validation split
-    num_samples: int = 2048  # synthetic only
-    num_features: int = 32  # synthetic only
-    num_classes: int = 10  # synthetic only
-    seed: int = 0  # split / generation seed, independent of train.seed
-
-
-@dataclass
-class OptimConfig:
-    """Any ``torch.optim`` class by name; other keys are its keyword arguments."""
-
-    name: str = "AdamW"
-    lr: float = 1e-3
-    no_decay_bias_norm: bool = False  # biases and norm weights (1-D params) get weight_decay 0
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class SchedulerConfig:
-    """Any ``torch.optim.lr_scheduler`` class by name (``"none"`` for none); other keys are
-    its keyword arguments. ``CosineAnnealingLR`` without ``T_max`` spans the whole run.
-    ``"warmup_cosine"`` (built in, per optimizer step): linear warmup over ``warmup_steps``,
-    then cosine down to ``min_lr_ratio`` x lr at the end of the run."""
-
-    name: str = "CosineAnnealingLR"
-    interval: str = "epoch"
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class LossConfig:
-    """The loss by name (``"mean"`` reduction); its options apply where the loss has them.
-    ``train.ignore_index`` is the label cross_entropy and nll leave out."""
-
-    name: str = "cross_entropy"  # nll, bce_with_logits, mse, l1, huber, smooth_l1
-    label_smoothing: float = 0.0  # cross_entropy
-    pos_weight: list[float] = field(default_factory=list)  # bce_with_logits: one per label
-    delta: float = 1.0  # huber
-    beta: float = 1.0  # smooth_l1
 
 
 @dataclass

@@ -36,9 +36,9 @@ from glassloop.checkpoint import (
     safetensors_dtype,
     write_safetensors,
 )
-from glassloop.config import ModelConfig, from_dict
+from glassloop.config import from_dict
 from glassloop.errors import ConfigError, ModelError
-from glassloop.models import build_model, data_kwargs, target_scale_of
+from glassloop.models import ModelConfig, build_model, data_kwargs, target_scale_of
 from glassloop.tasks import TASK_ATTRIBUTE, TASKS
 
 ModelClass = Callable[..., nn.Module]

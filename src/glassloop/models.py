@@ -7,14 +7,32 @@ import importlib.util
 import inspect
 import math
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from glassloop.config import ModelConfig
 from glassloop.errors import ModelError
+
+
+@dataclass
+class ModelConfig:
+    """``name="mlp"`` (``hidden``, ``dropout``), ``name="text-classifier"`` (``embed_dim``,
+    ``encoder``, ``num_layers``, ``num_heads``, ``dropout``), or ``target="pkg.module:Class"``
+    / ``"path/to/file.py:Class"`` with ``kwargs`` for your own model."""
+
+    name: str = "mlp"
+    hidden: list[int] = field(default_factory=lambda: [512, 512])
+    dropout: float = 0.0
+    target: str = ""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    # text-classifier: embedding + encoder ("gru" or "transformer") + masked mean pooling
+    embed_dim: int = 64
+    encoder: str = "gru"
+    num_layers: int = 1
+    num_heads: int = 4
 
 
 def mlp(

@@ -5,7 +5,8 @@ arguments checked against the class's signature, and building them for a model."
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,8 +23,28 @@ from glassloop.validation import (
     unknown_key,
 )
 
-if TYPE_CHECKING:
-    from glassloop.config import OptimConfig, SchedulerConfig
+
+@dataclass
+class OptimConfig:
+    """Any ``torch.optim`` class by name; other keys are its keyword arguments."""
+
+    name: str = "AdamW"
+    lr: float = 1e-3
+    no_decay_bias_norm: bool = False  # biases and norm weights (1-D params) get weight_decay 0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerConfig:
+    """Any ``torch.optim.lr_scheduler`` class by name (``"none"`` for none); other keys are
+    its keyword arguments. ``CosineAnnealingLR`` without ``T_max`` spans the whole run.
+    ``"warmup_cosine"`` (built in, per optimizer step): linear warmup over ``warmup_steps``,
+    then cosine down to ``min_lr_ratio`` x lr at the end of the run."""
+
+    name: str = "CosineAnnealingLR"
+    interval: str = "epoch"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
 
 # Optimizer arguments that choose a kernel, not the mathematics; not recorded as defaults.
 IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")

@@ -14,16 +14,40 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from glassloop.best import best_epoch, shown
-from glassloop.distributed import unwrap_model
+from glassloop.checkpointer import Checkpointer
+from glassloop.distributed import World, unwrap_model
 from glassloop.fsdp import class_name
+from glassloop.state import TrainState
 
-if TYPE_CHECKING:
-    from glassloop.loop import Trainer
+
+class Described(Protocol):
+    """What the start header and the end summary read of a trainer."""
+
+    device: torch.device
+    world: World
+    sharded: Any
+    model: nn.Module
+    precision: str
+    task: str
+    limit_batches: int
+    grad_accum_steps: int
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scheduler_interval: str
+    loss_fn: Any
+    loss_reduction: str
+    run_dir: Path | None
+    state: TrainState
+    checkpointer: Checkpointer
+
+    @property
+    def history(self) -> list[dict[str, Any]]: ...
 
 
 def samples_in(loader: Iterable[Any]) -> int | None:
@@ -36,7 +60,7 @@ def samples_in(loader: Iterable[Any]) -> int | None:
 
 
 def start_header(
-    trainer: Trainer, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
+    trainer: Described, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
 ) -> str:
     device = trainer.device
     where = f"{device} ({torch.get_num_threads()} threads)" if device.type == "cpu" else str(device)
@@ -101,7 +125,7 @@ def loss_note(loss_fn: Any, reduction: str) -> str | None:
     )
 
 
-def end_summary(trainer: Trainer, seconds: float, report: Path | None) -> str:
+def end_summary(trainer: Described, seconds: float, report: Path | None) -> str:
     history = trainer.history
     parts = [f"done in {seconds:.1f} s: {trainer.state.epoch} epochs, {trainer.state.step} steps"]
     policy = trainer.checkpointer.policy

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from glassloop.atomic import atomic_path
-from glassloop.config import DataConfig
+from glassloop.data.options import DataConfig
 from glassloop.data.splits import (
     Splits,
     check_class_count,

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from glassloop.config import DataConfig
 from glassloop.data.lazy import open_image, probe_shape
+from glassloop.data.options import DataConfig
 from glassloop.data.splits import (
     Splits,
     check_class_count,

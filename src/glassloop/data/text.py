@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from glassloop.config import DataConfig
+from glassloop.data.options import DataConfig
 from glassloop.data.splits import stratified_split
 from glassloop.errors import DataError
 
