@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from glassloop import build, load_config
-from glassloop.checkpoint import load_weights, read_checkpoint
+from glassloop.checkpoint import read_checkpoint
+from glassloop.weights import load_weights
 
 
 def main() -> None:

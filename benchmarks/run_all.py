@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import peers
 
 from glassloop import build, load_config
-from glassloop.checkpoint import load_weights, read_checkpoint
+from glassloop.checkpoint import read_checkpoint
 from glassloop.data import InMemoryLoader
+from glassloop.weights import load_weights
 
 ROWS: list[tuple[str, str, str]] = []
 

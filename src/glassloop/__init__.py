@@ -39,10 +39,10 @@ _EXPORTS = {
     "format_report": "glassloop.metrics",
     "load_config": "glassloop.config",
     "load_model": "glassloop.export",
-    "load_weights": "glassloop.checkpoint",
+    "load_weights": "glassloop.weights",
     "lr_find": "glassloop.lr_finder",
     "predict": "glassloop.evaluation",
-    "save_weights": "glassloop.checkpoint",
+    "save_weights": "glassloop.weights",
     "seed_everything": "glassloop.rng",
 }
 
@@ -70,7 +70,6 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from glassloop.assemble import Run, build
     from glassloop.callbacks import Callback
-    from glassloop.checkpoint import load_weights, save_weights
     from glassloop.config import Config, load_config
     from glassloop.errors import CheckpointError, ConfigError, DataError, GlassloopError, ModelError
     from glassloop.evaluation import evaluate, predict
@@ -82,3 +81,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from glassloop.preemption import Preempted
     from glassloop.rng import seed_everything
     from glassloop.state import TrainState
+    from glassloop.weights import load_weights, save_weights

@@ -22,20 +22,15 @@ at the next start. Nothing here ever unpickles: weights and state tensors are sa
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
-import math
 import os
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from glassloop.atomic import (
@@ -52,8 +47,16 @@ from glassloop.atomic import (
 from glassloop.distributed import unwrap_model
 from glassloop.errors import CheckpointError as CheckpointError  # re-exported: its old home
 from glassloop.errors import CheckpointWriteError as CheckpointWriteError
-from glassloop.rng import check_rng_state
-from glassloop.serialization import UnserializableError, flatten, stable_repr, unflatten
+from glassloop.errors import write_failure
+from glassloop.serialization import (
+    UnserializableError,
+    finite_json,
+    flatten,
+    stable_repr,
+    unflatten,
+)
+from glassloop.state import check_training_state
+from glassloop.weights import read_safetensors, weights_dict, weights_metadata, write_safetensors
 
 FORMAT_VERSION = 1
 CREATOR = "glassloop"
@@ -75,32 +78,7 @@ LEFTOVER_FILE = re.compile(
 FILES = ("model.safetensors", "state.safetensors", "state.json", "meta.json")
 SHARDS = "shards"  # a sharded (FSDP) checkpoint's folder of tensors, instead of model.safetensors
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)?$")  # manifest names: no escape
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
 MAX_JSON_BYTES = 256 * 1024 * 1024
-SAFETENSORS_DTYPES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
-    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
-
-
-def write_failure(
-    path: Path, err: BaseException, last_good: str = "", *, safe: str = "nothing was lost"
-) -> CheckpointWriteError:
-    """One line for a failed write (exit code 3 in the CLI): what, where, the OS's reason,
-    and what is ``safe`` (a failed checkpoint write loses nothing: its temporary folder goes
-    and every earlier checkpoint stays; a failed metrics row is lost itself).
-
-    >>> print(write_failure(Path("runs/a"), OSError(28, "No space left on device")))
-    checkpoint: could not write 'runs/a': No space left on device (ENOSPC); nothing was lost
-    """
-    if isinstance(err, CheckpointWriteError):
-        return err
-    code = errno.errorcode.get(getattr(err, "errno", None) or 0, type(err).__name__)
-    reason = getattr(err, "strerror", None) or err
-    tail = f", last good checkpoint: {last_good}" if last_good else ""
-    return CheckpointWriteError(
-        f"checkpoint: could not write '{path}': {reason} ({code}); {safe}{tail}"
-    )
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -115,247 +93,6 @@ def sha256_of(path: Path) -> str:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-# ---------------------------------------------------------------------------- weights files
-def weights_dict(model: nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every key of the unwrapped state dict (or of a dict of tensors) as its own dense CPU
-    tensor (tied weights are stored once per name, so every key is present and checkable
-    on load)."""
-    out: dict[str, torch.Tensor] = {}
-    storages: set[int] = set()
-    tensors = model if isinstance(model, dict) else unwrap_model(model).state_dict()
-    for key, tensor in tensors.items():
-        tensor = tensor.detach().to("cpu")
-        ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else -1
-        if ptr in storages or not tensor.is_contiguous():
-            tensor = tensor.clone().contiguous()
-        storages.add(ptr)
-        out[key] = tensor
-    return out
-
-
-def save_weights(
-    model: nn.Module | dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
-) -> None:
-    """Save the model's weights (unwrapped; or a dict of tensors) to a safetensors file,
-    atomically."""
-    with atomic_path(Path(path)) as tmp:
-        write_safetensors(weights_dict(model), tmp, metadata)
-        tmp.chmod(0o644)  # safetensors creates 0600; weights are meant to be shared
-
-
-def write_safetensors(
-    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None
-) -> None:
-    """``safetensors.torch.save_file``, with its I/O failures (disk full, quota) raised as the
-    ``OSError`` they are, so callers handle every write failure in one place, and with the
-    metadata in sorted key order (see :func:`_canonical_header`): the same tensors and
-    metadata always give the same bytes."""
-    try:
-        save_file(tensors, str(path), metadata=metadata)
-    except SafetensorError as err:
-        found = re.search(r"os error (\d+)", str(err))
-        if found is None:
-            raise
-        code = int(found.group(1))
-        raise OSError(code, os.strerror(code), str(path)) from err
-    if metadata and len(metadata) > 1:
-        _canonical_header(path)
-
-
-def _canonical_header(path: Path) -> None:
-    """Rewrite the header of a file safetensors just wrote with ``__metadata__`` sorted.
-
-    safetensors keeps the metadata in a Rust ``HashMap``, whose order changes from process to
-    process, so two identical saves differed in about half of all cases and ``sha256sum``
-    could not tell users whether two models were the same. The header is JSON in serde's
-    compact form; Python writes the same form (``ensure_ascii=False``), so the sorted header
-    has the same length and is written back in place, padded with spaces as safetensors pads.
-    """
-    with path.open("rb+") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
-        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
-        ordered = {"__metadata__": header.pop("__metadata__"), **header}
-        raw = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        assert len(raw) <= length, "serde and json write the same compact form"
-        handle.seek(8)
-        handle.write(raw + b" " * (length - len(raw)))
-
-
-def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and the metadata of a safetensors file, its header checked first (one
-    read of it: :func:`read_safetensors_header`)."""
-    header = read_safetensors_header(path)
-    return _load_checked(path), dict(header.get("__metadata__") or {})
-
-
-def _load_checked(path: Path) -> dict[str, torch.Tensor]:
-    """``load_file`` of a file whose header was checked; anything safetensors itself still
-    refuses becomes a :class:`CheckpointError`."""
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise CheckpointError(f"checkpoint: cannot read '{path}': {err}") from err
-
-
-def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """Parse and check a safetensors header without allocating anything large.
-
-    Refuses a header longer than the file or than 100 MiB, a header that is not a JSON
-    object, metadata that is not a table of strings, unknown dtypes, shapes that are not
-    lists of non-negative integers, and tensor byte ranges that do not match their shape,
-    overlap, leave gaps or leave bytes over at the end (what safetensors itself refuses, so
-    nothing gets as far as its own error). A pickle (``torch.save``) file fails here: its
-    first bytes are no header.
-    """
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(
-                    f"checkpoint: '{path}' is not a safetensors file ({size} bytes: truncated "
-                    "or empty)"
-                )
-            (length,) = struct.unpack("<Q", prefix)
-            if length > min(size - 8, MAX_HEADER_BYTES):
-                raise CheckpointError(
-                    f"checkpoint: '{path}' is not a valid safetensors file (header claims "
-                    f"{length} bytes, file has {size}); truncated, corrupt or not safetensors"
-                )
-            raw = handle.read(length)
-    except OSError as err:
-        raise CheckpointError(f"checkpoint: cannot read '{path}': {err.strerror}") from err
-    try:
-        header = json.loads(raw, parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise CheckpointError(
-            f"checkpoint: '{path}' is not a valid safetensors file (header is not JSON)"
-        ) from err
-    if not isinstance(header, dict):
-        raise CheckpointError(f"checkpoint: '{path}' has a malformed safetensors header")
-    metadata = header.get("__metadata__")
-    if metadata is not None and not (
-        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
-    ):
-        raise CheckpointError(
-            f"checkpoint: '{path}' has malformed metadata (must be a table of strings)"
-        )
-    data_size = size - 8 - length
-    ranges: list[tuple[int, int, str]] = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            itemsize = SAFETENSORS_DTYPES[info["dtype"]]
-            start, end = info["data_offsets"]
-            shape = info["shape"]
-            if not all(_count(x) for x in (start, end, *shape)):
-                raise ValueError("offsets and dimensions must be integers >= 0")
-        except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(
-                f"checkpoint: '{path}' has a malformed entry for tensor '{name}'"
-            ) from err
-        if not start <= end <= data_size or end - start != math.prod(shape) * itemsize:
-            raise CheckpointError(
-                f"checkpoint: '{path}' tensor '{name}' points outside the file or does not "
-                "match its shape (truncated or corrupt)"
-            )
-        ranges.append((start, end, name))
-    position = 0
-    for start, end, name in sorted(ranges):
-        if start != position:
-            raise CheckpointError(
-                f"checkpoint: '{path}' tensor '{name}' overlaps another or leaves a gap "
-                "(corrupt or crafted)"
-            )
-        position = end
-    if position != data_size:
-        raise CheckpointError(
-            f"checkpoint: '{path}' holds {data_size} bytes of tensor data, its header "
-            f"describes {position} (truncated, trailing bytes or corrupt)"
-        )
-    return header
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def check_weights_fit(model: nn.Module, path: Path) -> None:
-    """List every missing, unexpected, shape- or dtype-mismatched key of a weights file,
-    from its header alone (torch would cast dtypes silently; we refuse)."""
-    check_fit(model, header_shapes(read_safetensors_header(path)), path)
-
-
-def header_shapes(header: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
-    """Each tensor's shape and dtype, from a checked header."""
-    return {k: (list(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"}
-
-
-def check_fit(model: nn.Module, stored: dict[str, tuple[list[int], str]], source: Path) -> None:
-    """``stored`` maps each key to its shape and safetensors dtype; raise one
-    :class:`CheckpointError` listing every key that does not fit ``model``."""
-    expected = unwrap_model(model).state_dict()
-    problems: list[str] = []
-    missing = sorted(set(expected) - set(stored))
-    unexpected = sorted(set(stored) - set(expected))
-    if missing:
-        problems.append(f"missing keys {missing}")
-    if unexpected:
-        problems.append(f"unexpected keys {unexpected}")
-    for key in sorted(set(expected) & set(stored)):
-        want = expected[key]
-        shape, dtype = stored[key]
-        if list(want.shape) != shape:
-            problems.append(f"'{key}' has shape {shape}, the model expects {list(want.shape)}")
-        if dtype != safetensors_dtype(want.dtype):
-            problems.append(
-                f"'{key}' is {dtype}, the model expects {safetensors_dtype(want.dtype)}"
-            )
-    if problems:
-        raise CheckpointError(
-            f"checkpoint: '{source}' does not fit the model: " + "; ".join(problems)
-        )
-
-
-def load_checked(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:
-    """Load tensors already in memory into ``model`` (unwrapped) after :func:`check_fit`."""
-    shapes = {k: (list(t.shape), safetensors_dtype(t.dtype)) for k, t in tensors.items()}
-    check_fit(model, shapes, source)
-    unwrap_model(model).load_state_dict(tensors, strict=True)
-
-
-def safetensors_dtype(dtype: torch.dtype) -> str:
-    names = {
-        torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-        torch.uint8: "U8", torch.bool: "BOOL",
-    }  # fmt: skip
-    return names.get(dtype, str(dtype))
-
-
-def load_weights(model: nn.Module, path: Path) -> dict[str, str]:
-    """Load a safetensors file into ``model`` after checking that every key, shape and
-    dtype fits; return the file's metadata."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint: file '{path}' not found")
-    if path.suffix != ".safetensors":
-        raise CheckpointError(
-            f"checkpoint: '{path}' is not a .safetensors file; glassloop never unpickles "
-            "(.pt/.pth/.ckpt); convert it with safetensors.torch.save_file"
-        )
-    header = read_safetensors_header(path)
-    check_fit(model, header_shapes(header), path)  # before anything is allocated
-    unwrap_model(model).load_state_dict(_load_checked(path), strict=True)
-    return dict(header.get("__metadata__") or {})
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -573,27 +310,6 @@ def commit_dir(tmp: Path, target: Path) -> None:
     fsync_dir(target.parent)
 
 
-def weights_metadata(model_spec: Any) -> dict[str, str]:
-    """The safetensors metadata of a weights file: its format and, when the model was built
-    from a config, how to rebuild it (``glassloop.model``, keys sorted)."""
-    metadata = {"format": "glassloop-weights"}
-    if model_spec is not None:
-        metadata["glassloop.model"] = json.dumps(model_spec, sort_keys=True)
-    return metadata
-
-
-def finite_json(value: Any) -> Any:
-    """``value`` with NaN/inf floats as ``None``: glassloop's JSON files are strict JSON (a
-    reader that meets ``NaN`` or ``Infinity`` in them refuses the file)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: finite_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_json(v) for v in value]
-    return value
-
-
 def save_checkpoint(
     run_dir: Path, model: nn.Module | None, state: dict[str, Any], meta: dict[str, Any],
     *, staged: Path | None = None,
@@ -757,42 +473,8 @@ def _finite(tensor: torch.Tensor) -> bool:
     return not tensor.is_floating_point() or bool(tensor.isfinite().all())
 
 
-class MalformedState(ValueError):
-    """A field of meta.json or the training state that cannot be right."""
-
-
-def check_training_state(meta: Any, state: Any) -> None:
-    """Refuse numbers that cannot be right before any of them is used: counters that are not
-    non-negative integers, a world size that is not a positive integer, RNG states that the
-    generators would reject (tried on throwaway generators)."""
-    if not isinstance(meta, dict) or not isinstance(state, dict):
-        raise MalformedState("meta.json and state.json must hold tables")
-    for key in ("step", "epoch", "batch_in_epoch", "world_size"):
-        if key in meta or key in ("step", "epoch"):
-            minimum = 1 if key == "world_size" else 0
-            if not _count(meta.get(key)) or meta[key] < minimum:
-                raise MalformedState(f"meta.json {key} = {meta.get(key)!r}")
-    if not isinstance(meta.get("finished", False), bool):
-        raise MalformedState(f"meta.json finished = {meta['finished']!r}")
-    loop = state["loop"]
-    for key in ("step", "epoch", "batch_in_epoch", "samples_seen"):
-        if not _count(loop[key]):
-            raise MalformedState(f"loop.{key} = {loop[key]!r}")
-    if loop["step"] != meta["step"]:
-        raise MalformedState(f"loop.step {loop['step']} != meta.json step {meta['step']}")
-    best = loop.get("best_metric")
-    if best is not None and not isinstance(best, (int, float)):
-        raise MalformedState(f"loop.best_metric = {best!r}")
-    ranks = state.get("rng_per_rank")
-    for rng in [state["rng"], *(ranks or [])]:
-        check_rng_state(rng)
-    if ranks is not None and len(ranks) != meta.get("world_size", 1):
-        raise MalformedState(f"{len(ranks)} RNG states for world_size {meta.get('world_size')}")
-    data = state.get("data")
-    if data is not None and not isinstance(data, dict):
-        raise MalformedState("data position is not a table")
-    if not isinstance(state.get("history", []), list):
-        raise MalformedState("history is not a list")
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _read_json(file: Path, checkpoint: Path) -> Any:

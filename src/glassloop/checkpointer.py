@@ -38,7 +38,6 @@ from glassloop.checkpoint import (
     checkpoints_dir,
     find_resumable,
     latest_pointer,
-    load_checked,
     not_finite,
     prune,
     read_checkpoint,
@@ -48,16 +47,16 @@ from glassloop.checkpoint import (
     staging_dir,
     step_dir_name,
     step_dirs,
-    write_failure,
 )
 from glassloop.distributed import SINGLE, World, all_reduce, gather_objects
-from glassloop.errors import ConfigError, GlassloopError
+from glassloop.errors import ConfigError, GlassloopError, write_failure
 from glassloop.fsdp import ShardedState
 from glassloop.metrics import is_number
 from glassloop.rng import capture_rng_state, replay_caveat, restore_rng_state
 from glassloop.run_log import RunInfo
 from glassloop.serialization import dotted, stable_repr
 from glassloop.state import EpochRecord, TrainState
+from glassloop.weights import load_checked
 
 
 def state_of(

@@ -7,6 +7,9 @@ the library raises it. Internal invariants use ``assert``.
 
 from __future__ import annotations
 
+import errno
+from pathlib import Path
+
 
 class GlassloopError(ValueError):
     """A mistake in the user's config, data, model or files; the message is the whole story."""
@@ -35,3 +38,23 @@ class CheckpointError(GlassloopError):
 class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint or another run file failed (disk full, quota, permissions);
     earlier checkpoints are intact. The CLI's exit code 3."""
+
+
+def write_failure(
+    path: Path, err: BaseException, last_good: str = "", *, safe: str = "nothing was lost"
+) -> CheckpointWriteError:
+    """One line for a failed write (exit code 3 in the CLI): what, where, the OS's reason,
+    and what is ``safe`` (a failed checkpoint write loses nothing: its temporary folder goes
+    and every earlier checkpoint stays; a failed metrics row is lost itself).
+
+    >>> print(write_failure(Path("runs/a"), OSError(28, "No space left on device")))
+    checkpoint: could not write 'runs/a': No space left on device (ENOSPC); nothing was lost
+    """
+    if isinstance(err, CheckpointWriteError):
+        return err
+    code = errno.errorcode.get(getattr(err, "errno", None) or 0, type(err).__name__)
+    reason = getattr(err, "strerror", None) or err
+    tail = f", last good checkpoint: {last_good}" if last_good else ""
+    return CheckpointWriteError(
+        f"checkpoint: could not write '{path}': {reason} ({code}); {safe}{tail}"
+    )

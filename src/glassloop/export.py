@@ -28,18 +28,20 @@ from glassloop.checkpoint import (
     SHARDS,
     Checkpoint,
     CheckpointError,
-    check_fit,
     find_resumable,
-    load_checked,
     read_checkpoint,
-    read_safetensors,
-    safetensors_dtype,
-    write_safetensors,
 )
 from glassloop.config import from_dict
 from glassloop.errors import ConfigError, ModelError
 from glassloop.models import ModelConfig, build_model, data_kwargs, target_scale_of
 from glassloop.tasks import TASK_ATTRIBUTE, TASKS
+from glassloop.weights import (
+    check_fit,
+    load_checked,
+    read_safetensors,
+    safetensors_dtype,
+    write_safetensors,
+)
 
 ModelClass = Callable[..., nn.Module]
 

@@ -30,19 +30,17 @@ from glassloop.checkpoint import (
     CheckpointError,
     CheckpointWriteError,
     clean_temporaries,
-    save_weights,
-    weights_metadata,
-    write_failure,
     write_json,
 )
 from glassloop.distributed import SINGLE, World, unwrap_model
-from glassloop.errors import GlassloopError
+from glassloop.errors import GlassloopError, write_failure
 from glassloop.run_lock import RunLock
 from glassloop.runs import read_json_object
 from glassloop.serialization import stable_repr
 from glassloop.sinks import CSVSink, JSONLSink, TensorBoardSink, truncate_rows
 from glassloop.state import TrainState
 from glassloop.tracking import Tracker, TrackingConfig, make_tracker
+from glassloop.weights import save_weights, weights_metadata
 
 CSV_FIELDS = [
     "kind", "epoch", "step", "samples", "train_loss", "loss", "lr", "grad_norm", "samples_per_s",

@@ -132,3 +132,15 @@ def dotted(tree: Any, prefix: str = "") -> dict[str, Any]:
         name = f"{prefix}.{key}" if prefix else str(key)
         out.update(dotted(value, name) if isinstance(value, dict) and value else {name: value})
     return out
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with NaN/inf floats as ``None``: glassloop's JSON files are strict JSON (a
+    reader that meets ``NaN`` or ``Infinity`` in them refuses the file)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value

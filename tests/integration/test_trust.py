@@ -369,7 +369,7 @@ def test_safetensors_files_without_a_manifest_are_checked_too(tmp_path: Path) ->
 # ------------------------------------------------------------------ 4. same inputs, same bytes
 SAVE = """
 import sys, torch
-from glassloop.checkpoint import save_weights
+from glassloop.weights import save_weights
 torch.manual_seed(0)
 metadata = {"format": "glassloop-weights", "glassloop.model": "{}", "b": "2", "a": "1"}
 save_weights(torch.nn.Linear(4, 3), sys.argv[1], metadata)

@@ -13,15 +13,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from glassloop import CheckpointError, Trainer, load_model, load_weights
-from glassloop.checkpoint import (
-    find_resumable,
-    list_checkpoints,
-    read_checkpoint,
-    read_safetensors_header,
-    save_checkpoint,
-)
+from glassloop.checkpoint import find_resumable, list_checkpoints, read_checkpoint, save_checkpoint
 from glassloop.config import CheckpointConfig
 from glassloop.data import ResumableLoader
+from glassloop.weights import read_safetensors_header
 
 
 def data(n: int = 96) -> TensorDataset:

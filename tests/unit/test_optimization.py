@@ -270,7 +270,7 @@ def test_compiled_checkpoints_resume_without_compile_and_back(tmp_path: Path) ->
     compiled = make(tmp_path, compile=True)
     assert hasattr(compiled.model, "_orig_mod")  # really compiled
     compiled.fit(loader(), epochs=1)
-    from glassloop.checkpoint import read_safetensors_header
+    from glassloop.weights import read_safetensors_header
 
     keys = set(read_safetensors_header(tmp_path / "model.safetensors")) - {"__metadata__"}
     assert keys == {"0.weight", "0.bias", "3.weight", "3.bias"}  # no "_orig_mod." prefix

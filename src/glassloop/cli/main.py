@@ -406,12 +406,12 @@ def evaluate_weights(
     (no optimizer, no Trainer, no process group) and evaluate its weights (the EMA weights
     for an EMA run) on its validation data; returns the parts, the weights and the result."""
     from glassloop.assemble import build_parts
-    from glassloop.checkpoint import load_checked
     from glassloop.config import apply_override, from_dict
     from glassloop.errors import GlassloopError
     from glassloop.evaluation import evaluate
     from glassloop.export import read_weights, require_trust
     from glassloop.precision import autocast
+    from glassloop.weights import load_checked
 
     weights = read_weights(source)
     config = weights.config

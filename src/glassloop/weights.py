@@ -1,0 +1,230 @@
+"""The weights format: safetensors files of a model's state dict, pickle-free.
+
+Written atomically with the metadata in sorted order (the same tensors and metadata give
+the same bytes); read only after the header was checked (:func:`read_safetensors_header`)
+and every key, shape and dtype was found to fit the model (:func:`check_fit`), so a file
+that does not fit fails before anything large is allocated. Checkpoints
+(:mod:`glassloop.checkpoint`) store their weights this way too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from glassloop.atomic import atomic_path
+from glassloop.distributed import unwrap_model
+from glassloop.errors import CheckpointError
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
+
+
+def weights_dict(model: nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every key of the unwrapped state dict (or of a dict of tensors) as its own dense CPU
+    tensor (tied weights are stored once per name, so every key is present and checkable
+    on load)."""
+    out: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    tensors = model if isinstance(model, dict) else unwrap_model(model).state_dict()
+    for key, tensor in tensors.items():
+        tensor = tensor.detach().to("cpu")
+        ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else -1
+        if ptr in storages or not tensor.is_contiguous():
+            tensor = tensor.clone().contiguous()
+        storages.add(ptr)
+        out[key] = tensor
+    return out
+
+
+def save_weights(
+    model: nn.Module | dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    """Save the model's weights (unwrapped; or a dict of tensors) to a safetensors file,
+    atomically."""
+    with atomic_path(Path(path)) as tmp:
+        write_safetensors(weights_dict(model), tmp, metadata)
+        tmp.chmod(0o644)  # safetensors creates 0600; weights are meant to be shared
+
+
+def write_safetensors(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None
+) -> None:
+    """``safetensors.torch.save_file``, with its I/O failures (disk full, quota) raised as the
+    ``OSError`` they are, so callers handle every write failure in one place, and with the
+    metadata in sorted key order (see :func:`_canonical_header`): the same tensors and
+    metadata always give the same bytes."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as err:
+        found = re.search(r"os error (\d+)", str(err))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from err
+    if metadata and len(metadata) > 1:
+        _canonical_header(path)
+
+
+def _canonical_header(path: Path) -> None:
+    """Rewrite the header of a file safetensors just wrote with ``__metadata__`` sorted.
+
+    safetensors keeps the metadata in a Rust ``HashMap``, whose order changes from process to
+    process, so two identical saves differed in about half of all cases and ``sha256sum``
+    could not tell users whether two models were the same. The header is JSON in serde's
+    compact form; Python writes the same form (``ensure_ascii=False``), so the sorted header
+    has the same length and is written back in place, padded with spaces as safetensors pads.
+    """
+    with path.open("rb+") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        ordered = {"__metadata__": header.pop("__metadata__"), **header}
+        raw = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        assert len(raw) <= length, "serde and json write the same compact form"
+        handle.seek(8)
+        handle.write(raw + b" " * (length - len(raw)))
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and the metadata of a safetensors file, its header checked first (one
+    read of it: :func:`read_safetensors_header`)."""
+    header = read_safetensors_header(path)
+    return _load_checked(path), dict(header.get("__metadata__") or {})
+
+
+def _load_checked(path: Path) -> dict[str, torch.Tensor]:
+    """``load_file`` of a file whose header was checked; anything safetensors itself still
+    refuses becomes a :class:`CheckpointError`."""
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"checkpoint: cannot read '{path}': {err}") from err
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """Each tensor's ``shape`` and ``dtype`` and the ``__metadata__`` of a safetensors file,
+    checked without reading any tensor data: ``safetensors.safe_open`` refuses (since 0.8)
+    a header that is not a JSON object, metadata that is not a table of strings, unknown
+    dtypes, shapes that are not lists of non-negative integers or overflow, and byte ranges
+    that do not match their shape, overlap, leave gaps or leave bytes over at the end. A
+    pickle (``torch.save``) file fails here: its first bytes are no header. The header's
+    length is read first, so a file that claims more than it has is named as such."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            prefix = handle.read(8)
+    except OSError as err:
+        raise CheckpointError(f"checkpoint: cannot read '{path}': {err.strerror}") from err
+    if len(prefix) < 8:
+        raise CheckpointError(
+            f"checkpoint: '{path}' is not a safetensors file ({size} bytes: truncated or empty)"
+        )
+    (length,) = struct.unpack("<Q", prefix)
+    if length > min(size - 8, MAX_HEADER_BYTES):
+        raise CheckpointError(
+            f"checkpoint: '{path}' is not a valid safetensors file (header claims {length} "
+            f"bytes, file has {size}); truncated, corrupt or not safetensors"
+        )
+    try:
+        with safe_open(str(path), framework="pt") as opened:
+            header: dict[str, Any] = {"__metadata__": opened.metadata()}
+            for key in opened.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                tensor = opened.get_slice(key)
+                header[key] = {"shape": tensor.get_shape(), "dtype": tensor.get_dtype()}
+    except (SafetensorError, OSError, ValueError) as err:
+        reason = str(err).removeprefix("Error while deserializing header: ")
+        if "not fully covered" in reason:  # (safetensors' words for it)
+            reason = "a tensor points outside the file, or bytes are left over"
+        raise CheckpointError(
+            f"checkpoint: '{path}' is not a valid safetensors file ({reason}; truncated, "
+            "corrupt or crafted)"
+        ) from err
+    return header
+
+
+def check_weights_fit(model: nn.Module, path: Path) -> None:
+    """List every missing, unexpected, shape- or dtype-mismatched key of a weights file,
+    from its header alone (torch would cast dtypes silently; we refuse)."""
+    check_fit(model, header_shapes(read_safetensors_header(path)), path)
+
+
+def header_shapes(header: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
+    """Each tensor's shape and dtype, from a checked header."""
+    return {k: (list(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def check_fit(model: nn.Module, stored: dict[str, tuple[list[int], str]], source: Path) -> None:
+    """``stored`` maps each key to its shape and safetensors dtype; raise one
+    :class:`CheckpointError` listing every key that does not fit ``model``."""
+    expected = unwrap_model(model).state_dict()
+    problems: list[str] = []
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected}")
+    for key in sorted(set(expected) & set(stored)):
+        want = expected[key]
+        shape, dtype = stored[key]
+        if list(want.shape) != shape:
+            problems.append(f"'{key}' has shape {shape}, the model expects {list(want.shape)}")
+        if dtype != safetensors_dtype(want.dtype):
+            problems.append(
+                f"'{key}' is {dtype}, the model expects {safetensors_dtype(want.dtype)}"
+            )
+    if problems:
+        raise CheckpointError(
+            f"checkpoint: '{source}' does not fit the model: " + "; ".join(problems)
+        )
+
+
+def load_checked(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:
+    """Load tensors already in memory into ``model`` (unwrapped) after :func:`check_fit`."""
+    shapes = {k: (list(t.shape), safetensors_dtype(t.dtype)) for k, t in tensors.items()}
+    check_fit(model, shapes, source)
+    unwrap_model(model).load_state_dict(tensors, strict=True)
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    names = {
+        torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+        torch.uint8: "U8", torch.bool: "BOOL",
+    }  # fmt: skip
+    return names.get(dtype, str(dtype))
+
+
+def load_weights(model: nn.Module, path: Path) -> dict[str, str]:
+    """Load a safetensors file into ``model`` after checking that every key, shape and
+    dtype fits; return the file's metadata."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint: file '{path}' not found")
+    if path.suffix != ".safetensors":
+        raise CheckpointError(
+            f"checkpoint: '{path}' is not a .safetensors file; glassloop never unpickles "
+            "(.pt/.pth/.ckpt); convert it with safetensors.torch.save_file"
+        )
+    header = read_safetensors_header(path)
+    check_fit(model, header_shapes(header), path)  # before anything is allocated
+    unwrap_model(model).load_state_dict(_load_checked(path), strict=True)
+    return dict(header.get("__metadata__") or {})
+
+
+def weights_metadata(model_spec: Any) -> dict[str, str]:
+    """The safetensors metadata of a weights file: its format and, when the model was built
+    from a config, how to rebuild it (``glassloop.model``, keys sorted)."""
+    metadata = {"format": "glassloop-weights"}
+    if model_spec is not None:
+        metadata["glassloop.model"] = json.dumps(model_spec, sort_keys=True)
+    return metadata
