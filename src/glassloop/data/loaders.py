@@ -1,8 +1,10 @@
 """A resumable training loader and a plain validation loader over in-memory splits.
 
-Why not torchdata's ``StatefulDataLoader``: with torchdata 0.11 and ``num_workers=0`` its
-restored shuffle order differed from an uninterrupted run in our test, mid-epoch and at an
-epoch boundary (see meta-pytorch/data issues 1437 and 1440). The state needed here is two
+Why not torchdata's ``StatefulDataLoader``: with torchdata 0.11, a loader shuffling with a
+seeded generator, saved and restored into a freshly built one, went on in another order than
+the uninterrupted run in 4 of 4 tries (checked again on 2026-12-01; the end-of-epoch restart
+bug once cited here, meta-pytorch/data#1437, is fixed by #1439, and #1440 says its shuffling
+ignores the global RNG). The state needed here is two
 integers: each epoch's order is a permutation drawn from a generator seeded with
 ``(seed, epoch)``, and the position is the number of batches the loop has consumed, counted
 in the main process (so worker prefetching does not matter). Resuming skips indices, never
