@@ -414,14 +414,12 @@ class Trainer:
     ) -> tuple[Window, int | None]:
         """The step's :class:`Window` and, under DDP, the stop signal the processes agree on.
 
-        Each micro-batch's weight is ``None`` for a window of one in one process (the loss is
-        used as is), else its samples (or non-ignored tokens) over the window's across all
-        processes, times the number of processes (DDP averages gradients over processes;
-        this turns that average into the sample-weighted one); a loss that sums over its
-        batch (``loss_reduction == "sum"``) gets the number of processes alone: the sums of
-        the micro-batches add up to the sum of one big batch. Under DDP one collective
-        carries the counts and "did any process get SIGTERM/SIGINT" (acted on after the step).
-        """
+        A micro-batch's weight: ``None`` for a window of one in one process (the loss as is),
+        else its samples (or non-ignored tokens) over the window's across all processes,
+        times the number of processes (DDP averages gradients over processes: this makes the
+        average sample-weighted); a summing loss gets the number of processes alone (sums of
+        micro-batches add up to one big batch's). Under DDP one collective carries the
+        counts and "did any process get SIGTERM/SIGINT" (acted on after the step)."""
         samples = sum(sizes)
         if len(micro) == 1 and not self.distributed:
             return Window(micro, [None], samples), None
@@ -550,11 +548,10 @@ class Trainer:
         self.watch.check(self.state, self.world)  # (a NaN since the last row stops here)
         value = step_loss(loss, self.world)  # a host sync, only every log_every steps
         self.console.log_step(value, sum(self.record.sizes))
-        norm = self.last_grad_norm
+        norm = None if self.last_grad_norm is None else float(self.last_grad_norm)
         self.run_log.write_step(
             epoch=self.state.epoch + 1, step=self.state.step, samples=self.state.samples_seen,
-            loss=value, lr=self.optimizer.param_groups[0]["lr"],
-            grad_norm=float(norm) if norm is not None else None,
+            loss=value, lr=self.optimizer.param_groups[0]["lr"], grad_norm=norm,
         )  # fmt: skip
 
     def _stop_if_signalled(self, agreed: int | None = None) -> None:
