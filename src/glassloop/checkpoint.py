@@ -436,6 +436,10 @@ def read_checkpoint(path: Path) -> Checkpoint:
     if not sharded:  # (a sharded one's weights are read by whoever needs them)
         model_tensors, model_metadata = read_safetensors(path / "model.safetensors")
     state_tensors, _ = read_safetensors(path / "state.safetensors")
+    # Each in memory of its own: safetensors hands them out packed in one buffer, at 4-byte
+    # offsets, and a reduction over memory aligned otherwise sums in another order (an LBFGS
+    # resumed from them took a different step: its dot products over the restored state).
+    state_tensors = {name: tensor.clone() for name, tensor in state_tensors.items()}
     for name, tensors in (("model", model_tensors), ("state", state_tensors)):
         bad = [k for k, t in tensors.items() if not _finite(t)]
         if bad:

@@ -196,7 +196,7 @@ class NonFinitePolicy:
 
 
 def all_finite(
-    values: list[torch.Tensor], params: list[nn.Parameter], world: World, *, sharded: bool = False
+    values: list[torch.Tensor], params: list[torch.Tensor], world: World, *, sharded: bool = False
 ) -> bool:  # fmt: skip
     """Whether ``values`` (a step's loss, a clipped norm) and the gradients of ``params`` are
     all finite, decided alike in every process: one host read per step, the price of never

@@ -9,11 +9,12 @@ the loop itself, in the order it runs: ``fit`` → ``_train`` → ``_run_epoch``
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -52,6 +53,7 @@ from glassloop.guards import (
     explain,
 )
 from glassloop.metrics import is_number
+from glassloop.optimizers import check_closure_step, needs_closure, optimizer_parameters
 from glassloop.parallelize import averaged, prepare_model
 from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import STOP_SIGNALS, Preempted, StopSignals
@@ -202,6 +204,13 @@ class Trainer:
         self.clip_grad_norm = clip_grad_norm or None
         self.clip_grad_value = clip_grad_value or None
         self.nonfinite = policy
+        # LBFGS & co.: step(closure) evaluates forward, loss and backward itself.
+        self.closure_step = needs_closure(optimizer)
+        if self.closure_step:
+            check_closure_step(
+                precision=precision, clipping=bool(clip_grad_norm or clip_grad_value),
+                nonfinite=policy.policy, processes=self.world.size,
+            )  # fmt: skip
         # The default: NaN/inf noticed on the device, read where the loop reads anyway (no
         # host sync per step); "strict", "skip" and fp16 (its scaler reads) check each step.
         self.watch = NonFiniteWatch()
@@ -452,8 +461,29 @@ class Trainer:
 
         Override it to change what a step does: everything it needs comes in ``window``
         (micro-batches, loss weights, sample count) and ``self`` (model, optimizer, ...);
-        return the loss (or ``None``) and ``fit`` does the rest.
+        :meth:`backward` and :meth:`step` are the loop's own (scaler, clipping, the
+        non-finite check). Return the loss (a dict of named losses, or ``None``) and ``fit``
+        does the rest.
         """
+        if self.closure_step:  # LBFGS & co.: the optimizer runs forward, loss, backward
+            evaluate = functools.partial(self.forward_backward, window, True)
+            window_loss = cast(torch.Tensor, self.optimizer.step(evaluate))  # type: ignore[arg-type]
+            self.optimizer.zero_grad(set_to_none=True)
+            self.watch.observe(window_loss)  # (nonfinite="raise" only: the others are refused)
+        else:
+            window_loss = self.forward_backward(window)  # forward, loss, backward
+            if not self.step(self.optimizer, window_loss, len(window)):
+                return None  # skipped: nothing learned
+        if self.scheduler is not None and self.scheduler_interval == "step":
+            self.scheduler.step()  # once per optimizer step, never for a skipped one
+        return window_loss
+
+    def forward_backward(self, window: Window, zero_grad: bool = False) -> torch.Tensor:
+        """Forward, loss and backward of each micro-batch of ``window``, the gradients adding
+        up in ``.grad``; the window's loss, detached. ``zero_grad``: the gradients are set
+        to None first (a closure an optimizer calls several times per step, e.g. LBFGS)."""
+        if zero_grad:
+            self.optimizer.zero_grad(set_to_none=True)
         window_loss: torch.Tensor | None = None
         last = len(window) - 1
         for i, (((args, kwargs), target), weight) in enumerate(
@@ -475,40 +505,51 @@ class Trainer:
                     loss = loss * weight
                 detached = loss.detach()
                 window_loss = detached if window_loss is None else window_loss + detached
-                # fp16: scaled so small gradients stay representable (as is otherwise)
-                self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]  # adds up in .grad
+                self.backward(loss)
         assert window_loss is not None
-        if not self._clip_and_check(window_loss):  # a NaN/inf loss or gradient: no step
-            self.nonfinite(self.model, window_loss, self.state, len(window))
+        return window_loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` as the loop does it: under fp16 the loss is scaled first, so
+        small gradients stay representable (:meth:`step` unscales them)."""
+        self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]  # adds up in .grad
+
+    def step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor, batches: int = 1) -> bool:
+        """``optimizer.step()`` as the loop takes it: unscale (fp16), clip, check ``loss`` and
+        the gradients (``nonfinite``), step, ``zero_grad``, then the EMA. ``False``: the step
+        was skipped (nothing changed). ``batches``: how many batches ``loss`` covers (named
+        when it is not finite)."""
+        if not self._clip_and_check(loss, optimizer):  # a NaN/inf loss or gradient: no step
+            self.nonfinite(self.model, loss, self.state, batches)
             self.scaler.update()  # closes this step's unscale_() (fp16: lowers the scale)
-            self.optimizer.zero_grad(set_to_none=True)
-            return None
+            optimizer.zero_grad(set_to_none=True)
+            return False
         self.state.consecutive_nonfinite = 0
         fp16 = self.scaler.is_enabled()
         scale = self.scaler.get_scale() if fp16 else 1.0
-        self.scaler.step(self.optimizer)  # optimizer.step(); fp16: unless gradients overflowed
+        self.scaler.step(optimizer)  # optimizer.step(); fp16: unless gradients overflowed
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)  # None frees memory; next backward writes
+        optimizer.zero_grad(set_to_none=True)  # None frees memory; next backward writes
         if fp16 and self.scaler.get_scale() < scale:  # the scale drops only on a skipped step
             self.state.skipped_steps += 1
-            return None
+            return False
         if self.ema is not None:
             self.ema.update_parameters(self.model)
-        if self.scheduler is not None and self.scheduler_interval == "step":
-            self.scheduler.step()  # once per optimizer step, never for a skipped one
-        return window_loss
+        return True
 
-    def _clip_and_check(self, window_loss: torch.Tensor) -> bool:
-        """Unscale (fp16) and clip the gradients; whether the loss and gradients are finite,
-        decided alike in every process."""
+    def _clip_and_check(self, window_loss: torch.Tensor, optimizer: Any) -> bool:
+        """Unscale (fp16) and clip ``optimizer``'s gradients (the main optimizer: every
+        parameter's); whether the loss and gradients are finite, decided alike in every
+        process."""
         if self.deferred_check and not (self.clip_grad_norm or self.clip_grad_value):
             self.watch.observe(window_loss)  # read at the next step row, checkpoint, epoch end
             return True
-        self.scaler.unscale_(self.optimizer)  # fp16: true gradients for clipping and the check
+        self.scaler.unscale_(optimizer)  # fp16: true gradients for clipping and the check
         # Every parameter, frozen ones too, filtered by gradient each step: layers unfrozen
         # after the Trainer was built are clipped and checked (the list is kept: walking the
         # module tree each step cost ~4 us on a small model).
-        params = [p for p in self._parameters if p.grad is not None]
+        own = self._parameters if optimizer is self.optimizer else optimizer_parameters(optimizer)
+        params = [p for p in own if p.grad is not None]
         if self.clip_grad_value:
             torch.nn.utils.clip_grad_value_(params, self.clip_grad_value)
         checked = [window_loss]  # the loss and the gradient norms, read together

@@ -224,3 +224,41 @@ def build_scheduler(
         return cls(optimizer, **kwargs)
     except (TypeError, ValueError, ArithmeticError, IndexError, RuntimeError) as err:
         raise ConfigError(f"config: scheduler: {name} rejected its arguments: {err}") from err
+
+
+def needs_closure(optimizer: Any) -> bool:
+    """Whether ``optimizer.step`` must be given a closure that re-evaluates the loss
+    (``torch.optim.LBFGS``): its ``closure`` argument has no default."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def check_closure_step(
+    *, precision: str, clipping: bool, nonfinite: str, processes: int
+) -> None:  # fmt: skip
+    """What a closure optimizer's step (LBFGS: it calls forward, loss and backward itself,
+    several times) supports, each refusal in one line. Gradient accumulation is defined:
+    each evaluation covers the whole window."""
+    refused = [
+        (precision == "fp16", "train.precision = 'fp16' (GradScaler cannot scale a closure's "
+         "losses; use 'bf16' or '32')"),
+        (clipping, "gradient clipping (it would change the gradients the optimizer's own line "
+         "search and curvature estimates rely on)"),
+        (nonfinite != "raise", f"train.nonfinite = {nonfinite!r} (the optimizer steps inside "
+         "its own iterations; 'raise' notices a NaN from the losses it returns)"),
+        (processes > 1, "several processes (each would decide its iterations on its own loss "
+         "and wait for the others in a different place)"),
+    ]  # fmt: skip
+    for refuse, what in refused:
+        if refuse:
+            raise ConfigError(
+                f"config: an optimizer whose step takes a closure (LBFGS) does not support {what}"
+            )
+
+
+def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter ``optimizer`` updates, in its groups' order."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
