@@ -19,6 +19,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 import glassloop.fsdp as fsdp
 from glassloop.batch import Inputs, Window, batch_size_of, split_batch
@@ -53,7 +54,13 @@ from glassloop.guards import (
     explain,
 )
 from glassloop.metrics import is_number
-from glassloop.optimizers import check_closure_step, needs_closure, optimizer_parameters
+from glassloop.optimizers import (
+    Optimizers,
+    Schedulers,
+    check_closure_step,
+    needs_closure,
+    optimizer_parameters,
+)
 from glassloop.parallelize import averaged, prepare_model
 from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import STOP_SIGNALS, Preempted, StopSignals
@@ -68,6 +75,9 @@ from glassloop.summary import end_summary, samples_in, start_header
 from glassloop.tasks import model_loss, reduction_of, resolve_task, takes_probabilities
 from glassloop.tracking import TrackingConfig
 from glassloop.validation import check_trainer_options
+
+# What a train_step returns: the step's loss, named losses, or None (skipped).
+StepLoss = torch.Tensor | Mapping[str, torch.Tensor] | None
 
 
 class Trainer:
@@ -101,6 +111,10 @@ class Trainer:
 
     Arguments (keywords after the first three; a config sets each under ``[train]``):
 
+    - ``optimizer``: a ``torch.optim`` optimizer, or several by name (``{"g": ..., "d": ...}``,
+      a GAN's: :class:`~glassloop.optimizers.Optimizers`, stepped in turn by the default
+      step, one by one with :meth:`step` in an overridden :meth:`train_step`); an optimizer
+      whose ``step`` takes a closure (LBFGS) gets one.
     - ``loss_fn(output, target)``: the loss; ``None``: the model's own (it gets the target as
       ``labels=``, as Hugging Face models do). ``task``: "auto" (from the loss),
       "classification", "multilabel", "regression", "language-model" or "custom": what
@@ -116,8 +130,8 @@ class Trainer:
       "strict" (checked before every step) or "skip" (dropped), or a
       :class:`~glassloop.guards.NonFinitePolicy` (``max_skips`` in a row); ``ema_decay``: a
       moving average of the weights, evaluated and exported instead; ``compile``: ``True``
-      or ``torch.compile``'s ``{"mode", "dynamic"}``; ``scheduler`` steps every
-      ``scheduler_interval`` ("epoch" or "step"; ``ReduceLROnPlateau`` on val_loss).
+      or ``torch.compile``'s ``{"mode", "dynamic"}``; ``scheduler`` (or several by name) steps
+      every ``scheduler_interval`` ("epoch" or "step"; ``ReduceLROnPlateau`` on val_loss).
     - The epoch: ``validate_every_n_steps`` (also inside epochs: ``"kind": "val"`` rows);
       ``limit_batches`` (at most this many batches per epoch: a quick run through
       everything); ``seed`` seeds python/numpy/torch here, after the model was built (call
@@ -138,7 +152,8 @@ class Trainer:
     """
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn | None, *,
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | Mapping[str, Any],
+        loss_fn: LossFn | None, *,
         # the model, its loss and what it is for
         task: str = "auto", metrics: Sequence[str] | Mapping[str, Metric | str] | None = None,
         # the step
@@ -147,7 +162,7 @@ class Trainer:
         clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
         nonfinite: str | NonFinitePolicy = "raise", ema_decay: float | None = None,
         compile: bool | Mapping[str, Any] = False,
-        scheduler: Any = None, scheduler_interval: str = "epoch",
+        scheduler: Any = None, scheduler_interval: str = "epoch",  # (or a dict of them)
         # the epoch
         validate_every_n_steps: int = 0, limit_batches: int = 0, seed: int | None = None,
         callbacks: Sequence[Callback] = (),
@@ -160,6 +175,10 @@ class Trainer:
         **replaced: Any,  # names replaced in 0.2 (glassloop.replaced), with a warning
     ) -> None:  # fmt: skip
         policy, compiled, run_info = fold_replaced(replaced, nonfinite, compile, run_info)
+        if isinstance(optimizer, Mapping):  # several, by name (a GAN's): one object
+            optimizer = cast(torch.optim.Optimizer, Optimizers(optimizer))
+        if isinstance(scheduler, Mapping):
+            scheduler = Schedulers(scheduler)
         check_trainer_options({  # the rules the config reader applies too, one table
             "scheduler_interval": scheduler_interval, "loss_weighting": loss_weighting,
             "log_every": log_every, "grad_accum_steps": grad_accum_steps, "ema_decay": ema_decay,
@@ -367,13 +386,14 @@ class Trainer:
         row: dict[str, Any] = {
             "kind": "epoch", "epoch": epoch, "step": state.step, "samples": state.samples_seen,
         }  # fmt: skip
-        row["train_loss"], epoch_samples = self.record.train_loss(self.world, self.device)
+        losses, epoch_samples = self.record.train_loss(self.world, self.device)
+        row.update(losses)  # train_loss (and a train_step's named losses: train_<name>)
         if val_loader is not None:
             self.last_eval = self._validate(val_loader)
             row.update({f"val_{k}": v for k, v in self.last_eval.items() if is_number(v)})
         row["lr"] = self.optimizer.param_groups[0]["lr"]
         if self.scheduler is not None and self.scheduler_interval == "epoch":
-            if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            if isinstance(self.scheduler, (ReduceLROnPlateau, Schedulers)):
                 self.scheduler.step(row.get("val_loss", row["train_loss"]))
             else:
                 self.scheduler.step()
@@ -401,16 +421,21 @@ class Trainer:
         local = sum(sizes)
         self.console.advance(local, self.record)
         if loss is not None:  # None: skipped, nothing learned, no step counted
+            if self.scheduler is not None and self.scheduler_interval == "step":
+                self.scheduler.step()  # once per optimizer step, never for a skipped one
+            if isinstance(loss, Mapping):  # named losses: the total first, then each
+                loss = self.record.stack_named(loss)
             if self.loss_reduction == "sum":  # reported per sample (float64: no rounding)
                 loss = loss.double() / window.samples
             # Kept on the device (no host sync per step), weighted by this process's share
             # of the step's samples.
             self.record.add_step(loss, local, window.samples / self.world.size)
             state.step += 1
+            total = loss[0] if loss.ndim else loss
             if (len(self.record.losses) - 1) % self.log_every == 0:  # the tutorial's "% 100"
-                self._log_step(loss)
+                self._log_step(total)
             for callback in self.callbacks:
-                callback.on_step_end(self, state.step, loss)
+                callback.on_step_end(self, state.step, total)
             every = self.validate_every_n_steps
             if every and state.step % every == 0 and self._val_loader is not None:
                 self._validate_now()
@@ -454,7 +479,7 @@ class Trainer:
             weights = [scale * count / total if total else 0.0 for count in counts]
         return Window(micro, list(weights), samples), signum
 
-    def train_step(self, window: Window) -> torch.Tensor | None:
+    def train_step(self, window: Window) -> StepLoss:
         """One optimizer step over ``window`` (``grad_accum_steps`` micro-batches, fewer at the
         end of an epoch); returns the window's detached loss, or ``None`` when the step was
         skipped (a non-finite loss or gradient with ``nonfinite="skip"``, an fp16 overflow).
@@ -462,8 +487,9 @@ class Trainer:
         Override it to change what a step does: everything it needs comes in ``window``
         (micro-batches, loss weights, sample count) and ``self`` (model, optimizer, ...);
         :meth:`backward` and :meth:`step` are the loop's own (scaler, clipping, the
-        non-finite check). Return the loss (a dict of named losses, or ``None``) and ``fit``
-        does the rest.
+        non-finite check). Return the loss, or a dict of named losses (each reported as
+        ``train_<name>``; ``train_loss`` is ``"loss"``, else their sum), or ``None``, and
+        ``fit`` does the rest (the scheduler's step included).
         """
         if self.closure_step:  # LBFGS & co.: the optimizer runs forward, loss, backward
             evaluate = functools.partial(self.forward_backward, window, True)
@@ -474,8 +500,6 @@ class Trainer:
             window_loss = self.forward_backward(window)  # forward, loss, backward
             if not self.step(self.optimizer, window_loss, len(window)):
                 return None  # skipped: nothing learned
-        if self.scheduler is not None and self.scheduler_interval == "step":
-            self.scheduler.step()  # once per optimizer step, never for a skipped one
         return window_loss
 
     def forward_backward(self, window: Window, zero_grad: bool = False) -> torch.Tensor:

@@ -262,3 +262,57 @@ def check_closure_step(
 def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every parameter ``optimizer`` updates, in its groups' order."""
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class Optimizers(dict[str, torch.optim.Optimizer]):
+    """Several optimizers by name (a GAN's generator and discriminator, or one per parameter
+    group): one object the loop steps, zeroes and checkpoints like an optimizer.
+
+    ``step()`` steps each in turn (the default ``train_step``: one loss, several optimizers);
+    a ``train_step`` that steps them separately uses ``self.optimizer["g"]``.
+    ``param_groups`` is every optimizer's groups in order (the first is the logged ``lr``).
+    """
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [group for optimizer in self.values() for group in optimizer.param_groups]
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return {name: optimizer.defaults for name, optimizer in self.items()}
+
+    @property
+    def state(self) -> dict[Any, Any]:  # (what has stepped: FSDP refuses a stepped optimizer)
+        return {key: value for optimizer in self.values() for key, value in optimizer.state.items()}
+
+    def step(self) -> None:
+        for optimizer in self.values():
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.values():
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: optimizer.state_dict() for name, optimizer in self.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, optimizer in self.items():
+            optimizer.load_state_dict(state[name])
+
+
+class Schedulers(dict[str, Any]):
+    """Several learning-rate schedulers by name (one per optimizer of :class:`Optimizers`),
+    stepped together; ``ReduceLROnPlateau`` ones get the monitored value."""
+
+    def step(self, metric: float | None = None) -> None:
+        for scheduler in self.values():
+            plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+            scheduler.step(metric) if plateau else scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: scheduler.state_dict() for name, scheduler in self.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, scheduler in self.items():
+            scheduler.load_state_dict(state[name])

@@ -16,7 +16,9 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import glassloop.fsdp as fsdp
 from glassloop.distributed import World, check_strategy, unwrap_model, wrap
+from glassloop.errors import ConfigError
 from glassloop.fsdp import ShardedState
+from glassloop.optimizers import Optimizers
 
 
 def prepare_model(
@@ -44,6 +46,11 @@ def prepare_model(
     # FSDP2: parameters, gradients and optimizer state sharded; the optimizer is pointed at
     # the sharded parameters (glassloop.fsdp).
     fsdp.check_options(precision=precision, ema=ema, compile=compile is not None)
+    if isinstance(optimizer, Optimizers):
+        raise ConfigError(
+            "config: train.strategy = 'fsdp' takes one optimizer (its state is sharded with "
+            "the model's); several optimizers train with 'ddp'"
+        )
     if world.distributed:
         model = fsdp.shard_model(model, optimizer, world, device, precision)
     return model, ShardedState(model, optimizer)

@@ -3,12 +3,14 @@ epoch, samples seen, best) and :class:`EpochRecord` (what it has recorded so far
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from glassloop.distributed import World, all_reduce
+from glassloop.errors import GlassloopError
 from glassloop.rng import check_rng_state
 
 
@@ -57,6 +59,7 @@ class EpochRecord:
     epoch's ``train_loss`` is exact."""
 
     def __init__(self) -> None:
+        self.names: list[str] = []  # a train_step's named losses (each step: total, then these)
         self.losses: list[torch.Tensor] = []
         self.weights: list[float] = []
         self.sizes: list[int] = []
@@ -70,6 +73,20 @@ class EpochRecord:
         self.sizes.append(samples)
         self.weights.append(float(samples if weight is None else weight))
 
+    def stack_named(self, losses: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """A train_step's named losses as one tensor: their total first (``"loss"``, else
+        their sum), then each in ``names`` order (the same names every step)."""
+        names = [name for name in losses if name != "loss"]
+        if self.names and names != self.names:
+            raise GlassloopError(
+                f"train_step returned the losses {names} after {self.names}: return the same "
+                "names every step"
+            )
+        self.names = names
+        values = [torch.as_tensor(losses[name]).detach().float() for name in names]
+        total = torch.as_tensor(losses["loss"]).detach().float() if "loss" in losses else None
+        return torch.stack([sum(values) if total is None else total, *values])  # type: ignore[list-item]
+
     def end_epoch(self, row: dict[str, Any]) -> None:
         self.history.append(row)
         self.losses, self.weights, self.sizes = [], [], []
@@ -80,25 +97,32 @@ class EpochRecord:
         if not self.losses:
             return None
         weights = torch.tensor(self.weights, dtype=torch.float64, device=self.losses[0].device)
-        return float(torch.stack(self.losses).to(torch.float64) @ weights / weights.sum())
+        totals = torch.stack([loss[0] if loss.ndim else loss for loss in self.losses])
+        return float(totals.to(torch.float64) @ weights / weights.sum())
 
-    def train_loss(self, world: World, device: torch.device) -> tuple[float, int]:
-        """The epoch's mean training loss over every process's samples, and their number
-        (NaN when every step of the epoch was skipped)."""
+    def train_loss(self, world: World, device: torch.device) -> tuple[dict[str, float], int]:
+        """The epoch's mean training loss over every process's samples (``train_loss``; NaN
+        when every step of the epoch was skipped) and each named loss's (``train_<name>``),
+        and the number of samples."""
+        keys = ["train_loss", *(f"train_{name}" for name in self.names)]
         if not self.losses:
-            return float("nan"), sum(self.sizes)
+            return {key: float("nan") for key in keys}, sum(self.sizes)
         weights = torch.tensor(self.weights, dtype=torch.float64, device=device)
-        sums = torch.stack([
-            torch.stack(self.losses).to(torch.float64) @ weights, weights.sum(),
-            torch.tensor(float(sum(self.sizes)), dtype=torch.float64, device=device),
+        means = torch.stack(self.losses).to(torch.float64).reshape(len(self.losses), -1)
+        sums = torch.cat([
+            weights @ means, weights.sum().reshape(1),
+            torch.tensor([float(sum(self.sizes))], dtype=torch.float64, device=device),
         ]).cpu()  # fmt: skip
         if world.distributed:  # the mean over every process's samples
             sums = all_reduce(sums)
-        return float(sums[0] / sums[1]), int(sums[2])
+        count = len(keys)
+        values = {key: float(sums[i] / sums[count]) for i, key in enumerate(keys)}
+        return values, int(sums[count + 1])
 
     def _steps(self) -> dict[str, Any]:
         return {
             "epoch_losses": torch.stack(self.losses).cpu() if self.losses else None,
+            **({"epoch_loss_names": list(self.names)} if self.names else {}),
             "epoch_sizes": list(self.sizes),
             "epoch_weights": list(self.weights),
         }
@@ -122,6 +146,7 @@ class EpochRecord:
             steps = per_rank[world.rank]
         losses = steps["epoch_losses"]
         self.losses = list(losses.to(device).unbind()) if losses is not None else []
+        self.names = [str(name) for name in steps.get("epoch_loss_names", [])]
         self.sizes = [int(n) for n in steps["epoch_sizes"]]
         # (checkpoints written before weights were kept: each step weighed its samples)
         self.weights = [float(w) for w in steps.get("epoch_weights", self.sizes)]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from glassloop import ConfigError, Trainer
+from glassloop import Callback, ConfigError, Trainer
 from glassloop.checkpointer import CheckpointConfig
 
 
@@ -108,3 +108,132 @@ def test_what_a_closure_optimizer_does_not_support_is_one_line(
     model, optimizer = lbfgs_model()
     with pytest.raises(ConfigError, match=f"closure .LBFGS. does not support {refused}"):
         Trainer(model, optimizer, nn.MSELoss(), device="cpu", progress="none", **options)
+
+
+# ------------------------------------------------------------------------ a GAN (DCGAN's loop)
+def gan() -> tuple[nn.ModuleDict, dict[str, torch.optim.Optimizer]]:
+    torch.manual_seed(0)
+    nets = nn.ModuleDict({
+        "g": nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8)),
+        "d": nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1)),
+    })  # fmt: skip
+    optimizers = {
+        "g": torch.optim.Adam(nets["g"].parameters(), lr=2e-3, betas=(0.5, 0.999)),
+        "d": torch.optim.Adam(nets["d"].parameters(), lr=2e-3, betas=(0.5, 0.999)),
+    }
+    return nets, optimizers
+
+
+def real_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    real = torch.randn(96, 8, generator=g) * 0.5 + 2.0
+    return [(x, torch.zeros(len(x))) for x in real.split(16)]  # (the label is unused)
+
+
+def gan_step(
+    nets: nn.ModuleDict, real: torch.Tensor, backward: Any, step_d: Any, step_g: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """pytorch/examples' DCGAN step: D on real and fake, then G through D."""
+    bce = nn.functional.binary_cross_entropy_with_logits
+    ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+    nets["d"].zero_grad()  # (G's step left gradients in D, as in the example)
+    fake = nets["g"](torch.randn(len(real), 4))
+    d_loss = bce(nets["d"](real), ones) + bce(nets["d"](fake.detach()), zeros)
+    backward(d_loss)
+    step_d(d_loss)
+    g_loss = bce(nets["d"](fake), ones)
+    backward(g_loss)
+    step_g(g_loss)
+    return d_loss.detach(), g_loss.detach()
+
+
+def hand_gan(epochs: int) -> tuple[nn.ModuleDict, list[tuple[float, float]]]:
+    nets, optimizers = gan()
+    schedulers = {k: torch.optim.lr_scheduler.StepLR(o, 4, 0.5) for k, o in optimizers.items()}
+    losses = []
+    for _ in range(epochs):
+        for real, _ in real_batches():
+
+            def step(name: str) -> Any:
+                def take(loss: torch.Tensor) -> None:
+                    optimizers[name].step()
+                    optimizers[name].zero_grad()
+
+                return take
+
+            d, g = gan_step(nets, real, lambda loss: loss.backward(), step("d"), step("g"))
+            for scheduler in schedulers.values():
+                scheduler.step()
+            losses.append((float(d), float(g)))
+    return nets, losses
+
+
+class GANTrainer(Trainer):
+    """The example's step in train_step, with the loop's own backward and step."""
+
+    def train_step(self, window: Any) -> dict[str, torch.Tensor]:
+        ((((real,), _), _),) = window
+        d, g = gan_step(
+            self.model, real, self.backward,
+            lambda loss: self.step(self.optimizer["d"], loss),
+            lambda loss: self.step(self.optimizer["g"], loss),
+        )  # fmt: skip
+        return {"d": d, "g": g}
+
+
+class StopAt(Exception):
+    pass
+
+
+def gan_trainer(run_dir: Path | None, stop_at: int = 0) -> tuple[GANTrainer, nn.ModuleDict]:
+    nets, optimizers = gan()
+    schedulers = {k: torch.optim.lr_scheduler.StepLR(o, 4, 0.5) for k, o in optimizers.items()}
+
+    class Stop(Callback):
+        def on_step_end(self, trainer: Any, step: int, loss: torch.Tensor) -> None:
+            if step == stop_at:
+                raise StopAt  # a crash mid-epoch, after the step-3 checkpoint
+
+    trainer = GANTrainer(
+        nets, optimizers, None, task="custom", scheduler=schedulers, scheduler_interval="step",
+        device="cpu", progress="none", run_dir=run_dir, callbacks=[Stop()] if stop_at else [],
+        checkpoint=CheckpointConfig(every_n_steps=3, every_n_epochs=0),
+    )  # fmt: skip
+    return trainer, nets
+
+
+def test_a_gan_trains_as_its_hand_loop_and_reports_each_loss() -> None:
+    expected, hand_losses = hand_gan(epochs=2)
+    trainer, nets = gan_trainer(None)
+    history = trainer.fit(real_batches(), epochs=2)
+    for ours, theirs in zip(
+        nets.state_dict().values(), expected.state_dict().values(), strict=True
+    ):
+        assert torch.equal(ours, theirs)
+    steps = len(real_batches())
+    for epoch, row in enumerate(history):
+        part = hand_losses[epoch * steps : (epoch + 1) * steps]
+        assert row["train_d"] == pytest.approx(sum(d for d, _ in part) / steps, rel=1e-6)
+        assert row["train_g"] == pytest.approx(sum(g for _, g in part) / steps, rel=1e-6)
+        assert row["train_loss"] == pytest.approx(row["train_d"] + row["train_g"], rel=1e-6)
+    assert history[-1]["lr"] == pytest.approx(2e-3 * 0.5**3)  # 12 steps of StepLR(4, 0.5)
+
+
+def test_a_gan_killed_mid_epoch_resumes_exactly(tmp_path: Path) -> None:
+    expected, _ = hand_gan(epochs=2)
+    straight, _ = gan_trainer(None)
+    rows = straight.fit(real_batches(), epochs=2)
+    crashed, _ = gan_trainer(tmp_path / "run", stop_at=5)
+    with pytest.raises(StopAt):
+        crashed.fit(real_batches(), epochs=2)
+    torch.manual_seed(1234)  # a new process: its RNG is anything until the checkpoint's
+    again, nets = gan_trainer(tmp_path / "run")
+    resumed = again.fit(real_batches(), epochs=2, resume="auto")
+    for ours, theirs in zip(
+        nets.state_dict().values(), expected.state_dict().values(), strict=True
+    ):
+        assert torch.equal(ours, theirs)
+    assert resumed == [
+        {**row, "seconds": r["seconds"], "samples_per_s": r["samples_per_s"]}
+        for row, r in zip(rows, resumed, strict=True)
+    ]
