@@ -31,6 +31,8 @@ EXPECTED = {  # what each example must print: it ran, and it learned
     "A model that computes its own loss (Hugging Face style)": "val accuracy",
     "Several heads, your own metrics, step hooks": "val_size_mae",
     "A step that keeps state: truncated BPTT with a carried hidden state": "carried state resumed exactly: True",
+    "An optimizer that takes a closure (LBFGS)": "train_loss",
+    "Several models and optimizers: a GAN": "generated mean",
     "Finding a learning rate": "suggested lr",
     "Saving and reloading a model built in Python": "True",
 }
