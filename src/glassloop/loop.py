@@ -76,6 +76,8 @@ from glassloop.tasks import model_loss, reduction_of, resolve_task, takes_probab
 from glassloop.tracking import TrackingConfig
 from glassloop.validation import check_trainer_options
 
+# What fit validates on: one loader, or several by name ({"in": a, "ood": b}).
+Validation = Iterable[Any] | Mapping[str, Iterable[Any]]
 # What a train_step returns: the step's loss, named losses, or None (skipped).
 StepLoss = torch.Tensor | Mapping[str, torch.Tensor] | None
 
@@ -259,20 +261,22 @@ class Trainer:
         self.should_stop = False  # callbacks set it to end the run after this epoch
         self._signals = StopSignals()
         self._train_loader: Iterable[Any] = ()
-        self._val_loader: Iterable[Any] | None = None
+        self._val_loader: Validation | None = None
         self._checked_first_batch = False
         self._label_shift: int | None = None  # tokens a model's own loss counts: from t+shift
         self._failure: str | None = None  # the error a failed fit ended with, for run.json
 
     # ------------------------------------------------------------------------------ the loop
     def fit(
-        self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None = None, *,
+        self, train_loader: Iterable[Any], val_loader: Validation | None = None, *,
         epochs: int, resume: str | Path | None = None, allow_config_change: bool = False,
     ) -> list[dict[str, Any]]:  # fmt: skip
         """Train until ``epochs`` epochs are done; return the history, one dict per epoch.
 
         ``train_loader`` is any iterable of batches (a ``DataLoader``, a list, ...) and is
-        iterated exactly as given. ``resume="auto"`` continues from the newest valid
+        iterated exactly as given. ``val_loader``: one, or several by name
+        (``{"in": a, "ood": b}``: each set's numbers as ``val_<name>_*``, the first's also
+        as ``val_*``; any of them can be monitored). ``resume="auto"`` continues from the newest valid
         checkpoint in ``run_dir`` (or starts fresh if there is none); a path resumes from that
         checkpoint. Resume is exact for glassloop's loaders (their position is a state_dict),
         for a ``DataLoader`` and for lists (the epoch's RNG is replayed); see the README.
@@ -301,7 +305,7 @@ class Trainer:
         return self.history
 
     def _train(
-        self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
+        self, train_loader: Iterable[Any], val_loader: Validation | None, epochs: int
     ) -> None:
         """The epochs, between opening and closing the run directory's files."""
         if self.precision_note:  # (fp16 on a CPU)
@@ -324,8 +328,13 @@ class Trainer:
                 self.save_checkpoint(finished=True)  # always at the end
             status = "finished"
             if self.task == "regression" and val_loader is not None and self.run_dir:
+                first = (
+                    next(iter(val_loader.values()))
+                    if isinstance(val_loader, Mapping)
+                    else val_loader
+                )
                 pairs = gathered_outputs(  # (every process: its shard)
-                    self.eval_model, val_loader, self.device, self.precision, self.world
+                    self.eval_model, first, self.device, self.precision, self.world
                 )
         except (KeyboardInterrupt, Preempted):
             status = "interrupted"
@@ -343,7 +352,7 @@ class Trainer:
         self.console.info(end_summary(self, time.perf_counter() - start, report))
 
     def _run_epoch(
-        self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
+        self, train_loader: Iterable[Any], val_loader: Validation | None, epochs: int
     ) -> dict[str, Any]:
         state = self.state
         epoch = state.epoch + 1
@@ -389,8 +398,7 @@ class Trainer:
         losses, epoch_samples = self.record.train_loss(self.world, self.device)
         row.update(losses)  # train_loss (and a train_step's named losses: train_<name>)
         if val_loader is not None:
-            self.last_eval = self._validate(val_loader)
-            row.update({f"val_{k}": v for k, v in self.last_eval.items() if is_number(v)})
+            row.update(self._validation_row(val_loader))
         row["lr"] = self.optimizer.param_groups[0]["lr"]
         if self.scheduler is not None and self.scheduler_interval == "epoch":
             if isinstance(self.scheduler, (ReduceLROnPlateau, Schedulers)):
@@ -733,6 +741,22 @@ class Trainer:
                 ignore_index=self.ignore_index, metrics=self.metrics,
             )  # fmt: skip
 
+    def _validation_row(self, loader: Validation) -> dict[str, Any]:
+        """The ``val_*`` numbers of a validation: of the one set, or of each named set as
+        ``val_<name>_*``, the first set's also as ``val_*`` (what a monitor, the plateau
+        scheduler and the report refer to unless told otherwise)."""
+        sets = dict(loader) if isinstance(loader, Mapping) else {"": loader}
+        row: dict[str, Any] = {}
+        for i, (name, each) in enumerate(sets.items()):
+            metrics = self._validate(each)
+            numbers = {k: v for k, v in metrics.items() if is_number(v)}
+            if i == 0:
+                self.last_eval = metrics  # (the report's)
+                row.update({f"val_{k}": v for k, v in numbers.items()})
+            if name:
+                row.update({f"val_{name}_{k}": v for k, v in numbers.items()})
+        return row
+
     def _validate(self, loader: Iterable[Any]) -> dict[str, Any]:
         """:meth:`evaluate` between the validation hooks of the callbacks."""
         for callback in self.callbacks:
@@ -749,9 +773,8 @@ class Trainer:
     def _validate_now(self) -> None:
         """Validation inside an epoch (``validate_every_n_steps``): a ``"kind": "val"`` row."""
         assert self._val_loader is not None
-        self.last_eval = self._validate(self._val_loader)
         row = {"kind": "val", "epoch": self.state.epoch + 1, "step": self.state.step}
-        row.update({f"val_{k}": v for k, v in self.last_eval.items() if is_number(v)})
+        row.update(self._validation_row(self._val_loader))
         self.run_log.write(row)
         self.console.validation_row(row)
 

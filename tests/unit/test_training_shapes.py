@@ -3,6 +3,9 @@ user would write by hand, and resumed exactly.
 
 - An optimizer whose ``step`` takes a closure (LBFGS, as pytorch/examples'
   time-sequence prediction uses it) through the default ``train_step``.
+- Several models and optimizers (pytorch/examples' DCGAN step) with the loop's own
+  ``backward``/``step``, named losses reported, killed mid-epoch and resumed.
+- Several validation sets by name, each equal to ``evaluate`` on it, monitorable.
 """
 
 from __future__ import annotations
@@ -237,3 +240,42 @@ def test_a_gan_killed_mid_epoch_resumes_exactly(tmp_path: Path) -> None:
         {**row, "seconds": r["seconds"], "samples_per_s": r["samples_per_s"]}
         for row, r in zip(rows, resumed, strict=True)
     ]
+
+
+# ------------------------------------------------------------------- several validation sets
+def test_several_validation_sets_each_equal_evaluate_and_monitorable(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(160, 6), torch.randint(0, 3, (160,))
+    train = list(zip(x[:96].split(32), y[:96].split(32), strict=True))
+    near = list(zip(x[96:128].split(16), y[96:128].split(16), strict=True))
+    far = [(a * 4 + 3, b) for a, b in zip(x[128:].split(16), y[128:].split(16), strict=True)]
+    model = nn.Linear(6, 3)
+
+    rows: list[dict[str, Any]] = []
+
+    class Seen(Callback):
+        def on_epoch_end(self, trainer: Any, row: dict[str, Any]) -> None:
+            sets = {"near": near, "far": far}
+            # Each set's numbers equal evaluate() on it, at the same weights.
+            for name, loader in sets.items():
+                expected = trainer.evaluate(loader)
+                for key in ("loss", "accuracy"):
+                    assert row[f"val_{name}_{key}"] == expected[key]
+            rows.append(dict(row))
+
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), nn.CrossEntropyLoss(), device="cpu",
+        progress="none", run_dir=tmp_path / "run", callbacks=[Seen()],
+        checkpoint=CheckpointConfig(monitor="val_far_loss"),
+    )  # fmt: skip
+    history = trainer.fit(train, {"near": near, "far": far}, epochs=3)
+    assert len(rows) == 3
+    for row in history:
+        # The first set's numbers are also the plain val_* (what defaults refer to).
+        assert row["val_loss"] == row["val_near_loss"]
+        assert row["val_accuracy"] == row["val_near_accuracy"]
+    best = min(history, key=lambda row: row["val_far_loss"])
+    meta = (tmp_path / "run" / "best" / "meta.json").read_text()
+    assert f'"step": {best["step"]}' in meta
+    metrics = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0]
+    assert "val_far_loss" in metrics and "val_near_accuracy" in metrics
