@@ -33,6 +33,7 @@ EXPECTED = {  # what each example must print: it ran, and it learned
     "A step that keeps state: truncated BPTT with a carried hidden state": "carried state resumed exactly: True",
     "An optimizer that takes a closure (LBFGS)": "train_loss",
     "Several models and optimizers: a GAN": "generated mean",
+    "Several validation sets": "shifted",
     "Finding a learning rate": "suggested lr",
     "Saving and reloading a model built in Python": "True",
 }
