@@ -239,7 +239,7 @@ def trainer_options(cfg: Config) -> dict[str, Any]:
         "ema_decay": t.ema_decay or None, "strategy": t.strategy,
         "compile": {"mode": t.compile_mode, "dynamic": t.compile_dynamic} if t.compile else False,
         "tensorboard": t.tensorboard, "tracking": cfg.tracking, "checkpoint": cfg.checkpoint,
-        "scheduler_interval": cfg.scheduler.interval,
+        "scheduler_interval": cfg.scheduler.interval, "deterministic": t.deterministic,
     }  # fmt: skip
 
 

@@ -11,7 +11,8 @@ Sections and keys (every key has a default; see the README's config reference)::
     [train]      epochs, seed, device, log_every, progress, precision, grad_accum_steps,
                  loss_weighting, ignore_index, clip_grad_norm, clip_grad_value, nonfinite,
                  max_nonfinite_skips, ema_decay, compile, strategy, dist_timeout_s,
-                 tensorboard, task, metrics, validate_every_n_steps, limit_batches
+                 tensorboard, task, metrics, validate_every_n_steps, limit_batches,
+                 deterministic
     [checkpoint] every_n_steps, every_n_epochs, keep_last, monitor, mode
     [early_stopping] monitor, patience, min_delta, mode
     [tracking]   backend, uri, experiment, run_name, tags
@@ -83,6 +84,7 @@ class TrainConfig:
     metrics: list[str] = field(default_factory=list)  # by name, e.g. ["top5_accuracy", "auroc"]
     validate_every_n_steps: int = 0  # 0: validate at epoch ends only
     limit_batches: int = 0  # 0: all; N: at most N training and N validation batches an epoch
+    deterministic: bool | str = False  # true: torch's deterministic algorithms; "warn": warn only
 
 
 @dataclass
@@ -148,6 +150,7 @@ CHOICES: dict[tuple[str, str], tuple[Any, ...]] = {
     ("early_stopping", "mode"): ("auto", "min", "max"),
     ("tracking", "backend"): ("", "mlflow", "wandb"),
     ("train", "nonfinite"): ("raise", "strict", "skip"),
+    ("train", "deterministic"): (False, True, "warn"),
     ("train", "compile_mode"): (
         "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs",
     ),

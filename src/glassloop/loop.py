@@ -67,7 +67,7 @@ from glassloop.preemption import STOP_SIGNALS, Preempted, StopSignals
 from glassloop.provenance import environment
 from glassloop.redaction import redacted
 from glassloop.replaced import fold_replaced
-from glassloop.rng import capture_loader_rng, replay_epoch, seed_everything
+from glassloop.rng import capture_loader_rng, replay_epoch, seed_everything, use_deterministic
 from glassloop.run_log import RunInfo, RunLog, python_config
 from glassloop.sinks import ProgressReporter
 from glassloop.state import EpochRecord, TrainState, step_loss
@@ -138,7 +138,9 @@ class Trainer:
       ``limit_batches`` (at most this many batches per epoch: a quick run through
       everything); ``seed`` seeds python/numpy/torch here, after the model was built (call
       :func:`glassloop.seed_everything` before building it for reproducible initial
-      weights); ``callbacks`` (:mod:`glassloop.callbacks`).
+      weights); ``deterministic``: ``True`` for torch's deterministic algorithms (and cuDNN's,
+      cuBLAS's workspace), ``"warn"`` to only warn where an operation has none
+      (process-wide; recorded in run.json); ``callbacks`` (:mod:`glassloop.callbacks`).
     - Where: ``device`` "auto" (CUDA, MPS, CPU) or a device; ``world``: the job's processes
       (default: torchrun's environment); ``strategy`` "auto"/"ddp" or "fsdp" (FSDP2).
     - The run directory: ``run_dir`` (``None``: nothing written); ``checkpoint``: when to
@@ -167,7 +169,7 @@ class Trainer:
         scheduler: Any = None, scheduler_interval: str = "epoch",  # (or a dict of them)
         # the epoch
         validate_every_n_steps: int = 0, limit_batches: int = 0, seed: int | None = None,
-        callbacks: Sequence[Callback] = (),
+        deterministic: bool | str = False, callbacks: Sequence[Callback] = (),
         # where it runs
         device: str | torch.device = "auto", world: World | None = None, strategy: str = "auto",
         # the run directory
@@ -199,6 +201,7 @@ class Trainer:
         self.limit_batches = limit_batches
         if seed is not None:
             seed_everything(seed)
+        self.deterministic = use_deterministic(deterministic)  # "on", "warn" or "off"
         # Several processes (torchrun): join their process group (a no-op in one process),
         # this process's rank, and its own device.
         resolved = resolve_device(device)
@@ -276,10 +279,11 @@ class Trainer:
         ``train_loader`` is any iterable of batches (a ``DataLoader``, a list, ...) and is
         iterated exactly as given. ``val_loader``: one, or several by name
         (``{"in": a, "ood": b}``: each set's numbers as ``val_<name>_*``, the first's also
-        as ``val_*``; any of them can be monitored). ``resume="auto"`` continues from the newest valid
-        checkpoint in ``run_dir`` (or starts fresh if there is none); a path resumes from that
-        checkpoint. Resume is exact for glassloop's loaders (their position is a state_dict),
-        for a ``DataLoader`` and for lists (the epoch's RNG is replayed); see the README.
+        as ``val_*``; any of them can be monitored). ``resume="auto"`` continues from the
+        newest valid checkpoint in ``run_dir`` (or starts fresh if there is none); a path
+        resumes from that checkpoint. Resume is exact for glassloop's loaders (their position
+        is a state_dict), for a ``DataLoader`` and for lists (the epoch's RNG is replayed);
+        see the README.
         SIGTERM/SIGINT stop after the current step with a checkpoint and raise
         :class:`glassloop.Preempted`.
         """
@@ -291,7 +295,8 @@ class Trainer:
         # The config a resume compares (without a config file: the Trainer's arguments), the
         # versions and git SHA (a git subprocess: only worth it when something is written).
         self.info.config = self.config or python_config(self)
-        self.info.versions = environment() if self.run_dir is not None else {}
+        if self.run_dir is not None:
+            self.info.versions = {**environment(), "deterministic": self.deterministic}
         with self.run_log.hold():  # the run directory's lock, for the whole fit
             barrier()  # nobody reads the run dir while rank 0 tidies it
             if resume is not None:

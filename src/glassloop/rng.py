@@ -1,8 +1,10 @@
-"""Seeding, and capture/restore of the python, numpy and torch (CPU and CUDA) RNG states."""
+"""Seeding, deterministic algorithms, and capture/restore of the python, numpy and torch
+(CPU and CUDA) RNG states."""
 
 from __future__ import annotations
 
 import itertools
+import os
 import random
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -10,6 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
+
+from glassloop.errors import ConfigError
 
 
 def seed_everything(seed: int) -> None:
@@ -24,6 +28,26 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def use_deterministic(mode: bool | str) -> str:
+    """``True``: torch's deterministic algorithms (an operation without one raises), cuDNN's
+    deterministic kernels without benchmarking, and cuBLAS's fixed workspace
+    (``CUBLAS_WORKSPACE_CONFIG=:4096:8``, unless set; it must be set before CUDA starts);
+    ``"warn"``: the same, an operation without a deterministic kernel only warns; ``False``:
+    nothing changes. Process-wide settings, as torch's own. What was set ("on", "warn",
+    "off"), recorded in run.json."""
+    if mode not in (True, False, "warn"):
+        raise ConfigError(
+            f"config: train.deterministic must be true, false or 'warn', got {mode!r}"
+        )
+    if mode is False:
+        return "off"
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=mode == "warn")
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    return "warn" if mode == "warn" else "on"
 
 
 def capture_rng_state(loader: Any = None) -> dict[str, Any]:
@@ -94,13 +118,15 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
 
 def capture_loader_rng(loader: Any) -> dict[str, Any]:
     """Every RNG an epoch of ``loader`` may draw its order from: the global ones and the
-    loader's own generators.
+        loader's own generators.
 
-    >>> from torch.utils.data import DataLoader
-    >>> loader = DataLoader(list(range(8)), batch_size=4, shuffle=True)
-    >>> saved = capture_loader_rng(loader); first = [b.tolist() for b in loader]
-    >>> restore_loader_rng(loader, saved); [b.tolist() for b in loader] == first
-    True
+        >>> from torch.utils.data import DataLoader
+
+    from glassloop.errors import ConfigError
+        >>> loader = DataLoader(list(range(8)), batch_size=4, shuffle=True)
+        >>> saved = capture_loader_rng(loader); first = [b.tolist() for b in loader]
+        >>> restore_loader_rng(loader, saved); [b.tolist() for b in loader] == first
+        True
     """
     return {
         "global": capture_rng_state(),
@@ -119,16 +145,18 @@ def replay_epoch(
     loader: Iterable[Any], epoch_rng: dict[str, Any] | None, num_batches: int
 ) -> Iterator[Any]:
     """Continue a loader without ``state_dict`` inside an epoch: with the RNG it drew the
-    epoch's order from put back (``epoch_rng``, from :func:`capture_loader_rng` at the
-    epoch's start: a ``DataLoader`` draws its shuffle and worker seeds from it), load and
-    drop the ``num_batches`` already trained on, then put back the RNG as it was. Exact for a
-    ``DataLoader`` and for any loader whose order depends on nothing else.
+        epoch's order from put back (``epoch_rng``, from :func:`capture_loader_rng` at the
+        epoch's start: a ``DataLoader`` draws its shuffle and worker seeds from it), load and
+        drop the ``num_batches`` already trained on, then put back the RNG as it was. Exact for a
+        ``DataLoader`` and for any loader whose order depends on nothing else.
 
-    >>> from torch.utils.data import DataLoader
-    >>> loader = DataLoader(list(range(8)), batch_size=2, shuffle=True)
-    >>> start = capture_loader_rng(loader); epoch = [b.tolist() for b in loader]
-    >>> [b.tolist() for b in replay_epoch(loader, start, 3)] == epoch[3:]
-    True
+        >>> from torch.utils.data import DataLoader
+
+    from glassloop.errors import ConfigError
+        >>> loader = DataLoader(list(range(8)), batch_size=2, shuffle=True)
+        >>> start = capture_loader_rng(loader); epoch = [b.tolist() for b in loader]
+        >>> [b.tolist() for b in replay_epoch(loader, start, 3)] == epoch[3:]
+        True
     """
     now = capture_loader_rng(loader)
     if epoch_rng is not None:
