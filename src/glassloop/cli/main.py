@@ -4,6 +4,7 @@ Exit codes: 0 success (also: resuming a run that already finished); 1 an unexpec
 (a bug: traceback printed); 2 a usage, config, data, model or checkpoint error (one line on
 stderr); 3 a checkpoint could not be written (disk full, quota; earlier checkpoints intact);
 4 training diverged (a NaN/inf loss with train.nonfinite = "raise", or too many skips);
+5 verify-resume found the killed and resumed run ending elsewhere than the straight one;
 128 + N stopped by signal N after saving a checkpoint (143 SIGTERM, 130 SIGINT/Ctrl-C).
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_WRITE_FAILED, EXIT_DIVERGED = 0, 1, 2, 3, 4
+EXIT_NOT_EXACT = 5  # verify-resume: the killed and resumed run ended elsewhere
 EXIT_INTERRUPTED = 130
 # Set by --nproc for its workers: where each records its exit code (see launch_torchrun).
 EXIT_DIR = "GLASSLOOP_EXIT_DIR"
@@ -136,10 +138,37 @@ def make_parser() -> Parser:
         help="at most N training and N validation batches per epoch (train.limit_batches)",
     )
     train.add_argument(
+        "--kill-at-step",
+        type=positive_int,
+        metavar="K",
+        help="SIGKILL this process right after optimizer step K, as a power cut would (what "
+        "verify-resume does; resume it with --resume)",
+    )
+    train.add_argument(
         "--allow-config-change",
         action="store_true",
         help="resume even though the config differs from the checkpoint's in keys that "
         "change the result (lr, batch size, shapes, ...)",
+    )
+
+    verify = commands.add_parser(
+        "verify-resume",
+        help="prove exact resume here: train straight, and killed at step K then resumed; compare",
+        description="Train the config twice in a temporary directory: straight through, and "
+        "killed with SIGKILL right after step K, then resumed in a new process. Print the "
+        "SHA-256 of the final weights, optimizer state, other state, RNG and every reported "
+        "number of both; exit 0 only when all are identical (5 otherwise).",
+    )
+    verify.add_argument(
+        "config", nargs="?", metavar="CONFIG", help="TOML config file (default: built-in demo)"
+    )
+    add_set_option(verify, "override a config key (repeatable), as for train")
+    verify.add_argument(
+        "--kill-at", type=positive_int, required=True, metavar="K",
+        help="the optimizer step after which the second run is killed",
+    )  # fmt: skip
+    verify.add_argument(
+        "--keep", metavar="DIR", help="keep both runs in DIR (default: a temporary directory)"
     )
 
     evaluate = commands.add_parser(
@@ -278,6 +307,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not args.run_dir and "WORLD_SIZE" in os.environ:
         raise GlassloopError("with several processes, pass --run-dir: every process must agree")
     run = build(cfg, run_dir=run_dir)
+    if args.kill_at_step:
+        from glassloop.verify_resume import KillAfterStep
+
+        run.trainer.callbacks.append(KillAfterStep(args.kill_at_step))
     try:
         history = run.trainer.fit(
             run.train_loader,
@@ -294,6 +327,46 @@ def cmd_train(args: argparse.Namespace) -> int:
     if "val_accuracy" in last:  # the demo's last line (the README quotes it)
         print(f"final validation accuracy: {100 * last['val_accuracy']:.2f}%")
     return EXIT_OK
+
+
+def cmd_verify_resume(args: argparse.Namespace) -> int:
+    from glassloop.errors import GlassloopError
+    from glassloop.verify_resume import fingerprints
+
+    sets = [f"--set={item}" for item in args.overrides]
+    config = [args.config] if args.config else []
+    with tempfile.TemporaryDirectory(prefix="glassloop-verify-") as tmp:
+        where = Path(args.keep) if args.keep else Path(tmp)
+        straight, killed = where / "straight", where / "killed"
+        train = [sys.executable, "-m", "glassloop", "train", *config, *sets]
+        runs = [
+            ("straight through", [*train, "--run-dir", str(straight)]),
+            (f"killed after step {args.kill_at}",
+             [*train, "--run-dir", str(killed), "--kill-at-step", str(args.kill_at)]),
+            ("resumed", [*train, "--run-dir", str(killed), "--resume"]),
+        ]  # fmt: skip
+        for name, command in runs:
+            print(f"verify-resume: {name} ...", flush=True)
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            expected = -signal.SIGKILL if name.startswith("killed") else 0
+            if done.returncode != expected:
+                if expected and done.returncode == 0:
+                    raise GlassloopError(
+                        f"verify-resume: the run ended before step {args.kill_at}; choose a "
+                        "smaller --kill-at"
+                    )
+                tail = "\n".join(done.stderr.strip().splitlines()[-3:])
+                raise GlassloopError(f"verify-resume: the {name} run failed:\n{tail}")
+        ours, theirs = fingerprints(straight), fingerprints(killed)
+    width = max(len(name) for name in ours)
+    print(f"{'':<{width}}  {'straight through':<16}  {'killed and resumed':<18}")
+    for name in ours:
+        same = ours[name] == theirs[name]
+        verdict = "identical" if same else "DIFFERENT"
+        print(f"{name:<{width}}  {ours[name][:16]}  {theirs[name][:16]}    {verdict}")
+    exact = ours == theirs
+    print("resume is exact" if exact else "resume is NOT exact: see the rows marked DIFFERENT")
+    return EXIT_OK if exact else EXIT_NOT_EXACT
 
 
 def launch_torchrun(nproc: int) -> int:
@@ -584,6 +657,7 @@ def run_command(argv: Sequence[str] | None = None) -> int:
     commands = {
         "train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "export": cmd_export,
         "runs": cmd_runs, "doctor": cmd_doctor, "report": cmd_report, "config": cmd_config,
+        "verify-resume": cmd_verify_resume,
     }  # fmt: skip
     try:
         return commands[args.command](args)
