@@ -390,7 +390,8 @@ def predict(
     :func:`glassloop.load_model` carries, else a softmax over two or more columns and a
     single column as it is.
 
-    ``data`` is a tensor of inputs (split into batches of ``batch_size``) or an iterable of
+    ``data`` is a tensor of inputs (split into batches of ``batch_size``), a tuple of such
+    tensors (the inputs of a model with several: ``predict((a, b))``), or an iterable of
     batches. A batch's target, if any, is dropped: a tuple with exactly as many elements as
     the model's ``forward`` requires is all inputs, a longer one ends with the target.
     Class probabilities are in the last dimension; for a model with torch's ``(N, C, T)``
@@ -405,9 +406,17 @@ def predict(
     # (FSDP: the processes' batch counts are evened out, which needs a len())
     if is_sharded(model) and not isinstance(data, (torch.Tensor, Sized)):
         raise DataError("data: with train.strategy = 'fsdp', predict needs a len()")
-    batches: Iterable[Any] = (
-        torch.split(data, batch_size) if isinstance(data, torch.Tensor) else data
-    )
+    batches: Iterable[Any] = data
+    if isinstance(data, torch.Tensor):
+        batches = torch.split(data, batch_size)
+    elif isinstance(data, tuple) and data and all(isinstance(t, torch.Tensor) for t in data):
+        # (a, b): the inputs of a model with several, one example per row of each
+        if len({len(t) for t in data}) != 1:
+            raise DataError(
+                f"data: predict((a, b, ...)) takes inputs of one length each (one example per "
+                f"row), got lengths {[len(t) for t in data]}; for one batch pass [(a, b)]"
+            )
+        batches = zip(*(t.split(batch_size) for t in data), strict=True)
     positional = required_inputs(model)
     was_training = model.training
     model.eval()

@@ -135,3 +135,23 @@ def test_the_report_equals_sklearn_to_the_last_bit_on_many_shapes() -> None:
         )
         for key, row in ours.items():
             assert row == {k: expected[key][k] for k in row}, (classes, key)
+
+
+def test_predict_takes_a_tuple_of_inputs_for_a_model_with_several() -> None:
+    """predict((a, b)) is a two-input dataset, one example per row (split into batches like
+    a tensor); inputs of different lengths are one line that says how to pass one batch."""
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 2), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+            return self.a(x) + self.b(z)
+
+    model = Two()
+    a, b = torch.randn(10, 3), torch.randn(10, 4)
+    probs = predict(model, (a, b), batch_size=4)
+    assert torch.allclose(probs, torch.softmax(model(a, b), dim=-1))
+    with pytest.raises(DataError, match=r"for one batch pass \[\(a, b\)\]"):
+        predict(model, (a, b[:5]))
