@@ -12,7 +12,7 @@ Sections and keys (every key has a default; see the README's config reference)::
                  loss_weighting, ignore_index, clip_grad_norm, clip_grad_value, nonfinite,
                  max_nonfinite_skips, ema_decay, compile, strategy, dist_timeout_s,
                  tensorboard, task, metrics, validate_every_n_steps, limit_batches,
-                 deterministic
+                 deterministic, activation_checkpointing
     [checkpoint] every_n_steps, every_n_epochs, keep_last, monitor, mode
     [early_stopping] monitor, patience, min_delta, mode
     [tracking]   backend, uri, experiment, run_name, tags
@@ -85,6 +85,7 @@ class TrainConfig:
     validate_every_n_steps: int = 0  # 0: validate at epoch ends only
     limit_batches: int = 0  # 0: all; N: at most N training and N validation batches an epoch
     deterministic: bool | str = False  # true: torch's deterministic algorithms; "warn": warn only
+    activation_checkpointing: list[str] = field(default_factory=list)  # module class names
 
 
 @dataclass

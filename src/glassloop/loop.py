@@ -132,8 +132,11 @@ class Trainer:
       "strict" (checked before every step) or "skip" (dropped), or a
       :class:`~glassloop.guards.NonFinitePolicy` (``max_skips`` in a row); ``ema_decay``: a
       moving average of the weights, evaluated and exported instead; ``compile``: ``True``
-      or ``torch.compile``'s ``{"mode", "dynamic"}``; ``scheduler`` (or several by name) steps
-      every ``scheduler_interval`` ("epoch" or "step"; ``ReduceLROnPlateau`` on val_loss).
+      or ``torch.compile``'s ``{"mode", "dynamic"}``; ``activation_checkpointing``: module
+      class names whose activations are recomputed in backward instead of kept (less memory,
+      bitwise the same weights: :func:`~glassloop.parallelize.checkpoint_activations`);
+      ``scheduler`` (or several by name) steps every ``scheduler_interval`` ("epoch" or
+      "step"; ``ReduceLROnPlateau`` on val_loss).
     - The epoch: ``validate_every_n_steps`` (also inside epochs: ``"kind": "val"`` rows);
       ``limit_batches`` (at most this many batches per epoch: a quick run through
       everything); ``seed`` seeds python/numpy/torch here, after the model was built (call
@@ -165,7 +168,7 @@ class Trainer:
         loss_reduction: str = "auto", ignore_index: int = -100,
         clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
         nonfinite: str | NonFinitePolicy = "raise", ema_decay: float | None = None,
-        compile: bool | Mapping[str, Any] = False,
+        compile: bool | Mapping[str, Any] = False, activation_checkpointing: Sequence[str] = (),
         scheduler: Any = None, scheduler_interval: str = "epoch",  # (or a dict of them)
         # the epoch
         validate_every_n_steps: int = 0, limit_batches: int = 0, seed: int | None = None,
@@ -213,7 +216,7 @@ class Trainer:
         # sharded: an FSDP run's weights and optimizer state, which checkpoints save.
         self.model, self.sharded = prepare_model(
             model, optimizer, self.world, self.device, strategy=strategy, precision=precision,
-            compile=compiled, ema=bool(ema_decay),
+            compile=compiled, ema=bool(ema_decay), checkpointed=activation_checkpointing,
         )  # fmt: skip
         self._parameters = list(self.model.parameters())
         self.optimizer = optimizer

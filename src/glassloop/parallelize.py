@@ -1,5 +1,6 @@
-"""How the model runs: ``torch.compile`` around the user's module, then DDP or FSDP2 around
-that when several processes train it (torchtitan's ``parallelize`` step, for one model).
+"""How the model runs: activation checkpointing inside the user's module, ``torch.compile``
+around it, then DDP or FSDP2 around that when several processes train it (torchtitan's
+``parallelize`` step, for one model).
 
 :func:`prepare_model` is what the Trainer does with a model before the first step;
 :func:`glassloop.distributed.unwrap_model` takes the wrappers off again.
@@ -7,12 +8,14 @@ that when several processes train it (torchtitan's ``parallelize`` step, for one
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.checkpoint import checkpoint
 
 import glassloop.fsdp as fsdp
 from glassloop.distributed import World, check_strategy, unwrap_model, wrap
@@ -24,6 +27,7 @@ from glassloop.optimizers import Optimizers
 def prepare_model(
     model: nn.Module, optimizer: torch.optim.Optimizer, world: World, device: torch.device, *,
     strategy: str, precision: str, compile: Mapping[str, Any] | None, ema: bool,
+    checkpointed: Sequence[str] = (),
 ) -> tuple[nn.Module, ShardedState | None]:  # fmt: skip
     """``model`` on ``device``, compiled when asked, under DDP or FSDP2 in a multi-process
     job; with ``strategy="fsdp"`` also the :class:`~glassloop.fsdp.ShardedState` (weights
@@ -31,6 +35,13 @@ def prepare_model(
     ``compile``: ``torch.compile``'s ``mode`` and ``dynamic`` (``None``: not compiled)."""
     check_strategy(strategy)  # (also when the world was given)
     model = model.to(device)
+    if checkpointed:
+        if strategy == "fsdp":
+            raise ConfigError(
+                "config: train.activation_checkpointing is not supported with train.strategy "
+                "= 'fsdp' yet; use 'ddp', or checkpoint the blocks yourself before sharding"
+            )
+        checkpoint_activations(model, checkpointed)
     # torch.compile wraps the module (state_dict keys gain "_orig_mod."); checkpoints store
     # the unwrapped keys, so they load with or without compile. dynamic=False: one static
     # graph per input shape. Dynamo's default ("automatic dynamic") switches to a dynamic
@@ -61,3 +72,30 @@ def averaged(model: nn.Module, decay: float) -> AveragedModel:
     ``AveragedModel``): what is evaluated and exported when ``ema_decay`` is set."""
     average = get_ema_multi_avg_fn(decay)  # type: ignore[no-untyped-call]
     return AveragedModel(unwrap_model(model), multi_avg_fn=average, use_buffers=True)
+
+
+def checkpoint_activations(model: nn.Module, class_names: Sequence[str]) -> list[str]:
+    """Recompute, during backward, the activations of every submodule whose class is named
+    in ``class_names`` (e.g. ``["TransformerBlock"]``) instead of keeping them from the
+    forward pass: less memory for one more forward of those modules. Each one's ``forward``
+    runs under ``torch.utils.checkpoint.checkpoint`` (non-reentrant; the RNG is replayed, so
+    dropout masks are the same): the gradients, and so the weights, are bitwise those
+    without it, and state_dict keys do not change. A name that matches no submodule is an
+    error naming the classes there are. Returns the checkpointed modules' names."""
+    classes = {type(module).__name__ for module in model.modules()}
+    unknown = sorted(set(class_names) - classes)
+    if unknown:
+        raise ConfigError(
+            f"config: train.activation_checkpointing names {unknown}, which are not module "
+            f"classes of this model (it has: {', '.join(sorted(classes))})"
+        )
+    done = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in class_names:
+            module.forward = functools.partial(_checkpointed, module.forward)
+            done.append(name)
+    return done
+
+
+def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
