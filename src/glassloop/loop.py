@@ -9,6 +9,7 @@ the loop itself, in the order it runs: ``fit`` → ``_train`` → ``_run_epoch``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import time
@@ -64,6 +65,7 @@ from glassloop.optimizers import (
 from glassloop.parallelize import averaged, prepare_model
 from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import STOP_SIGNALS, Preempted, StopSignals
+from glassloop.profiling import StepProfiler
 from glassloop.provenance import environment
 from glassloop.redaction import redacted
 from glassloop.replaced import fold_replaced
@@ -152,7 +154,9 @@ class Trainer:
       rebuilds the model from its weights (:class:`~glassloop.run_log.RunInfo`);
       ``tensorboard``; ``tracking``: MLflow or W&B (:class:`~glassloop.tracking.
       TrackingConfig`); ``progress`` "auto", "bar", "lines" or "none"; ``log_every``: a step
-      row (and the tutorial's loss line) every this many steps.
+      row (and the tutorial's loss line) every this many steps; ``profile``: a
+      ``torch.profiler`` trace of this many steps into ``RUN_DIR/profile/``, and the top
+      operators printed (:mod:`glassloop.profiling`).
 
     Replaced in 0.2, accepted with a deprecation warning until 0.3 (:mod:`glassloop.replaced`):
     ``max_nonfinite_skips``, ``compile_mode``, ``compile_dynamic``, ``config``, ``model_spec``.
@@ -179,6 +183,7 @@ class Trainer:
         run_dir: str | Path | None = None, checkpoint: CheckpointConfig | None = None,
         run_info: RunInfo | None = None, tensorboard: bool = False,
         tracking: TrackingConfig | None = None, progress: str = "auto", log_every: int = 100,
+        profile: int = 0,
         **replaced: Any,  # names replaced in 0.2 (glassloop.replaced), with a warning
     ) -> None:  # fmt: skip
         policy, compiled, run_info = fold_replaced(replaced, nonfinite, compile, run_info)
@@ -247,6 +252,8 @@ class Trainer:
         self.ema_decay = ema_decay or None
         self.ema = averaged(self.model, ema_decay) if ema_decay else None
         self.log_every = log_every
+        self.profile = profile  # steps to profile (0: none): glassloop.profiling
+        self.profiler: StepProfiler | None = None
         self.callbacks = list(callbacks)
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.checkpointer = Checkpointer(self.run_dir, checkpoint, world=self.world)
@@ -325,7 +332,7 @@ class Trainer:
         status = "failed"
         pairs = None  # a regression's validation outputs and targets, for the report
         try:
-            with StopSignals() as self._signals:
+            with StopSignals() as self._signals, self._profiling():
                 for callback in self.callbacks:
                     callback.on_fit_start(self)
                 while self.state.epoch < epochs and not self.should_stop:
@@ -447,6 +454,8 @@ class Trainer:
             # of the step's samples.
             self.record.add_step(loss, local, window.samples / self.world.size)
             state.step += 1
+            if self.profiler is not None:
+                self.profiler.step()
             total = loss[0] if loss.ndim else loss
             if (len(self.record.losses) - 1) % self.log_every == 0:  # the tutorial's "% 100"
                 self._log_step(total)
@@ -647,6 +656,13 @@ class Trainer:
         if signum:
             path = self.save_checkpoint()
             raise Preempted(signum, self.state.step, str(path) if path is not None else None)
+
+    def _profiling(self) -> contextlib.AbstractContextManager[Any]:
+        """The profiler of ``profile`` steps (rank 0's), or nothing."""
+        if not self.profile or not self.world.is_main:
+            return contextlib.nullcontext()
+        self.profiler = StepProfiler(self.profile, self.run_dir, self.console.message)
+        return self.profiler
 
     # ---------------------------------------------------------------- hooks of the step
     def own_label_shift(self, inputs: Inputs, target: Any) -> int:

@@ -340,3 +340,24 @@ def test_an_activation_checkpointing_name_that_matches_nothing_is_one_line() -> 
             model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
             device="cpu", progress="none", activation_checkpointing=["TransformerBlock"],
         )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------- profiling
+def test_profile_writes_a_trace_of_n_steps_and_prints_the_top_operators(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    model = blocks_model()
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+        device="cpu", progress="none", run_dir=tmp_path / "run", profile=3,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g)
+    trainer.fit(list(zip(x.split(16), y.split(16), strict=True)), epochs=1)
+    trace = json.loads((tmp_path / "run" / "profile" / "trace.json").read_text())
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert "aten::addmm" in names  # the model's linear layers ran inside it
+    out = capsys.readouterr().out
+    assert "profile of 3 steps" in out and "Self CPU" in out

@@ -138,6 +138,13 @@ def make_parser() -> Parser:
         help="at most N training and N validation batches per epoch (train.limit_batches)",
     )
     train.add_argument(
+        "--profile",
+        type=positive_int,
+        metavar="N",
+        help="profile N optimizer steps (after one of warm-up) with torch.profiler: a trace in "
+        "RUN_DIR/profile/trace.json and the top 10 operators printed",
+    )
+    train.add_argument(
         "--kill-at-step",
         type=positive_int,
         metavar="K",
@@ -307,6 +314,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not args.run_dir and "WORLD_SIZE" in os.environ:
         raise GlassloopError("with several processes, pass --run-dir: every process must agree")
     run = build(cfg, run_dir=run_dir)
+    run.trainer.profile = args.profile or 0
     if args.kill_at_step:
         from glassloop.verify_resume import KillAfterStep
 
