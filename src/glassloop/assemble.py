@@ -240,7 +240,7 @@ def trainer_options(cfg: Config) -> dict[str, Any]:
         "compile": {"mode": t.compile_mode, "dynamic": t.compile_dynamic} if t.compile else False,
         "tensorboard": t.tensorboard, "tracking": cfg.tracking, "checkpoint": cfg.checkpoint,
         "scheduler_interval": cfg.scheduler.interval, "deterministic": t.deterministic,
-        "activation_checkpointing": t.activation_checkpointing,
+        "activation_checkpointing": t.activation_checkpointing, "loss_spike": t.loss_spike,
     }  # fmt: skip
 
 

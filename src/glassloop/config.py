@@ -10,7 +10,7 @@ Sections and keys (every key has a default; see the README's config reference)::
     [loss]       name, label_smoothing, pos_weight, delta, beta
     [train]      epochs, seed, device, log_every, progress, precision, grad_accum_steps,
                  loss_weighting, ignore_index, clip_grad_norm, clip_grad_value, nonfinite,
-                 max_nonfinite_skips, ema_decay, compile, strategy, dist_timeout_s,
+                 max_nonfinite_skips, loss_spike, ema_decay, compile, strategy, dist_timeout_s,
                  tensorboard, task, metrics, validate_every_n_steps, limit_batches,
                  deterministic, activation_checkpointing
     [checkpoint] every_n_steps, every_n_epochs, keep_last, monitor, mode
@@ -73,6 +73,7 @@ class TrainConfig:
     clip_grad_value: float = 0.0  # 0: off
     nonfinite: str = "raise"  # "strict": checked before each step; "skip": dropped
     max_nonfinite_skips: int = 10  # "skip": stop after this many in a row
+    loss_spike: float = 0.0  # 0: off; e.g. 10: stop at a loss 10x the median of the 20 before
     ema_decay: float = 0.0  # 0: off; e.g. 0.999: evaluate and export an EMA of the weights
     compile: bool = False  # torch.compile the model (checkpoints load with or without it)
     compile_mode: str = "default"  # torch.compile mode: "reduce-overhead", "max-autotune", ...

@@ -9,6 +9,7 @@ its step), or switches it off with an override that does nothing.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 import torch
@@ -22,6 +23,12 @@ from glassloop.fsdp import local
 from glassloop.precision import autocast
 from glassloop.state import TrainState
 from glassloop.tasks import LABEL_TASKS, class_scores, prediction_of
+
+SPIKE_WINDOW = 20  # the steps a loss spike is measured against (their median)
+
+
+class LossSpikeError(NonFiniteError):
+    """A finite loss far above the recent ones (``train.loss_spike``); exit code 4."""
 
 
 def check_first_batch(
@@ -107,9 +114,19 @@ class NonFiniteWatch:
     Face removed one: "hurt performance by like 2X" on TPU); ``"strict"`` keeps that check,
     for who wants a non-finite step never taken."""
 
-    def __init__(self) -> None:
+    def __init__(self, spike: float = 0.0) -> None:
         self.pending: list[tuple[torch.Tensor, ...]] = []  # each step's values since `base`
         self.base = 0  # the step before the first pending one
+        # train.loss_spike: a finite loss over `spike` times the median of the steps before
+        self.spike = spike
+        self.steps: list[tuple[torch.Tensor, str]] = []  # taken steps' losses, where they were
+        self.recent: list[float] = []  # the last SPIKE_WINDOW checked losses
+
+    def observe_step(self, loss: torch.Tensor, state: TrainState, batches: int) -> None:
+        """A taken step's loss and where it was (for ``spike``: checked with the rest)."""
+        first, last = state.batch_in_epoch - batches + 1, state.batch_in_epoch
+        where = f"batch {last}" if first == last else f"batches {first}-{last}"
+        self.steps.append((loss, f"step {state.step} (epoch {state.epoch + 1}, {where})"))
 
     def observe(self, *values: torch.Tensor) -> None:
         """One step's loss (and its gradient norm, when clipping computed one)."""
@@ -142,6 +159,36 @@ class NonFiniteWatch:
             )
         self.pending = []
         self.base = state.step
+        if self.steps:
+            self._check_spikes(world)
+
+    def _check_spikes(self, world: Any) -> None:
+        """Raise :class:`LossSpikeError` at the first step whose loss is more than ``spike``
+        times the median of the :data:`SPIKE_WINDOW` steps before it (once that many are
+        known); one host read of the pending steps' losses (with several processes, one
+        collective: they all stop, at the first step any of them saw)."""
+        values = torch.stack([loss.detach().double() for loss, _ in self.steps]).cpu().tolist()
+        spike, found = math.inf, ""
+        for i, value in enumerate(values):
+            if len(self.recent) == SPIKE_WINDOW:
+                median = statistics.median(self.recent)
+                if median > 0 and value > self.spike * median and math.isinf(spike):
+                    found = f"{value:.6g}, {value / median:.3g} times the median {median:.6g}"
+                    spike = float(i)
+                self.recent.pop(0)
+            self.recent.append(value)
+        where = [where for _, where in self.steps]
+        self.steps = []
+        if world is not None and world.distributed:
+            spike = float(all_reduce(torch.tensor([spike], dtype=torch.float64), "min"))
+        if math.isfinite(spike):
+            what = f": {found}" if found else " (seen by another process)"
+            raise LossSpikeError(
+                f"train: a loss spike at {where[int(spike)]}{what} of the {SPIKE_WINDOW} "
+                f"steps before (train.loss_spike = {self.spike:g}); nothing after it is "
+                "saved, the last good checkpoint is intact. Inspect those batches (their "
+                "positions in the epoch's order), lower the learning rate or clip gradients"
+            )
 
 
 class NonFinitePolicy:

@@ -132,7 +132,9 @@ class Trainer:
       ``nonfinite`` on a NaN/inf loss or gradient: "raise" (seen on the device, read where
       the loop reads anyway, stops naming the first bad step, nothing saved after it),
       "strict" (checked before every step) or "skip" (dropped), or a
-      :class:`~glassloop.guards.NonFinitePolicy` (``max_skips`` in a row); ``ema_decay``: a
+      :class:`~glassloop.guards.NonFinitePolicy` (``max_skips`` in a row); ``loss_spike``:
+      also stop at a finite loss over this many times the median of the 20 steps before,
+      naming its step and batches (0: off; checked where the NaN check reads); ``ema_decay``: a
       moving average of the weights, evaluated and exported instead; ``compile``: ``True``
       or ``torch.compile``'s ``{"mode", "dynamic"}``; ``activation_checkpointing``: module
       class names whose activations are recomputed in backward instead of kept (less memory,
@@ -171,7 +173,8 @@ class Trainer:
         precision: str = "32", grad_accum_steps: int = 1, loss_weighting: str = "samples",
         loss_reduction: str = "auto", ignore_index: int = -100,
         clip_grad_norm: float | None = None, clip_grad_value: float | None = None,
-        nonfinite: str | NonFinitePolicy = "raise", ema_decay: float | None = None,
+        nonfinite: str | NonFinitePolicy = "raise", loss_spike: float = 0.0,
+        ema_decay: float | None = None,
         compile: bool | Mapping[str, Any] = False, activation_checkpointing: Sequence[str] = (),
         scheduler: Any = None, scheduler_interval: str = "epoch",  # (or a dict of them)
         # the epoch
@@ -196,6 +199,7 @@ class Trainer:
             "log_every": log_every, "grad_accum_steps": grad_accum_steps, "ema_decay": ema_decay,
             "clip_grad_norm": clip_grad_norm, "clip_grad_value": clip_grad_value,
             "max_nonfinite_skips": policy.max_skips, "precision": precision,
+            "loss_spike": loss_spike,
             "validate_every_n_steps": validate_every_n_steps, "limit_batches": limit_batches,
         })  # fmt: skip
         # What the model is trained to do (glassloop.tasks): decides what predict returns,
@@ -245,7 +249,7 @@ class Trainer:
             )  # fmt: skip
         # The default: NaN/inf noticed on the device, read where the loop reads anyway (no
         # host sync per step); "strict", "skip" and fp16 (its scaler reads) check each step.
-        self.watch = NonFiniteWatch()
+        self.watch = NonFiniteWatch(spike=loss_spike)  # (and finite spikes, when asked)
         self.deferred_check = policy.policy == "raise" and not self.scaler.is_enabled()
         # An exponential moving average of the weights (torch's AveragedModel): evaluated
         # and exported instead of the raw weights when enabled.
@@ -454,9 +458,11 @@ class Trainer:
             # of the step's samples.
             self.record.add_step(loss, local, window.samples / self.world.size)
             state.step += 1
+            total = loss[0] if loss.ndim else loss
+            if self.watch.spike:  # checked with the non-finite values, without a host read
+                self.watch.observe_step(total, state, len(micro))
             if self.profiler is not None:
                 self.profiler.step()
-            total = loss[0] if loss.ndim else loss
             if (len(self.record.losses) - 1) % self.log_every == 0:  # the tutorial's "% 100"
                 self._log_step(total)
             for callback in self.callbacks:

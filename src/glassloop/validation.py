@@ -74,6 +74,7 @@ TRAINER_RULES: dict[str, Range | tuple[str, ...]] = {
     "clip_grad_norm": AT_LEAST_0,
     "clip_grad_value": AT_LEAST_0,
     "max_nonfinite_skips": AT_LEAST_1,
+    "loss_spike": AT_LEAST_0,
     "ema_decay": FRACTION,
     "validate_every_n_steps": AT_LEAST_0,
     "limit_batches": AT_LEAST_0,

@@ -361,3 +361,37 @@ def test_profile_writes_a_trace_of_n_steps_and_prints_the_top_operators(
     assert "aten::addmm" in names  # the model's linear layers ran inside it
     out = capsys.readouterr().out
     assert "profile of 3 steps" in out and "Self CPU" in out
+
+
+# ------------------------------------------------------------------------- the loss-spike guard
+def test_a_loss_spike_stops_the_run_naming_its_step_and_batches(tmp_path: Path) -> None:
+    """A finite but wild batch (targets x1000) at batch 7 of epoch 3: with loss_spike=10 the
+    run stops there, naming step, epoch and batch; nothing after it is saved. Off (0), the
+    same data trains on."""
+    from glassloop.guards import LossSpikeError
+
+    batches = data(n=160, batch=16)  # 10 batches an epoch
+    wild = [(x, y * 1000 if i == 6 else y) for i, (x, y) in enumerate(batches)]
+
+    class Epochs:  # clean epochs 1-2, the wild batch in epoch 3
+        def __init__(self) -> None:
+            self.epoch = 0
+
+        def __iter__(self) -> Any:
+            self.epoch += 1
+            return iter(wild if self.epoch == 3 else batches)
+
+    def make(spike: float, run_dir: Path | None) -> Trainer:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
+        return Trainer(
+            model, torch.optim.SGD(model.parameters(), lr=0.05), nn.MSELoss(), device="cpu",
+            progress="none", loss_spike=spike, run_dir=run_dir, log_every=4,
+            checkpoint=CheckpointConfig(every_n_steps=4, every_n_epochs=0),
+        )  # fmt: skip
+
+    with pytest.raises(LossSpikeError, match=r"loss spike at step 27 \(epoch 3, batch 7\)"):
+        make(10.0, tmp_path / "run").fit(Epochs(), epochs=3)
+    latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
+    assert latest == "step-00000024"  # the step-28 row found it; nothing after 27 saved
+    assert len(make(0.0, None).fit(Epochs(), epochs=3)) == 3
