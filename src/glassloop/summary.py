@@ -93,22 +93,31 @@ def start_header(
             f"batch: {batch * accum * size} = {batch} per step x {accum} accumulation x "
             f"{size} process{'es' if size > 1 else ''}"
         )
-    settings = ", ".join(
-        f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
-        for k, v in trainer.optimizer.defaults.items()
-        if k in ("lr", "weight_decay", "momentum")
+    optimizers = (
+        trainer.optimizer if isinstance(trainer.optimizer, dict) else {"": trainer.optimizer}
     )
+    described = [
+        f"{name + ': ' if name else ''}{described_optimizer(o)}" for name, o in optimizers.items()
+    ]
     schedule = "none"
     if trainer.scheduler is not None:
         schedule = f"{type(trainer.scheduler).__name__} per {trainer.scheduler_interval}"
-    lines.append(
-        f"optimizer: {type(trainer.optimizer).__name__} ({settings}); schedule: {schedule}"
-    )
+    lines.append(f"optimizer: {'; '.join(described)}; schedule: {schedule}")
     if (note := loss_note(trainer.loss_fn, trainer.loss_reduction)) is not None:
         lines.append(note)
     if trainer.run_dir is not None:
         lines.append(f"run directory: {trainer.run_dir}")
     return "\n".join(lines)
+
+
+def described_optimizer(optimizer: Any) -> str:
+    """``AdamW (lr 0.001, weight_decay 0.01)``."""
+    settings = ", ".join(
+        f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+        for k, v in optimizer.defaults.items()
+        if k in ("lr", "weight_decay", "momentum")
+    )
+    return f"{type(optimizer).__name__} ({settings})"
 
 
 def loss_note(loss_fn: Any, reduction: str) -> str | None:
