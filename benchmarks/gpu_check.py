@@ -16,7 +16,7 @@ Rows (each a measurement and a verdict):
   value, ``Tensor.item``/``__bool__``/``__float__``/``__int__``/``tolist``/``numpy``/``cpu``);
 * bf16 speed-up over fp32 (hand loop);
 * fp16 + GradScaler: steps skipped after warm-up (should be 0) and the final loss against fp32;
-* peak memory of a fit;
+* peak memory of a fit; the GPT's with activation checkpointing off and on;
 * ``torch.compile`` on/off, per step after the compile;
 * glassloop's in-memory loader with the data on the device against a pinned ``DataLoader``;
 * kill -9 in the middle of a run and resume: bitwise equal final weights, with
@@ -316,6 +316,33 @@ def memory_check(batches: Batches, device: torch.device) -> None:
     )
 
 
+def checkpointing_check(device: torch.device, quick: bool) -> None:
+    """The small GPT's peak memory in one bf16 fit with its blocks' activations kept and
+    recomputed (``activation_checkpointing``), and whether the weights end equal."""
+    if device.type != "cuda":
+        row("activation checkpointing (GPT blocks)", "n/a on CPU (the unit test counts the "
+            "saved activations instead)")  # fmt: skip
+        return
+    vocab, width, layers, heads, context, batch, steps = (
+        (128, 64, 2, 2, 32, 4, 2) if quick else (8192, 512, 8, 8, 256, 32, 10)
+    )
+    batches = gpt_data(steps, batch, context, vocab, device)
+    peaks, weights = [], []
+    for names in ([], ["TransformerEncoderLayer"]):
+        torch.manual_seed(0)
+        model = SmallGPT(vocab, width, layers, heads, context).to(device)
+        trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-4), lm_loss,
+                          device=device, progress="none", precision="bf16",
+                          task="language-model", activation_checkpointing=names)  # fmt: skip
+        torch.cuda.reset_peak_memory_stats(device)
+        trainer.fit(batches, epochs=1)
+        peaks.append(torch.cuda.max_memory_allocated(device) / 2**20)
+        weights.append(model.state_dict())
+    same = all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    row("activation checkpointing (GPT blocks), peak memory",
+        f"{peaks[0]:.0f} MiB kept, {peaks[1]:.0f} MiB recomputed; weights equal: {same}")  # fmt: skip
+
+
 def compile_check(batches: Batches, device: torch.device, quick: bool) -> None:
     if quick and device.type == "cpu":
         row("torch.compile", "skipped (--quick on CPU: inductor's C++ build takes minutes)")
@@ -433,6 +460,7 @@ def main() -> None:
     sync_check(device, args.quick)
     fp16_check(batches, device)
     memory_check(batches, device)
+    checkpointing_check(device, args.quick)
     compile_check(batches, device, args.quick)
     loader_check(n * 4, 256, device)
     kill_resume_check(device, args.quick)
