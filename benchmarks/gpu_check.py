@@ -339,8 +339,8 @@ def checkpointing_check(device: torch.device, quick: bool) -> None:
         peaks.append(torch.cuda.max_memory_allocated(device) / 2**20)
         weights.append(model.state_dict())
     same = all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-    row("activation checkpointing (GPT blocks), peak memory",
-        f"{peaks[0]:.0f} MiB kept, {peaks[1]:.0f} MiB recomputed; weights equal: {same}")  # fmt: skip
+    value = f"{peaks[0]:.0f} MiB kept, {peaks[1]:.0f} MiB recomputed; weights equal: {same}"
+    row("activation checkpointing (GPT blocks), peak memory", value)
 
 
 def compile_check(batches: Batches, device: torch.device, quick: bool) -> None:
