@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from glassloop.atomic import own_dir
+from glassloop.atomic import atomic_path, own_dir
 
 
 class StepProfiler:
@@ -46,8 +46,9 @@ class StepProfiler:
         self._done = True
         where = ""
         if self.run_dir is not None:
-            folder = own_dir(self.run_dir / "profile")
-            prof.export_chrome_trace(str(folder / "trace.json"))
+            folder = own_dir(self.run_dir / "profile")  # (a link there: refused)
+            with atomic_path(folder / "trace.json") as written:  # (never through a link)
+                prof.export_chrome_trace(str(written))
             where = f" (trace: {folder / 'trace.json'})"
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=10)

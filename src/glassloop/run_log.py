@@ -316,7 +316,7 @@ TEMPORARY = re.compile(r"\.(.+)\.tmp(?:-\d+)?")  # atomic_path's name for a file
 # What glassloop writes in a run directory (checkpoints/ and report/ are checked inside too).
 OWN_NAMES = (
     ".lock", "config.json", "run.json", "metrics.csv", "metrics.jsonl", "model.safetensors",
-    CHECKPOINTS, BEST, "report", "tensorboard", "tracking.json", "wandb",
+    CHECKPOINTS, BEST, "report", "tensorboard", "tracking.json", "wandb", "profile",
 )  # fmt: skip
 
 
@@ -325,7 +325,9 @@ def refuse_links(run_dir: Path) -> None:
     own files (a checkpoint or ``best/`` linked to another disk, a prepared run directory):
     glassloop never writes, replaces or deletes through one, so the run could not go on."""
     found = [run_dir / name for name in OWN_NAMES if (run_dir / name).is_symlink()]
-    for folder, owned in ((run_dir / CHECKPOINTS, STEP_DIR.pattern), (run_dir / "report", "")):
+    owned_folders = ((run_dir / CHECKPOINTS, STEP_DIR.pattern), (run_dir / "report", ""),
+                     (run_dir / "profile", ""))  # fmt: skip
+    for folder, owned in owned_folders:
         if folder.is_dir() and not folder.is_symlink():
             found += [
                 p for p in sorted(folder.iterdir())

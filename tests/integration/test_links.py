@@ -77,7 +77,7 @@ OWN_NAMES = [
     ".lock", "config.json", "run.json", "metrics.csv", "metrics.jsonl", "model.safetensors",
     "tracking.json", "checkpoints", "best", "report", "tensorboard", "wandb",
     "checkpoints/latest", "checkpoints/step-00000004", "checkpoints/step-00000008",
-    "report/index.html", "report/loss.png",
+    "report/index.html", "report/loss.png", "profile", "profile/trace.json",
 ]  # fmt: skip
 
 
