@@ -119,14 +119,14 @@ class NonFiniteWatch:
         self.base = 0  # the step before the first pending one
         # train.loss_spike: a finite loss over `spike` times the median of the steps before
         self.spike = spike
-        self.steps: list[tuple[torch.Tensor, str]] = []  # taken steps' losses, where they were
+        # taken steps' losses and where they were: (step, epoch, first batch, last batch)
+        self.steps: list[tuple[torch.Tensor, tuple[int, int, int, int]]] = []
         self.recent: list[float] = []  # the last SPIKE_WINDOW checked losses
 
     def observe_step(self, loss: torch.Tensor, state: TrainState, batches: int) -> None:
         """A taken step's loss and where it was (for ``spike``: checked with the rest)."""
         first, last = state.batch_in_epoch - batches + 1, state.batch_in_epoch
-        where = f"batch {last}" if first == last else f"batches {first}-{last}"
-        self.steps.append((loss, f"step {state.step} (epoch {state.epoch + 1}, {where})"))
+        self.steps.append((loss, (state.step, state.epoch + 1, first, last)))  # (no f-string)
 
     def observe(self, *values: torch.Tensor) -> None:
         """One step's loss (and its gradient norm, when clipping computed one)."""
@@ -177,18 +177,23 @@ class NonFiniteWatch:
                     spike = float(i)
                 self.recent.pop(0)
             self.recent.append(value)
-        where = [where for _, where in self.steps]
+        places = [place for _, place in self.steps]
         self.steps = []
         if world is not None and world.distributed:
             spike = float(all_reduce(torch.tensor([spike], dtype=torch.float64), "min"))
         if math.isfinite(spike):
             what = f": {found}" if found else " (seen by another process)"
             raise LossSpikeError(
-                f"train: a loss spike at {where[int(spike)]}{what} of the {SPIKE_WINDOW} "
+                f"train: a loss spike at {_place(*places[int(spike)])}{what} of the {SPIKE_WINDOW} "
                 f"steps before (train.loss_spike = {self.spike:g}); nothing after it is "
                 "saved, the last good checkpoint is intact. Inspect those batches (their "
                 "positions in the epoch's order), lower the learning rate or clip gradients"
             )
+
+
+def _place(step: int, epoch: int, first: int, last: int) -> str:
+    batches = f"batch {last}" if first == last else f"batches {first}-{last}"
+    return f"step {step} (epoch {epoch}, {batches})"
 
 
 class NonFinitePolicy:

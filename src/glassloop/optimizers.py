@@ -281,10 +281,6 @@ class Optimizers(dict[str, torch.optim.Optimizer]):
     def defaults(self) -> dict[str, Any]:
         return {name: optimizer.defaults for name, optimizer in self.items()}
 
-    @property
-    def state(self) -> dict[Any, Any]:  # (what has stepped: FSDP refuses a stepped optimizer)
-        return {key: value for optimizer in self.values() for key, value in optimizer.state.items()}
-
     def step(self) -> None:
         for optimizer in self.values():
             optimizer.step()

@@ -242,7 +242,7 @@ class RunLog:
         if not self.active:
             return None
         written = None
-        status_info = {"step": state.step, "epoch": state.epoch, **info.versions}
+        status_info = _status_info(state, info)
         if error is not None and status == "failed":
             status_info["error"] = error
         try:
@@ -298,12 +298,16 @@ class RunLog:
                 self.write_weights(weights, info.model_spec)
                 missing.append("model.safetensors")
             if _status(self.run_dir) != "finished":
-                status = {"step": state.step, "epoch": state.epoch, **info.versions}
-                self.write_status("finished", status)
+                self.write_status("finished", _status_info(state, info))
                 missing.append("run.json")
         except OSError as err:
             raise self.failure(err) from err
         return missing
+
+
+def _status_info(state: TrainState, info: RunInfo) -> dict[str, Any]:
+    """What run.json says besides the status: where the run stands, what ran it."""
+    return {"step": state.step, "epoch": state.epoch, **info.versions}
 
 
 def final_weights(model: nn.Module) -> nn.Module | dict[str, torch.Tensor]:

@@ -151,12 +151,6 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def check_weights_fit(model: nn.Module, path: Path) -> None:
-    """List every missing, unexpected, shape- or dtype-mismatched key of a weights file,
-    from its header alone (torch would cast dtypes silently; we refuse)."""
-    check_fit(model, header_shapes(read_safetensors_header(path)), path)
-
-
 def header_shapes(header: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
     """Each tensor's shape and dtype, from a checked header."""
     return {k: (list(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"}
