@@ -148,3 +148,30 @@ class Window(Sequence[tuple[Inputs, Any]]):
 
     def __iter__(self) -> Iterator[tuple[Inputs, Any]]:  # (Sequence's own calls __getitem__)
         return iter(self.batches)
+
+
+def loss_weights(
+    counts: Sequence[int], total: int, processes: int, *, summing: bool
+) -> list[float]:
+    """Each micro-batch's loss weight in an accumulation window: its samples (or tokens) over
+    the window's ``total`` across all processes, times ``processes`` (DDP averages gradients
+    over processes: this makes the average sample-weighted); a summing loss gets
+    ``processes`` alone (sums of micro-batches add up to one big batch's sum).
+
+    >>> loss_weights([3, 1], 4, 1, summing=False), loss_weights([3, 1], 8, 2, summing=True)
+    ([0.75, 0.25], [2.0, 2.0])
+    """
+    if summing:
+        return [float(processes)] * len(counts)
+    return [processes * count / total if total else 0.0 for count in counts]
+
+
+def token_counts(targets: Sequence[torch.Tensor], shift: int, ignore_index: int) -> list[int]:
+    """How many tokens each target's loss averages over: labels other than ``ignore_index``,
+    from position ``shift`` on (a model that shifts its labels itself, e.g. a causal LM's).
+
+    >>> token_counts([torch.tensor([[5, -100, 7]])], 1, -100)
+    [1]
+    """
+    labels = [t[:, shift:] if shift else t for t in targets]
+    return [int((t != ignore_index).sum()) for t in labels]

@@ -20,10 +20,17 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 import glassloop.fsdp as fsdp
-from glassloop.batch import Inputs, Window, batch_size_of, split_batch
+from glassloop.arguments import described
+from glassloop.batch import (
+    Inputs,
+    Window,
+    batch_size_of,
+    loss_weights,
+    split_batch,
+    token_counts,
+)
 from glassloop.callbacks import Callback
 from glassloop.checkpointer import (
     CheckpointConfig,
@@ -40,8 +47,6 @@ from glassloop.evaluation import (
     LossFn,
     Metric,
     evaluate,
-    first_batches,
-    gathered_outputs,
     label_shift,
     metric_table,
     predict,
@@ -54,13 +59,12 @@ from glassloop.guards import (
     check_first_batch,
     explain,
 )
-from glassloop.metrics import is_number
 from glassloop.optimizers import (
     Optimizers,
     Schedulers,
-    check_closure_step,
-    needs_closure,
+    closure_step,
     optimizer_parameters,
+    step_per_epoch,
 )
 from glassloop.parallelize import averaged, prepare_model
 from glassloop.precision import autocast, check_precision, make_scaler
@@ -75,11 +79,11 @@ from glassloop.sinks import ProgressReporter
 from glassloop.state import EpochRecord, TrainState, step_loss
 from glassloop.summary import end_summary, samples_in, start_header
 from glassloop.tasks import model_loss, reduction_of, resolve_task, takes_probabilities
+from glassloop.throughput import Throughput, peak_flops
 from glassloop.tracking import TrackingConfig
 from glassloop.validation import check_trainer_options
+from glassloop.validator import Validation, Validator
 
-# What fit validates on: one loader, or several by name ({"in": a, "ood": b}).
-Validation = Iterable[Any] | Mapping[str, Iterable[Any]]
 # What a train_step returns: the step's loss, named losses, or None (skipped).
 StepLoss = torch.Tensor | Mapping[str, torch.Tensor] | None
 
@@ -113,55 +117,8 @@ class Trainer:
         history = trainer.fit(train_loader, val_loader, epochs=10)
         probs = trainer.predict(x_new)
 
-    Arguments (keywords after the first three; a config sets each under ``[train]``):
-
-    - ``optimizer``: a ``torch.optim`` optimizer, or several by name (``{"g": ..., "d": ...}``,
-      a GAN's: :class:`~glassloop.optimizers.Optimizers`, stepped in turn by the default
-      step, one by one with :meth:`step` in an overridden :meth:`train_step`); an optimizer
-      whose ``step`` takes a closure (LBFGS) gets one.
-    - ``loss_fn(output, target)``: the loss; ``None``: the model's own (it gets the target as
-      ``labels=``, as Hugging Face models do). ``task``: "auto" (from the loss),
-      "classification", "multilabel", "regression", "language-model" or "custom": what
-      ``predict`` returns and which metrics are reported (:mod:`glassloop.tasks`);
-      ``metrics``: more, by name (``["top5_accuracy"]``) or ``{name: metric}``.
-    - The step: ``precision`` "32", "bf16" or "fp16" (with a GradScaler);
-      ``grad_accum_steps`` micro-batches per step, weighted by ``loss_weighting`` ("samples"
-      or "tokens": labels other than ``ignore_index``) so a step is one big batch;
-      ``loss_reduction`` "auto" (the loss module's), "mean" or "sum" (reported per sample);
-      ``clip_grad_norm``/``clip_grad_value`` (the norm before clipping is ``grad_norm``);
-      ``nonfinite`` on a NaN/inf loss or gradient: "raise" (seen on the device, read where
-      the loop reads anyway, stops naming the first bad step, nothing saved after it),
-      "strict" (checked before every step) or "skip" (dropped), or a
-      :class:`~glassloop.guards.NonFinitePolicy` (``max_skips`` in a row); ``loss_spike``:
-      also stop at a finite loss over this many times the median of the 20 steps before,
-      naming its step and batches (0: off; checked where the NaN check reads); ``ema_decay``: a
-      moving average of the weights, evaluated and exported instead; ``compile``: ``True``
-      or ``torch.compile``'s ``{"mode", "dynamic"}``; ``activation_checkpointing``: module
-      class names whose activations are recomputed in backward instead of kept (less memory,
-      bitwise the same weights: :func:`~glassloop.parallelize.checkpoint_activations`);
-      ``scheduler`` (or several by name) steps every ``scheduler_interval`` ("epoch" or
-      "step"; ``ReduceLROnPlateau`` on val_loss).
-    - The epoch: ``validate_every_n_steps`` (also inside epochs: ``"kind": "val"`` rows);
-      ``limit_batches`` (at most this many batches per epoch: a quick run through
-      everything); ``seed`` seeds python/numpy/torch here, after the model was built (call
-      :func:`glassloop.seed_everything` before building it for reproducible initial
-      weights); ``deterministic``: ``True`` for torch's deterministic algorithms (and cuDNN's,
-      cuBLAS's workspace), ``"warn"`` to only warn where an operation has none
-      (process-wide; recorded in run.json); ``callbacks`` (:mod:`glassloop.callbacks`).
-    - Where: ``device`` "auto" (CUDA, MPS, CPU) or a device; ``world``: the job's processes
-      (default: torchrun's environment); ``strategy`` "auto"/"ddp" or "fsdp" (FSDP2).
-    - The run directory: ``run_dir`` (``None``: nothing written); ``checkpoint``: when to
-      save, how many to keep, what picks ``best/`` (:class:`~glassloop.checkpointer.
-      CheckpointConfig`); ``run_info``: the config a resume compares and the model spec that
-      rebuilds the model from its weights (:class:`~glassloop.run_log.RunInfo`);
-      ``tensorboard``; ``tracking``: MLflow or W&B (:class:`~glassloop.tracking.
-      TrackingConfig`); ``progress`` "auto", "bar", "lines" or "none"; ``log_every``: a step
-      row (and the tutorial's loss line) every this many steps; ``profile``: a
-      ``torch.profiler`` trace of this many steps into ``RUN_DIR/profile/``, and the top
-      operators printed (:mod:`glassloop.profiling`).
-
-    Replaced in 0.2, accepted with a deprecation warning until 0.3 (:mod:`glassloop.replaced`):
-    ``max_nonfinite_skips``, ``compile_mode``, ``compile_dynamic``, ``config``, ``model_spec``.
+    Every argument is described below (from :mod:`glassloop.arguments`, which ``help``
+    shows here); a config sets each under ``[train]``.
     """
 
     def __init__(
@@ -208,6 +165,7 @@ class Trainer:
         self.probabilities = takes_probabilities(loss_fn)  # BCELoss: outputs are probabilities
         # "sum": the loss adds up over a batch (reported per sample; micro-batches add up)
         self.loss_reduction = reduction_of(loss_fn, loss_reduction)
+        self.summed = self.loss_reduction == "sum"  # (read every step: an attribute)
         self.metrics = metric_table(metrics, self.task)
         self.validate_every_n_steps = validate_every_n_steps
         self.limit_batches = limit_batches
@@ -241,12 +199,10 @@ class Trainer:
         self.clip_grad_value = clip_grad_value or None
         self.nonfinite = policy
         # LBFGS & co.: step(closure) evaluates forward, loss and backward itself.
-        self.closure_step = needs_closure(optimizer)
-        if self.closure_step:
-            check_closure_step(
-                precision=precision, clipping=bool(clip_grad_norm or clip_grad_value),
-                nonfinite=policy.policy, processes=self.world.size,
-            )  # fmt: skip
+        self.closure_step = closure_step(
+            optimizer, precision=precision, clipping=bool(clip_grad_norm or clip_grad_value),
+            nonfinite=policy.policy, processes=self.world.size,
+        )  # fmt: skip
         # The default: NaN/inf noticed on the device, read where the loop reads anyway (no
         # host sync per step); "strict", "skip" and fp16 (its scaler reads) check each step.
         self.watch = NonFiniteWatch(spike=loss_spike)  # (and finite spikes, when asked)
@@ -256,6 +212,10 @@ class Trainer:
         self.ema_decay = ema_decay or None
         self.ema = averaged(self.model, ema_decay) if ema_decay else None
         self.log_every = log_every
+        # samples/s, tokens/s (a language model's), MFU where the GPU's peak is known
+        peak = peak_flops(self.device, precision)
+        lm = self.task == "language-model"
+        self.throughput = Throughput(tokens=lm, peak=peak, world=self.world)
         self.profile = profile  # steps to profile (0: none): glassloop.profiling
         self.profiler: StepProfiler | None = None
         self.callbacks = list(callbacks)
@@ -273,12 +233,11 @@ class Trainer:
         self.console = ProgressReporter(progress, silent=not self.world.is_main)
         self.state = TrainState()
         self.record = EpochRecord()
-        self.last_eval: dict[str, Any] | None = None
         self.last_grad_norm: torch.Tensor | None = None
         self.should_stop = False  # callbacks set it to end the run after this epoch
         self._signals = StopSignals()
         self._train_loader: Iterable[Any] = ()
-        self._val_loader: Validation | None = None
+        self.validator = Validator(None)  # fit's validation sets (glassloop.validator)
         self._checked_first_batch = False
         self._label_shift: int | None = None  # tokens a model's own loss counts: from t+shift
         self._failure: str | None = None  # the error a failed fit ended with, for run.json
@@ -305,7 +264,10 @@ class Trainer:
             raise GlassloopError(f"train.epochs must be a positive integer, got {epochs!r}")
         self.should_stop = False
         self._checked_first_batch = False
-        self._train_loader, self._val_loader = train_loader, val_loader
+        self._train_loader = train_loader
+        self.validator = Validator(
+            val_loader, limit=self.limit_batches, counted=self.sharded is not None
+        )
         # The config a resume compares (without a config file: the Trainer's arguments), the
         # versions and git SHA (a git subprocess: only worth it when something is written).
         self.info.config = self.config or python_config(self)
@@ -318,19 +280,20 @@ class Trainer:
             else:
                 self.checkpointer.refuse_overwrite()
             if self.state.epoch >= epochs or self.state.stopped:
-                self._finish_again(epochs)
+                # resuming a finished run: complete any final file a kill left unwritten
+                info, model = self.info, self.eval_model
+                self.console.message(self.run_log.finish_again(self.state, model, info, epochs))
             else:
-                self._train(train_loader, val_loader, epochs)
+                self._train(train_loader, epochs)
         return self.history
 
-    def _train(
-        self, train_loader: Iterable[Any], val_loader: Validation | None, epochs: int
-    ) -> None:
+    def _train(self, train_loader: Iterable[Any], epochs: int) -> None:
         """The epochs, between opening and closing the run directory's files."""
         if self.precision_note:  # (fp16 on a CPU)
             self.console.message(self.precision_note)
-        self.run_log.start(self.state, has_val=val_loader is not None, info=self.info)
-        self.console.info(start_header(self, train_loader, val_loader, epochs))
+        first_val = self.validator.first
+        self.run_log.start(self.state, has_val=first_val is not None, info=self.info)
+        self.console.info(start_header(self, train_loader, first_val, epochs))
         self.watch.check(self.state, self.world)  # counts from here (a resumed run's step)
         start = time.perf_counter()
         status = "failed"
@@ -340,20 +303,15 @@ class Trainer:
                 for callback in self.callbacks:
                     callback.on_fit_start(self)
                 while self.state.epoch < epochs and not self.should_stop:
-                    row = self._run_epoch(train_loader, val_loader, epochs)
+                    row = self._run_epoch(train_loader, epochs)
                     self._end_epoch(row, epochs)
                 for callback in self.callbacks:
                     callback.on_fit_end(self)
                 self.save_checkpoint(finished=True)  # always at the end
             status = "finished"
-            if self.task == "regression" and val_loader is not None and self.run_dir:
-                first = (
-                    next(iter(val_loader.values()))
-                    if isinstance(val_loader, Mapping)
-                    else val_loader
-                )
-                pairs = gathered_outputs(  # (every process: its shard)
-                    self.eval_model, first, self.device, self.precision, self.world
+            if self.task == "regression" and self.run_dir:  # (every process: its shard)
+                pairs = self.validator.outputs(
+                    self.eval_model, self.device, self.precision, self.world
                 )
         except (KeyboardInterrupt, Preempted):
             status = "interrupted"
@@ -370,13 +328,12 @@ class Trainer:
             )  # fmt: skip
         self.console.info(end_summary(self, time.perf_counter() - start, report))
 
-    def _run_epoch(
-        self, train_loader: Iterable[Any], val_loader: Validation | None, epochs: int
-    ) -> dict[str, Any]:
+    def _run_epoch(self, train_loader: Iterable[Any], epochs: int) -> dict[str, Any]:
         state = self.state
         epoch = state.epoch + 1
         start = time.perf_counter()
         done = sum(self.record.sizes)  # a resumed epoch's bar starts where it was
+        self.throughput.start(done)
         self.console.epoch_start(epoch, epochs, samples_in(train_loader), done)
         self.model.train()  # dropout on, batch-norm updates its running statistics
         batches: Iterable[Any] = train_loader
@@ -400,6 +357,7 @@ class Trainer:
                 self._step_window(micro)
             if self.limit_batches and hasattr(train_loader, "finish_epoch"):
                 train_loader.finish_epoch()  # a limited epoch is the first N of its order
+            self.throughput.stop()
         except (RuntimeError, IndexError, ValueError) as err:
             explained = explain(err, batch, state)
             if explained is err:
@@ -414,16 +372,12 @@ class Trainer:
         row: dict[str, Any] = {
             "kind": "epoch", "epoch": epoch, "step": state.step, "samples": state.samples_seen,
         }  # fmt: skip
-        losses, epoch_samples = self.record.train_loss(self.world, self.device)
+        losses, _ = self.record.train_loss(self.world, self.device)
         row.update(losses)  # train_loss (and a train_step's named losses: train_<name>)
-        if val_loader is not None:
-            row.update(self._validation_row(val_loader))
+        row.update(self.validator.row(self))  # val_* (nothing without a validation set)
         row["lr"] = self.optimizer.param_groups[0]["lr"]
         if self.scheduler is not None and self.scheduler_interval == "epoch":
-            if isinstance(self.scheduler, (ReduceLROnPlateau, Schedulers)):
-                self.scheduler.step(row.get("val_loss", row["train_loss"]))
-            else:
-                self.scheduler.step()
+            step_per_epoch(self.scheduler, row)  # ReduceLROnPlateau: on val_loss
         state.epoch = epoch
         state.batch_in_epoch = 0
         if self.last_grad_norm is not None:
@@ -431,7 +385,7 @@ class Trainer:
         if self.device.type == "cuda":  # peak memory of this process's GPU
             row["max_memory_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         row["seconds"] = time.perf_counter() - start
-        row["samples_per_s"] = epoch_samples / row["seconds"] if row["seconds"] > 0 else None
+        row.update(self.throughput.row(sum(self.record.sizes)))  # (the training part's rate)
         return row
 
     def _step_window(self, micro: list[tuple[Inputs, Any]]) -> None:
@@ -441,24 +395,25 @@ class Trainer:
             self._checked_first_batch = True
             self.check_first_batch(*micro[0])
         sizes = [batch_size_of(target, inputs) for inputs, target in micro]  # this process's
+        local = sum(sizes)
         window, signum = self._window(micro, sizes)
-        loss = self.train_step(window)
+        if self.throughput.counting:  # a fit's first step: its FLOPs, for MFU (GPU only)
+            step = functools.partial(self.train_step, window)
+            loss = self.throughput.count(step, local, micro)
+        else:
+            loss = self.train_step(window)
+        if self.throughput.tokens:  # a language model: tokens/s
+            self.throughput.add(micro)
         state.samples_seen += window.samples
         state.batch_in_epoch += len(micro)
-        local = sum(sizes)
         self.console.advance(local, self.record)
         if loss is not None:  # None: skipped, nothing learned, no step counted
             if self.scheduler is not None and self.scheduler_interval == "step":
                 self.scheduler.step()  # once per optimizer step, never for a skipped one
-            if not isinstance(loss, torch.Tensor):  # named losses: the total first, then each
-                loss = self.record.stack_named(loss)  # (not an ABC check: ~10x dearer)
-            if self.loss_reduction == "sum":  # reported per sample (float64: no rounding)
-                loss = loss.double() / window.samples
-            # Kept on the device (no host sync per step), weighted by this process's share
-            # of the step's samples.
-            self.record.add_step(loss, local, window.samples / self.world.size)
+            total = self.record.add_step(  # (named losses: their total)
+                loss, local, window.samples, self.world.size, summed=self.summed
+            )
             state.step += 1
-            total = loss[0] if loss.ndim else loss
             if self.watch.spike:  # checked with the non-finite values, without a host read
                 self.watch.observe_step(total, state, len(micro))
             if self.profiler is not None:
@@ -468,7 +423,7 @@ class Trainer:
             for callback in self.callbacks:
                 callback.on_step_end(self, state.step, total)
             every = self.validate_every_n_steps
-            if every and state.step % every == 0 and self._val_loader is not None:
+            if every and state.step % every == 0 and self.validator.sets:
                 self._validate_now()
             if self.checkpointer.due_after_step(state.step):
                 self.save_checkpoint()
@@ -477,37 +432,28 @@ class Trainer:
     def _window(
         self, micro: list[tuple[Inputs, Any]], sizes: list[int]
     ) -> tuple[Window, int | None]:
-        """The step's :class:`Window` and, under DDP, the stop signal the processes agree on.
-
-        A micro-batch's weight: ``None`` for a window of one in one process (the loss as is),
-        else its samples (or non-ignored tokens) over the window's across all processes,
-        times the number of processes (DDP averages gradients over processes: this makes the
-        average sample-weighted); a summing loss gets the number of processes alone (sums of
-        micro-batches add up to one big batch's). Under DDP one collective carries the
-        counts and "did any process get SIGTERM/SIGINT" (acted on after the step)."""
+        """The step's :class:`Window` (each micro-batch's loss weight: :func:`~glassloop.batch.
+        loss_weights`; ``None`` for a window of one in one process: the loss as is) and, under
+        DDP, the stop signal the processes agree on: one collective carries the counts and
+        "did any process get SIGTERM/SIGINT" (acted on after the step)."""
         samples = sum(sizes)
         if len(micro) == 1 and not self.distributed:
             return Window(micro, [None], samples), None
+        counts = sizes
         if self.loss_weighting == "tokens" and self.loss_reduction == "mean":
             if self._label_shift is None:  # a model's own loss may count shifted labels
                 own = self.loss_fn is None
                 self._label_shift = self.own_label_shift(*micro[0]) if own else 0
-            labels = [t[:, self._label_shift :] if self._label_shift else t for _, t in micro]
-            counts = [int((t != self.ignore_index).sum()) for t in labels]
-        else:
-            counts = sizes
+            counts = token_counts([t for _, t in micro], self._label_shift, self.ignore_index)
         total, signum = sum(counts), None
-        if self.world.distributed:
+        if self.distributed:
             # A sum: counts add up, and one flag per stop signal says if any process got it.
             got = [float(self._signals.received == sig) for sig in STOP_SIGNALS]
             totals = all_reduce(torch.tensor([total, samples, *got], dtype=torch.float64))
             total, samples = int(totals[0]), int(totals[1])
             signum = next((sig for sig, n in zip(STOP_SIGNALS, totals[2:], strict=True) if n), 0)
-        scale = self.world.size
-        if self.loss_reduction == "sum":  # sums add up as they are (DDP averages: times W)
-            weights = [float(scale)] * len(micro)
-        else:
-            weights = [scale * count / total if total else 0.0 for count in counts]
+        summing = self.loss_reduction == "sum"
+        weights = loss_weights(counts, total, self.world.size, summing=summing)
         return Window(micro, list(weights), samples), signum
 
     def train_step(self, window: Window) -> StepLoss:
@@ -738,12 +684,10 @@ class Trainer:
             for line in resumed_messages(checkpoint, self.state, self._train_loader):
                 self.console.message(line)
 
-    def _finish_again(self, epochs: int) -> None:
-        """Resuming a finished run: complete whatever final file a kill left unwritten, then
-        stop."""
-        self.console.message(
-            self.run_log.finish_again(self.state, self.eval_model, self.info, epochs)
-        )
+    @property
+    def last_eval(self) -> dict[str, Any] | None:
+        """The last validation's metrics of the first set (what the report shows)."""
+        return self.validator.last
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -771,40 +715,10 @@ class Trainer:
                 ignore_index=self.ignore_index, metrics=self.metrics,
             )  # fmt: skip
 
-    def _validation_row(self, loader: Validation) -> dict[str, Any]:
-        """The ``val_*`` numbers of a validation: of the one set, or of each named set as
-        ``val_<name>_*``, the first set's also as ``val_*`` (what a monitor, the plateau
-        scheduler and the report refer to unless told otherwise)."""
-        sets = dict(loader) if isinstance(loader, Mapping) else {"": loader}
-        row: dict[str, Any] = {}
-        for i, (name, each) in enumerate(sets.items()):
-            metrics = self._validate(each)
-            numbers = {k: v for k, v in metrics.items() if is_number(v)}
-            if i == 0:
-                self.last_eval = metrics  # (the report's)
-                row.update({f"val_{k}": v for k, v in numbers.items()})
-            if name:
-                row.update({f"val_{name}_{k}": v for k, v in numbers.items()})
-        return row
-
-    def _validate(self, loader: Iterable[Any]) -> dict[str, Any]:
-        """:meth:`evaluate` between the validation hooks of the callbacks."""
-        for callback in self.callbacks:
-            callback.on_validation_start(self)
-        limit = self.limit_batches  # (FSDP: the processes' batch counts are evened out)
-        shown = first_batches(loader, limit, counted=self.sharded is not None) if limit else loader
-        metrics = self.evaluate(shown)
-        if limit and hasattr(loader, "finish_epoch"):
-            loader.finish_epoch()  # the next validation starts at the first batch again
-        for callback in self.callbacks:
-            callback.on_validation_end(self, metrics)
-        return metrics
-
     def _validate_now(self) -> None:
         """Validation inside an epoch (``validate_every_n_steps``): a ``"kind": "val"`` row."""
-        assert self._val_loader is not None
         row = {"kind": "val", "epoch": self.state.epoch + 1, "step": self.state.step}
-        row.update(self._validation_row(self._val_loader))
+        row.update(self.validator.row(self))
         self.run_log.write(row)
         self.console.validation_row(row)
 
@@ -820,3 +734,6 @@ class Trainer:
                 self.eval_model, data, task=self.task, batch_size=batch_size,
                 device=self.device, classes=classes, probabilities=self.probabilities,
             )  # fmt: skip
+
+
+Trainer.__doc__ = (Trainer.__doc__ or "") + described()  # the arguments, one line each

@@ -5,6 +5,7 @@ arguments checked against the class's signature, and building them for a model."
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,6 +227,15 @@ def build_scheduler(
         raise ConfigError(f"config: scheduler: {name} rejected its arguments: {err}") from err
 
 
+def step_per_epoch(scheduler: Any, row: Mapping[str, Any]) -> None:
+    """An epoch's scheduler step: ``ReduceLROnPlateau`` (and several by name, which hand it
+    on) on the row's ``val_loss`` (``train_loss`` without validation), any other as is."""
+    if isinstance(scheduler, (torch.optim.lr_scheduler.ReduceLROnPlateau, Schedulers)):
+        scheduler.step(row.get("val_loss", row["train_loss"]))
+    else:
+        scheduler.step()
+
+
 def needs_closure(optimizer: Any) -> bool:
     """Whether ``optimizer.step`` must be given a closure that re-evaluates the loss
     (``torch.optim.LBFGS``): its ``closure`` argument has no default."""
@@ -236,12 +246,15 @@ def needs_closure(optimizer: Any) -> bool:
     return closure is not None and closure.default is inspect.Parameter.empty
 
 
-def check_closure_step(
-    *, precision: str, clipping: bool, nonfinite: str, processes: int
-) -> None:  # fmt: skip
-    """What a closure optimizer's step (LBFGS: it calls forward, loss and backward itself,
-    several times) supports, each refusal in one line. Gradient accumulation is defined:
-    each evaluation covers the whole window."""
+def closure_step(
+    optimizer: Any, *, precision: str, clipping: bool, nonfinite: str, processes: int
+) -> bool:  # fmt: skip
+    """Whether ``optimizer`` steps with a closure (:func:`needs_closure`), checked against
+    what such a step (LBFGS: it calls forward, loss and backward itself, several times)
+    supports, each refusal in one line. Gradient accumulation is defined: each evaluation
+    covers the whole window."""
+    if not needs_closure(optimizer):
+        return False
     refused = [
         (precision == "fp16", "train.precision = 'fp16' (GradScaler cannot scale a closure's "
          "losses; use 'bf16' or '32')"),
@@ -257,6 +270,7 @@ def check_closure_step(
             raise ConfigError(
                 f"config: an optimizer whose step takes a closure (LBFGS) does not support {what}"
             )
+    return True
 
 
 def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -148,7 +148,7 @@ def format_duration(seconds: float) -> str:
 # In the files, not on the summary line (which keeps the tutorial-like shape).
 SUMMARY_SKIPS = (
     "kind", "epoch", "step", "samples", "lr", "seconds", "samples_per_s", "grad_norm",
-    "max_memory_mb",
+    "max_memory_mb", "tokens_per_s", "mfu",
 )  # fmt: skip
 
 
@@ -165,6 +165,10 @@ def format_epoch_summary(row: dict[str, Any], num_epochs: int) -> str:
     if row.get("lr") is not None:
         parts.append(f"lr {row['lr']:.2e}")
     parts.append(f"{row['seconds']:.1f}s")
+    if row.get("tokens_per_s") is not None:
+        parts.append(f"{row['tokens_per_s']:,.0f} tokens/s")
+    if row.get("mfu") is not None:
+        parts.append(f"MFU {100 * row['mfu']:.1f}%")
     return "  ".join(parts)
 
 

@@ -66,12 +66,22 @@ class EpochRecord:
         self.epoch_rng: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
 
-    def add_step(self, loss: torch.Tensor, samples: int, weight: float | None = None) -> None:
-        """A step's mean loss, this process's ``samples`` and the step's ``weight`` in the
-        epoch's mean (``samples`` when not given)."""
+    def add_step(
+        self, loss: torch.Tensor | Mapping[str, torch.Tensor], samples: int, step_samples: int,
+        processes: int, *, summed: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        """A step's loss (or named losses), this process's ``samples`` of the step's
+        ``step_samples`` over ``processes``; ``summed``: the loss is a sum over the step's
+        samples. Kept on the device (no host sync per step), weighted by the step's samples
+        per process. Returns the step's loss (the total of named ones), for the step row."""
+        if not isinstance(loss, torch.Tensor):  # named losses: the total first, then each
+            loss = self.stack_named(loss)  # (an isinstance on Tensor: an ABC check is ~10x dearer)
+        if summed:  # reported per sample (float64: no rounding)
+            loss = loss.double() / step_samples
         self.losses.append(loss)
         self.sizes.append(samples)
-        self.weights.append(float(samples if weight is None else weight))
+        self.weights.append(step_samples / processes)
+        return loss[0] if loss.ndim else loss
 
     def stack_named(self, losses: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """A train_step's named losses as one tensor: their total first (``"loss"``, else

@@ -25,10 +25,10 @@ from glassloop.callbacks import AnyTrainer, Callback
 from glassloop.checkpoint import latest_pointer, read_checkpoint
 from glassloop.errors import CheckpointError
 from glassloop.serialization import flatten
+from glassloop.throughput import TIMING
 from glassloop.weights import read_safetensors
 
 # Keys of an epoch row that measure time, not training.
-TIMING = ("seconds", "samples_per_s", "max_memory_mb")
 
 
 class KillAfterStep(Callback):

@@ -24,6 +24,7 @@ from glassloop.checkpoint import read_checkpoint
 from glassloop.checkpointer import CheckpointConfig, config_differences
 from glassloop.data import make_loader
 from glassloop.errors import NonFiniteError
+from glassloop.throughput import TIMING
 
 
 class Kill(BaseException):
@@ -119,9 +120,9 @@ def test_a_users_shuffling_dataloader_resumes_bitwise(
     straight.fit(loader(), epochs=3)
     resumed = killed_then_resumed(tmp_path, kill_at, loader, **options)
     assert_same(weights(resumed), weights(straight))
-    assert [{k: v for k, v in row.items() if k not in ("seconds", "samples_per_s")}
+    assert [{k: v for k, v in row.items() if k not in TIMING}
             for row in resumed.history] == [
-        {k: v for k, v in row.items() if k not in ("seconds", "samples_per_s")}
+        {k: v for k, v in row.items() if k not in TIMING}
         for row in straight.history
     ]  # fmt: skip
 
@@ -423,7 +424,7 @@ def test_a_resumed_epochs_progress_starts_where_it_stopped(tmp_path: Path) -> No
 
 def metric_rows(run: Path) -> list[dict[str, Any]]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in ("seconds", "samples_per_s")} for r in rows]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
 def test_a_kill_between_an_epochs_row_and_its_checkpoint_leaves_one_row_per_epoch(

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from glassloop import Trainer
+from glassloop.arguments import ARGUMENTS as TABLE
 from glassloop.assemble import trainer_options
 from glassloop.config import Config, TrainConfig
 from glassloop.guards import NonFinitePolicy
@@ -36,6 +37,9 @@ def test_every_argument_is_described_in_the_docstring() -> None:
     docstring."""
     doc = Trainer.__doc__ or ""
     assert [name for name in ARGUMENTS if f"``{name}``" not in doc] == []
+    # (the lines come from glassloop.arguments' table: one per argument, none left over)
+    table = [name for group in TABLE.values() for name in group]
+    assert sorted(table) == sorted(ARGUMENTS)
 
 
 def test_the_config_passes_every_train_key_that_is_an_argument() -> None:

@@ -1,0 +1,88 @@
+"""Validation during ``fit``: which sets, how much of each, and the ``val_*`` numbers of a row.
+
+``fit(train, val)`` validates on one loader or on several by name (``{"in": a, "ood": b}``):
+each set's numbers as ``val_<name>_*``, the first set's also as ``val_*`` (what a monitor,
+the plateau scheduler and the report read unless told otherwise). The loop calls it in one
+line, as torchtitan's trainer calls its validator; what is evaluated is the trainer's own
+``evaluate`` (an override included), between the callbacks' validation hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from glassloop.callbacks import Callback
+from glassloop.distributed import World
+from glassloop.evaluation import first_batches, gathered_outputs
+from glassloop.metrics import is_number
+
+# What fit validates on: one loader, or several by name ({"in": a, "ood": b}).
+Validation = Iterable[Any] | Mapping[str, Iterable[Any]]
+
+
+class Validating(Protocol):
+    """What the validator needs of a trainer (not the loop's class: no import of it)."""
+
+    @property
+    def callbacks(self) -> Sequence[Callback]: ...
+
+    def evaluate(self, loader: Iterable[Any]) -> dict[str, Any]: ...
+
+
+class Validator:
+    """The validation sets of one ``fit``; ``limit``: at most this many batches of each
+    (``limit_batches``; ``counted``: an FSDP run evens the processes' batch counts out)."""
+
+    def __init__(self, sets: Validation | None, *, limit: int = 0, counted: bool = False) -> None:
+        if sets is None:
+            self.sets: dict[str, Iterable[Any]] = {}
+        else:
+            self.sets = dict(sets) if isinstance(sets, Mapping) else {"": sets}
+        self.limit, self.counted = limit, counted
+        self.last: dict[str, Any] | None = None  # the first set's metrics (the report's)
+
+    @property
+    def first(self) -> Iterable[Any] | None:
+        """The set a report plots (the first)."""
+        return next(iter(self.sets.values()), None)
+
+    def row(self, trainer: Validating) -> dict[str, Any]:
+        """Evaluate every set; its numbers as they go into a history row."""
+        row: dict[str, Any] = {}
+        for i, (name, loader) in enumerate(self.sets.items()):
+            metrics = self.validate(trainer, loader)
+            numbers = {k: v for k, v in metrics.items() if is_number(v)}
+            if i == 0:
+                self.last = metrics
+                row.update({f"val_{k}": v for k, v in numbers.items()})
+            if name:
+                row.update({f"val_{name}_{k}": v for k, v in numbers.items()})
+        return row
+
+    def validate(self, trainer: Validating, loader: Iterable[Any]) -> dict[str, Any]:
+        """``trainer.evaluate`` on (the first ``limit`` batches of) ``loader``, between the
+        callbacks' ``on_validation_start`` and ``on_validation_end``."""
+        for callback in trainer.callbacks:
+            callback.on_validation_start(trainer)
+        limit = self.limit
+        shown = first_batches(loader, limit, counted=self.counted) if limit else loader
+        metrics = trainer.evaluate(shown)
+        if limit and hasattr(loader, "finish_epoch"):
+            loader.finish_epoch()  # the next validation starts at the first batch again
+        for callback in trainer.callbacks:
+            callback.on_validation_end(trainer, metrics)
+        return metrics
+
+    def outputs(
+        self, model: nn.Module, device: torch.device, precision: str, world: World
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A regression's outputs and targets on the first set (every process: its shard),
+        for the report's predicted-vs-true plot; ``None`` without a validation set."""
+        first = self.first
+        if first is None:
+            return None
+        return gathered_outputs(model, first, device, precision, world)
