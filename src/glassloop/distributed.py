@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from glassloop.errors import ConfigError
+from glassloop.preemption import STOP_SIGNALS
 
 WHY_NOT_DATAPARALLEL = (
     "config: train.strategy = 'dp' (torch.nn.DataParallel) is not supported: it runs one "
@@ -207,3 +208,13 @@ def shutdown() -> None:
             _WRAPPED.clear()
             release_sharded()
             dist.destroy_process_group()
+
+
+def agreed_counts(total: int, samples: int, received: int | None) -> tuple[int, int, int]:
+    """``total`` and ``samples`` summed over the processes, and the stop signal any of them
+    received (0: none), in one collective (the step's only one before backward): each
+    signal is a flag that adds up."""
+    got = [float(received == sig) for sig in STOP_SIGNALS]
+    totals = all_reduce(torch.tensor([total, samples, *got], dtype=torch.float64))
+    signum = next((sig for sig, n in zip(STOP_SIGNALS, totals[2:], strict=True) if n), 0)
+    return int(totals[0]), int(totals[1]), int(signum)

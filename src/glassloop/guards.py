@@ -83,6 +83,15 @@ def check_first_batch(
         )
 
 
+def check_batches(batches: int) -> None:
+    """An epoch that trained on no batch is the data's mistake, said in one line."""
+    if batches == 0:
+        raise DataError(
+            "data: the training loader yielded no batches (an empty dataset, or "
+            "batch_size larger than the dataset with drop_last=True)"
+        )
+
+
 def explain(err: Exception, batch: Any, state: TrainState) -> Exception:
     """A torch error caused by the user's data or model as one clear line (``err`` itself
     when it is not one of those)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -40,9 +39,16 @@ from glassloop.checkpointer import (
     state_of,
 )
 from glassloop.device import move_to_device, resolve_device
-from glassloop.distributed import World, all_reduce, barrier, init_from_env, local_device
+from glassloop.distributed import (
+    World,
+    agreed_counts,
+    all_reduce,
+    barrier,
+    init_from_env,
+    local_device,
+)
 from glassloop.distributed import unwrap_model as unwrap_model  # (re-exported: its old home)
-from glassloop.errors import DataError, GlassloopError
+from glassloop.errors import GlassloopError
 from glassloop.evaluation import (
     LossFn,
     Metric,
@@ -56,6 +62,7 @@ from glassloop.guards import (
     NonFinitePolicy,
     NonFiniteWatch,
     all_finite,
+    check_batches,
     check_first_batch,
     explain,
 )
@@ -68,12 +75,12 @@ from glassloop.optimizers import (
 )
 from glassloop.parallelize import averaged, prepare_model
 from glassloop.precision import autocast, check_precision, make_scaler
-from glassloop.preemption import STOP_SIGNALS, Preempted, StopSignals
+from glassloop.preemption import Preempted, StopSignals
 from glassloop.profiling import StepProfiler
 from glassloop.provenance import environment
 from glassloop.redaction import redacted
 from glassloop.replaced import fold_replaced
-from glassloop.rng import capture_loader_rng, replay_epoch, seed_everything, use_deterministic
+from glassloop.rng import epoch_batches, seed_everything, use_deterministic
 from glassloop.run_log import RunInfo, RunLog, python_config
 from glassloop.sinks import ProgressReporter
 from glassloop.state import EpochRecord, TrainState, step_loss
@@ -249,30 +256,24 @@ class Trainer:
     ) -> list[dict[str, Any]]:  # fmt: skip
         """Train until ``epochs`` epochs are done; return the history, one dict per epoch.
 
-        ``train_loader`` is any iterable of batches (a ``DataLoader``, a list, ...) and is
-        iterated exactly as given. ``val_loader``: one, or several by name
-        (``{"in": a, "ood": b}``: each set's numbers as ``val_<name>_*``, the first's also
-        as ``val_*``; any of them can be monitored). ``resume="auto"`` continues from the
-        newest valid checkpoint in ``run_dir`` (or starts fresh if there is none); a path
-        resumes from that checkpoint. Resume is exact for glassloop's loaders (their position
-        is a state_dict), for a ``DataLoader`` and for lists (the epoch's RNG is replayed);
-        see the README.
-        SIGTERM/SIGINT stop after the current step with a checkpoint and raise
-        :class:`glassloop.Preempted`.
+        ``train_loader``: any iterable of batches, iterated exactly as given; ``val_loader``:
+        one, or several by name (:mod:`glassloop.validator`). ``resume="auto"``: from the
+        newest valid checkpoint in ``run_dir`` (or fresh without one), exactly (README:
+        "Resume"); a path: from that checkpoint. SIGTERM/SIGINT stop after the current step
+        with a checkpoint and raise :class:`glassloop.Preempted`.
         """
         if not isinstance(epochs, int) or epochs < 1:
             raise GlassloopError(f"train.epochs must be a positive integer, got {epochs!r}")
-        self.should_stop = False
-        self._checked_first_batch = False
+        self.should_stop = self._checked_first_batch = False  # (a Trainer may fit again)
         self._train_loader = train_loader
         self.validator = Validator(
-            val_loader, limit=self.limit_batches, counted=self.sharded is not None
-        )
+            val_loader, limit=self.limit_batches, counted=self.sharded is not None,
+            every=self.validate_every_n_steps,
+        )  # fmt: skip
         # The config a resume compares (without a config file: the Trainer's arguments), the
         # versions and git SHA (a git subprocess: only worth it when something is written).
         self.info.config = self.config or python_config(self)
-        if self.run_dir is not None:
-            self.info.versions = {**environment(), "deterministic": self.deterministic}
+        self.info.versions = environment(self.deterministic) if self.run_dir else {}
         with self.run_log.hold():  # the run directory's lock, for the whole fit
             barrier()  # nobody reads the run dir while rank 0 tidies it
             if resume is not None:
@@ -297,7 +298,7 @@ class Trainer:
         self.watch.check(self.state, self.world)  # counts from here (a resumed run's step)
         start = time.perf_counter()
         status = "failed"
-        pairs = None  # a regression's validation outputs and targets, for the report
+        pairs = None  # a regression's validation outputs and targets, for the report's plot
         try:
             with StopSignals() as self._signals, self._profiling():
                 for callback in self.callbacks:
@@ -310,9 +311,8 @@ class Trainer:
                 self.save_checkpoint(finished=True)  # always at the end
             status = "finished"
             if self.task == "regression" and self.run_dir:  # (every process: its shard)
-                pairs = self.validator.outputs(
-                    self.eval_model, self.device, self.precision, self.world
-                )
+                model, device = self.eval_model, self.device
+                pairs = self.validator.outputs(model, device, self.precision, self.world)
         except (KeyboardInterrupt, Preempted):
             status = "interrupted"
             raise
@@ -336,14 +336,10 @@ class Trainer:
         self.throughput.start(done)
         self.console.epoch_start(epoch, epochs, samples_in(train_loader), done)
         self.model.train()  # dropout on, batch-norm updates its running statistics
-        batches: Iterable[Any] = train_loader
-        if not hasattr(train_loader, "load_state_dict"):
-            if state.batch_in_epoch:  # resumed inside this epoch
-                batches = replay_epoch(train_loader, self.record.epoch_rng, state.batch_in_epoch)
-            else:  # what the loader's order will be drawn from (kept in checkpoints)
-                self.record.epoch_rng = capture_loader_rng(train_loader)
-        if self.limit_batches:  # the rest of the epoch's allowance (a resumed one used some)
-            batches = itertools.islice(batches, max(0, self.limit_batches - state.batch_in_epoch))
+        # The epoch's batches from where it is (a resume), and what its order is drawn from.
+        batches, self.record.epoch_rng = epoch_batches(
+            train_loader, self.record.epoch_rng, state.batch_in_epoch, self.limit_batches
+        )
         batch: Any = None
         micro: list[tuple[Inputs, Any]] = []
         own = self.loss_fn is None  # the model computes its loss: it also gets labels=target
@@ -364,28 +360,22 @@ class Trainer:
                 raise
             raise explained from err
         self.watch.check(state, self.world)  # before anything of the epoch is recorded
-        if state.batch_in_epoch == 0:
-            raise DataError(
-                "data: the training loader yielded no batches (an empty dataset, or "
-                "batch_size larger than the dataset with drop_last=True)"
-            )
+        check_batches(state.batch_in_epoch)  # (an empty loader: one clear line)
         row: dict[str, Any] = {
             "kind": "epoch", "epoch": epoch, "step": state.step, "samples": state.samples_seen,
         }  # fmt: skip
-        losses, _ = self.record.train_loss(self.world, self.device)
-        row.update(losses)  # train_loss (and a train_step's named losses: train_<name>)
+        # train_loss (and a train_step's named losses: train_<name>), over every process
+        row.update(self.record.train_loss(self.world, self.device)[0])
         row.update(self.validator.row(self))  # val_* (nothing without a validation set)
         row["lr"] = self.optimizer.param_groups[0]["lr"]
         if self.scheduler is not None and self.scheduler_interval == "epoch":
             step_per_epoch(self.scheduler, row)  # ReduceLROnPlateau: on val_loss
-        state.epoch = epoch
-        state.batch_in_epoch = 0
+        state.epoch, state.batch_in_epoch = epoch, 0  # (an epoch's end, in every checkpoint)
         if self.last_grad_norm is not None:
             row["grad_norm"] = float(self.last_grad_norm)  # of the epoch's last step
-        if self.device.type == "cuda":  # peak memory of this process's GPU
-            row["max_memory_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         row["seconds"] = time.perf_counter() - start
-        row.update(self.throughput.row(sum(self.record.sizes)))  # (the training part's rate)
+        # samples/s (tokens/s, MFU) of the training part; a GPU's peak memory
+        row.update(self.throughput.row(sum(self.record.sizes), self.device))
         return row
 
     def _step_window(self, micro: list[tuple[Inputs, Any]]) -> None:
@@ -398,12 +388,11 @@ class Trainer:
         local = sum(sizes)
         window, signum = self._window(micro, sizes)
         if self.throughput.counting:  # a fit's first step: its FLOPs, for MFU (GPU only)
-            step = functools.partial(self.train_step, window)
-            loss = self.throughput.count(step, local, micro)
+            loss = self.throughput.count(self.train_step, window, local, micro)
         else:
             loss = self.train_step(window)
-        if self.throughput.tokens:  # a language model: tokens/s
-            self.throughput.add(micro)
+        if self.throughput.tokens:
+            self.throughput.add(micro)  # a language model's tokens, for tokens/s
         state.samples_seen += window.samples
         state.batch_in_epoch += len(micro)
         self.console.advance(local, self.record)
@@ -422,9 +411,8 @@ class Trainer:
                 self._log_step(total)
             for callback in self.callbacks:
                 callback.on_step_end(self, state.step, total)
-            every = self.validate_every_n_steps
-            if every and state.step % every == 0 and self.validator.sets:
-                self._validate_now()
+            if self.validator.every and state.step % self.validator.every == 0:
+                self._validate_now()  # (validate_every_n_steps)
             if self.checkpointer.due_after_step(state.step):
                 self.save_checkpoint()
         self._stop_if_signalled(signum)
@@ -446,14 +434,9 @@ class Trainer:
                 self._label_shift = self.own_label_shift(*micro[0]) if own else 0
             counts = token_counts([t for _, t in micro], self._label_shift, self.ignore_index)
         total, signum = sum(counts), None
-        if self.distributed:
-            # A sum: counts add up, and one flag per stop signal says if any process got it.
-            got = [float(self._signals.received == sig) for sig in STOP_SIGNALS]
-            totals = all_reduce(torch.tensor([total, samples, *got], dtype=torch.float64))
-            total, samples = int(totals[0]), int(totals[1])
-            signum = next((sig for sig, n in zip(STOP_SIGNALS, totals[2:], strict=True) if n), 0)
-        summing = self.loss_reduction == "sum"
-        weights = loss_weights(counts, total, self.world.size, summing=summing)
+        if self.distributed:  # the counts of every process, and a stop signal of any
+            total, samples, signum = agreed_counts(total, samples, self._signals.received)
+        weights = loss_weights(counts, total, self.world.size, summing=self.summed)
         return Window(micro, list(weights), samples), signum
 
     def train_step(self, window: Window) -> StepLoss:
@@ -586,6 +569,18 @@ class Trainer:
         self.run_log.report(self.last_eval, self.info)  # when due: a long run's live view
         self._stop_if_signalled()
 
+    def _stop_if_signalled(self, agreed: int | None = None) -> None:
+        """Checkpoint and stop after this step if any process got SIGTERM/SIGINT (``agreed``:
+        in this step's collective), every process at the same step."""
+        signum = self._signals.received or 0
+        if self.distributed:  # this step's collective's, or one now (an epoch's end)
+            signum = (
+                agreed if agreed is not None else int(all_reduce(torch.tensor([signum]), "max"))
+            )
+        if signum:
+            path = self.save_checkpoint()
+            raise Preempted(signum, self.state.step, str(path) if path is not None else None)
+
     def _log_step(self, loss: torch.Tensor) -> None:
         self.watch.check(self.state, self.world)  # (a NaN since the last row stops here)
         value = step_loss(loss, self.world)  # a host sync, only every log_every steps
@@ -595,19 +590,6 @@ class Trainer:
             epoch=self.state.epoch + 1, step=self.state.step, samples=self.state.samples_seen,
             loss=value, lr=self.optimizer.param_groups[0]["lr"], grad_norm=norm,
         )  # fmt: skip
-
-    def _stop_if_signalled(self, agreed: int | None = None) -> None:
-        """Stop after this step if a SIGTERM/SIGINT arrived (in any process: all processes
-        agree on the step, so the checkpoint is consistent). ``agreed`` is the signal the
-        processes already agreed on in this step's collective."""
-        signum = self._signals.received or 0
-        if self.distributed:
-            if agreed is None:
-                agreed = int(all_reduce(torch.tensor([signum]), "max").item())
-            signum = agreed
-        if signum:
-            path = self.save_checkpoint()
-            raise Preempted(signum, self.state.step, str(path) if path is not None else None)
 
     def _profiling(self) -> contextlib.AbstractContextManager[Any]:
         """The profiler of ``profile`` steps (rank 0's), or nothing."""

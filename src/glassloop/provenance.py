@@ -32,8 +32,9 @@ def git_sha(cwd: Path | None = None) -> str | None:
     return sha if out.returncode == 0 and sha else None
 
 
-def environment() -> dict[str, Any]:
-    """Versions and machine facts recorded with every run.
+def environment(deterministic: str | None = None) -> dict[str, Any]:
+    """Versions and machine facts recorded with every run (and, when given, whether torch's
+    deterministic algorithms were on: :func:`glassloop.rng.use_deterministic`).
 
     >>> sorted(environment())[:3]
     ['argv', 'cuda', 'git_sha']
@@ -48,4 +49,5 @@ def environment() -> dict[str, Any]:
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "git_sha": git_sha(),
         "argv": redacted(list(sys.argv)),  # (a URI's password on the command line: ***)
+        **({"deterministic": deterministic} if deterministic is not None else {}),
     }

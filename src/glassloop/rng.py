@@ -118,15 +118,13 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
 
 def capture_loader_rng(loader: Any) -> dict[str, Any]:
     """Every RNG an epoch of ``loader`` may draw its order from: the global ones and the
-        loader's own generators.
+    loader's own generators.
 
-        >>> from torch.utils.data import DataLoader
-
-    from glassloop.errors import ConfigError
-        >>> loader = DataLoader(list(range(8)), batch_size=4, shuffle=True)
-        >>> saved = capture_loader_rng(loader); first = [b.tolist() for b in loader]
-        >>> restore_loader_rng(loader, saved); [b.tolist() for b in loader] == first
-        True
+    >>> from torch.utils.data import DataLoader
+    >>> loader = DataLoader(list(range(8)), batch_size=4, shuffle=True)
+    >>> saved = capture_loader_rng(loader); first = [b.tolist() for b in loader]
+    >>> restore_loader_rng(loader, saved); [b.tolist() for b in loader] == first
+    True
     """
     return {
         "global": capture_rng_state(),
@@ -145,18 +143,16 @@ def replay_epoch(
     loader: Iterable[Any], epoch_rng: dict[str, Any] | None, num_batches: int
 ) -> Iterator[Any]:
     """Continue a loader without ``state_dict`` inside an epoch: with the RNG it drew the
-        epoch's order from put back (``epoch_rng``, from :func:`capture_loader_rng` at the
-        epoch's start: a ``DataLoader`` draws its shuffle and worker seeds from it), load and
-        drop the ``num_batches`` already trained on, then put back the RNG as it was. Exact for a
-        ``DataLoader`` and for any loader whose order depends on nothing else.
+    epoch's order from put back (``epoch_rng``, from :func:`capture_loader_rng` at the
+    epoch's start: a ``DataLoader`` draws its shuffle and worker seeds from it), load and
+    drop the ``num_batches`` already trained on, then put back the RNG as it was. Exact for a
+    ``DataLoader`` and for any loader whose order depends on nothing else.
 
-        >>> from torch.utils.data import DataLoader
-
-    from glassloop.errors import ConfigError
-        >>> loader = DataLoader(list(range(8)), batch_size=2, shuffle=True)
-        >>> start = capture_loader_rng(loader); epoch = [b.tolist() for b in loader]
-        >>> [b.tolist() for b in replay_epoch(loader, start, 3)] == epoch[3:]
-        True
+    >>> from torch.utils.data import DataLoader
+    >>> loader = DataLoader(list(range(8)), batch_size=2, shuffle=True)
+    >>> start = capture_loader_rng(loader); epoch = [b.tolist() for b in loader]
+    >>> [b.tolist() for b in replay_epoch(loader, start, 3)] == epoch[3:]
+    True
     """
     now = capture_loader_rng(loader)
     if epoch_rng is not None:
@@ -166,6 +162,30 @@ def replay_epoch(
         pass
     restore_loader_rng(loader, now)
     return iterator
+
+
+def epoch_batches(
+    loader: Iterable[Any], epoch_rng: dict[str, Any] | None, done: int, limit: int = 0
+) -> tuple[Iterable[Any], dict[str, Any] | None]:
+    """The batches an epoch iterates and the RNG its order is drawn from (kept in
+    checkpoints). A loader with ``load_state_dict`` knows its own position; another one,
+    ``done`` batches into an epoch (a resume), has the rest replayed from ``epoch_rng``
+    (:func:`replay_epoch`); at an epoch's start its RNG is captured. ``limit``: at most
+    this many batches in the epoch (``limit_batches``; a resumed epoch used ``done``).
+
+    >>> batches, rng = epoch_batches([1, 2, 3, 4], None, 1, limit=3)
+    >>> list(batches)
+    [2, 3]
+    """
+    batches: Iterable[Any] = loader
+    if not hasattr(loader, "load_state_dict"):
+        if done:
+            batches = replay_epoch(loader, epoch_rng, done)
+        else:
+            epoch_rng = capture_loader_rng(loader)
+    if limit:
+        batches = itertools.islice(batches, max(0, limit - done))
+    return batches, epoch_rng
 
 
 def replay_caveat(loader: Iterable[Any], batches: int) -> str | None:

@@ -66,15 +66,17 @@ class Throughput:
         """A language model's step: its targets' positions."""
         self.tokens_seen += positions(micro)
 
-    def count(self, step: Callable[[], Any], samples: int, micro: list[tuple[Any, Any]]) -> Any:
-        """Run ``step`` (a fit's first) under the FLOP counter; its FLOPs per sample (or
+    def count(
+        self, step: Callable[[Any], Any], window: Any, samples: int, micro: list[tuple[Any, Any]]
+    ) -> Any:
+        """``step(window)`` (a fit's first) under the FLOP counter; its FLOPs per sample (or
         token) are what MFU multiplies by."""
         self.counting = False
         with warnings.catch_warnings(), FlopCounterMode(display=False) as counter:
             # (the counter's module hooks make a compiled model warn that they fire twice:
             # they count nothing twice, FLOPs are counted per operation)
             warnings.filterwarnings("ignore", "Using `torch.compile", UserWarning)
-            result = step()
+            result = step(window)
         units = positions(micro) if self.tokens else samples
         if units:
             self.flops_per_unit = counter.get_total_flops() / units
@@ -83,18 +85,22 @@ class Throughput:
     def stop(self) -> None:
         self.stopped = time.perf_counter()
 
-    def row(self, samples: int) -> dict[str, Any]:
+    def row(self, samples: int, device: torch.device | None = None) -> dict[str, Any]:
         """``samples_per_s`` (and ``tokens_per_s``, ``mfu``) over every process, for the
         epoch's row (a collective with several processes); ``samples``: this process's
-        samples of the epoch by now."""
+        samples of the epoch by now. On a GPU also ``max_memory_mb``, the peak memory this
+        process allocated."""
+        memory: dict[str, Any] = {}
+        if device is not None and device.type == "cuda":
+            memory["max_memory_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
         counts = torch.tensor([samples - self.before, self.tokens_seen], dtype=torch.float64)
         if self.world.distributed:
             counts = all_reduce(counts)
         seconds = self.stopped - self.started
         if seconds <= 0:
-            return {"samples_per_s": None}
+            return {**memory, "samples_per_s": None}
         seen, tokens = float(counts[0]), float(counts[1])
-        row: dict[str, Any] = {"samples_per_s": seen / seconds}
+        row: dict[str, Any] = {**memory, "samples_per_s": seen / seconds}
         if self.tokens:
             row["tokens_per_s"] = tokens / seconds
         if self.flops_per_unit is not None and self.peak:

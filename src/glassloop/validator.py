@@ -35,14 +35,18 @@ class Validating(Protocol):
 
 class Validator:
     """The validation sets of one ``fit``; ``limit``: at most this many batches of each
-    (``limit_batches``; ``counted``: an FSDP run evens the processes' batch counts out)."""
+    (``limit_batches``; ``counted``: an FSDP run evens the processes' batch counts out);
+    ``every``: also inside epochs, every this many steps (``validate_every_n_steps``)."""
 
-    def __init__(self, sets: Validation | None, *, limit: int = 0, counted: bool = False) -> None:
+    def __init__(
+        self, sets: Validation | None, *, limit: int = 0, counted: bool = False, every: int = 0
+    ) -> None:
         if sets is None:
             self.sets: dict[str, Iterable[Any]] = {}
         else:
             self.sets = dict(sets) if isinstance(sets, Mapping) else {"": sets}
         self.limit, self.counted = limit, counted
+        self.every = every if self.sets else 0  # (read every step: an attribute, no call)
         self.last: dict[str, Any] | None = None  # the first set's metrics (the report's)
 
     @property
