@@ -22,7 +22,6 @@ at the next start. Nothing here ever unpickles: weights and state tensors are sa
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -44,7 +43,6 @@ from glassloop.atomic import (
     remove_tree,
     replace_own,
 )
-from glassloop.distributed import unwrap_model
 from glassloop.errors import CheckpointError as CheckpointError  # re-exported: its old home
 from glassloop.errors import CheckpointWriteError as CheckpointWriteError
 from glassloop.errors import write_failure
@@ -52,11 +50,18 @@ from glassloop.serialization import (
     UnserializableError,
     finite_json,
     flatten,
+    sha256_of,
     stable_repr,
     unflatten,
 )
 from glassloop.state import check_training_state
-from glassloop.weights import read_safetensors, weights_dict, weights_metadata, write_safetensors
+from glassloop.weights import (
+    read_safetensors,
+    weights_dict,
+    weights_finite,
+    weights_metadata,
+    write_safetensors,
+)
 
 FORMAT_VERSION = 1
 CREATOR = "glassloop"
@@ -79,20 +84,6 @@ FILES = ("model.safetensors", "state.safetensors", "state.json", "meta.json")
 SHARDS = "shards"  # a sharded (FSDP) checkpoint's folder of tensors, instead of model.safetensors
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)?$")  # manifest names: no escape
 MAX_JSON_BYTES = 256 * 1024 * 1024
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically (floats round-trip exactly: Python writes their shortest repr)."""
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=1, default=stable_repr) + "\n", encoding="utf-8")
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -212,13 +203,6 @@ def remove_marked(path: Path) -> None:
     remove_tree(path, last=MARKER)
 
 
-def all_finite(model: nn.Module) -> bool:
-    tensors = [t for t in unwrap_model(model).state_dict().values() if t.is_floating_point()]
-    if not tensors:
-        return True
-    return bool(torch.stack([t.isfinite().all() for t in tensors]).all())
-
-
 def staging_dir(target: Path, owner: int) -> Path:
     """Where the checkpoint for ``target`` is written before it is renamed into place
     (``owner``: the writing process's pid; rank 0's in a sharded save)."""
@@ -328,7 +312,7 @@ def save_checkpoint(
     target = root / step_dir_name(int(meta["step"]))
     last = latest_pointer(run_dir)
     last_text = str(last) if last is not None else "none"
-    if model is not None and not all_finite(model):
+    if model is not None and not weights_finite(model):
         raise not_finite(meta["step"], last_text)
     try:
         own_dir(root)

@@ -30,13 +30,12 @@ from glassloop.checkpoint import (
     CheckpointError,
     CheckpointWriteError,
     clean_temporaries,
-    write_json,
 )
 from glassloop.distributed import SINGLE, World, unwrap_model
 from glassloop.errors import GlassloopError, write_failure
 from glassloop.run_lock import RunLock
 from glassloop.runs import read_json_object
-from glassloop.serialization import stable_repr
+from glassloop.serialization import stable_repr, write_json
 from glassloop.sinks import CSVSink, JSONLSink, TensorBoardSink, truncate_rows
 from glassloop.state import TrainState
 from glassloop.tracking import Tracker, TrackingConfig, make_tracker

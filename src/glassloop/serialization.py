@@ -12,12 +12,17 @@ carry data only.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from glassloop.atomic import atomic_path
 
 MARKERS = ("__tensor__", "__tuple__", "__pairs__", "__ndarray__", "__float__")
 
@@ -144,3 +149,18 @@ def finite_json(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [finite_json(v) for v in value]
     return value
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON atomically (floats round-trip exactly: Python writes their shortest repr)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=1, default=stable_repr) + "\n", encoding="utf-8")
+
+
+def sha256_of(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read a MiB at a time (a checkpoint's manifest)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

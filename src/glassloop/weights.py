@@ -222,3 +222,11 @@ def weights_metadata(model_spec: Any) -> dict[str, str]:
     if model_spec is not None:
         metadata["glassloop.model"] = json.dumps(model_spec, sort_keys=True)
     return metadata
+
+
+def weights_finite(model: nn.Module) -> bool:
+    """Whether every floating-point weight and buffer of ``model`` is finite (one host read)."""
+    tensors = [t for t in unwrap_model(model).state_dict().values() if t.is_floating_point()]
+    if not tensors:
+        return True
+    return bool(torch.stack([t.isfinite().all() for t in tensors]).all())
