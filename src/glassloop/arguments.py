@@ -22,7 +22,9 @@ ARGUMENTS: dict[str, dict[str, str]] = {
         "as ``labels=``, as Hugging Face models do).",
         "task": '"auto" (from the loss), "classification", "multilabel", "regression", '
         '"language-model" or "custom": what ``predict`` returns and which metrics are '
-        "reported (:mod:`glassloop.tasks`).",
+        "reported (:mod:`glassloop.tasks`); a model with several heads: a task each "
+        "(``{'kind': 'classification', 'size': 'regression'}``: every head predicted, its "
+        "metrics as ``val_<head>_<metric>``).",
         "metrics": "more metrics, by name (``['top5_accuracy']``) or ``{name: metric}``.",
     },
     "the step": {

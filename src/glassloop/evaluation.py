@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ from glassloop.tasks import (
     LABEL_TASKS,
     activate,
     class_scores,
+    head_of,
     model_loss,
     prediction_of,
     reduction_of,
@@ -34,6 +36,7 @@ from glassloop.tasks import (
 )
 
 LossFn = Callable[..., torch.Tensor]
+T = TypeVar("T")
 TaskSums = ClassificationSums | MultilabelSums | RegressionSums
 
 
@@ -59,6 +62,7 @@ def evaluate(
     ignore_index: int = -100,
     metrics: Mapping[str, Metric | str] | Sequence[str] | None = None,
     loss_reduction: str = "auto",
+    heads: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Return ``loss`` (mean over samples, or over labelled tokens; a loss that sums over its
     batch, ``loss_reduction="sum"`` or a loss module's ``reduction``, per sample too) and the
@@ -68,6 +72,8 @@ def evaluate(
     regression ``mae``, ``rmse``, ``r2``; ... plus every metric of ``metrics`` by its name:
     names of :mod:`glassloop.metric_names` or ``{name: metric object}`` (:class:`Metric`).
     ``loss_fn=None``: the model computes its own loss (it gets the target as ``labels=``).
+    ``heads``: a task per head of a model with several (:func:`glassloop.tasks.
+    resolve_heads`): each head's metrics on its part of the target, as ``<head>_<metric>``.
 
     The tutorial averages batch means (``test_loss / num_batches``), which over-weights a
     short last batch; here every sample counts once. Inside a multi-process job each process
@@ -88,6 +94,7 @@ def evaluate(
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     weight = torch.zeros((), dtype=torch.float64, device=device)
     sums: TaskSums | None = None
+    head_sums: dict[str, TaskSums | None] = {}
     shift: int | None = None  # how the model's own loss lines tokens up with labels (own_shift)
     first = True
     was_training = model.training
@@ -101,6 +108,12 @@ def evaluate(
                 )
                 output = model(*inputs[0], **inputs[1])
                 loss = loss_fn(output, target) if loss_fn is not None else model_loss(output)
+                if heads:  # a task per head: the loss per sample, each head's own metrics
+                    samples = batch_size_of(target, inputs)
+                    loss_sum += loss.detach().to(torch.float64) * (1 if summed else samples)
+                    weight += samples
+                    update_heads(head_sums, heads, output, target, device, ignore_index)
+                    continue
                 prediction = prediction_of(output, with_loss=own_loss)
                 if first:  # (decided on the first batch)
                     shift = own_shift(loss, prediction, target, ignore_index) if own_loss else 0
@@ -134,13 +147,17 @@ def evaluate(
 
         totals = all_reduce(torch.stack([loss_sum, weight]).cpu())
         loss_sum, weight = totals[0], totals[1]
-        if sums is not None:
-            sums.all_reduce()
+        for found in (sums, *head_sums.values()):
+            if found is not None:
+                found.all_reduce()
     if float(weight) == 0:
         raise DataError("data: the evaluation set is empty")
     result: dict[str, Any] = {"loss": float(loss_sum) / float(weight)}
     if sums is not None:
         result.update(sums.compute())
+    for name, found in head_sums.items():
+        if found is not None:
+            result.update({f"{name}_{key}": value for key, value in found.compute().items()})
     if task == "language-model":
         result["perplexity"] = math.exp(min(result["loss"], 700.0))  # (exp overflows past 709)
     for name, metric in extra.items():
@@ -149,6 +166,21 @@ def evaluate(
             float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
         )
     return result
+
+
+def update_heads(
+    sums: dict[str, TaskSums | None], heads: Mapping[str, str], output: Any, target: Any,
+    device: torch.device, ignore_index: int,
+) -> None:  # fmt: skip
+    """Add a batch to each head's task sums (sized from the first batch; ``None``: a head
+    whose target does not have its task's shape reports nothing)."""
+    for i, (name, task) in enumerate(heads.items()):
+        prediction, goal = head_of(output, name, i), head_of(target, name, i)
+        labels = class_scores(prediction, goal) if task in LABEL_TASKS else None
+        if name not in sums:
+            sums[name] = task_sums(task, prediction, goal, labels, device, ignore_index)
+        if (found := sums[name]) is not None:
+            update_sums(found, prediction, goal, labels)
 
 
 def own_shift(
@@ -402,6 +434,58 @@ def predict(
     (torch.Size([2, 3]), True)
     """
     task = task_of(model, resolve_task(task, None))
+    convert = functools.partial(activated, task=task, classes=classes, probabilities=probabilities)
+    outputs = model_outputs(model, data, batch_size, device, convert)
+    return torch.cat(outputs) if outputs else torch.empty(0)
+
+
+def activated(
+    output: Any, *, task: str, classes: int | None = None, probabilities: bool = False
+) -> torch.Tensor:
+    """One batch's prediction as :func:`predict` returns it, on the CPU."""
+    return activate(task, prediction_of(output), classes, probabilities=probabilities).cpu()
+
+
+def heads_activated(output: Any, *, heads: Mapping[str, str]) -> tuple[bool, list[torch.Tensor]]:
+    """One batch's prediction of every head (on the CPU), and whether the model returned a
+    tuple."""
+    found = [
+        activate(task, head_of(output, name, i)).cpu()
+        for i, (name, task) in enumerate(heads.items())
+    ]
+    return isinstance(output, (tuple, list)), found
+
+
+def predict_heads(
+    model: nn.Module, data: torch.Tensor | Iterable[Any], heads: Mapping[str, str], *,
+    batch_size: int = 256, device: torch.device | None = None,
+) -> dict[str, torch.Tensor] | tuple[torch.Tensor, ...]:  # fmt: skip
+    """:func:`predict` for a model with several heads, a task each
+    (:func:`glassloop.tasks.resolve_heads`): every head's prediction, each what its own task
+    means, in a dict by head name (a tuple when the model returns one).
+
+    >>> class Two(nn.Module):
+    ...     def forward(self, x):
+    ...         return {"kind": x[:, :2], "size": x[:, 2:]}
+    >>> out = predict_heads(Two(), torch.zeros(4, 3), {"kind": "classification",
+    ...                                                "size": "regression"})
+    >>> out["kind"][0].tolist(), out["size"].shape
+    ([0.5, 0.5], torch.Size([4, 1]))
+    """
+    convert = functools.partial(heads_activated, heads=heads)
+    batches = model_outputs(model, data, batch_size, device, convert)
+    joined = [torch.cat([found[i] for _, found in batches]) if batches else torch.empty(0)
+              for i in range(len(heads))]  # fmt: skip
+    as_tuple = bool(batches) and batches[0][0]
+    return tuple(joined) if as_tuple else dict(zip(heads, joined, strict=True))
+
+
+def model_outputs(
+    model: nn.Module, data: torch.Tensor | Iterable[Any], batch_size: int,
+    device: torch.device | None, convert: Callable[[Any], T],
+) -> list[T]:  # fmt: skip
+    """``convert`` of the model's output on each batch of ``data`` (see :func:`predict`), in
+    eval mode under ``torch.inference_mode``; the model's mode is put back at the end."""
     device = device if device is not None else model_device(model)
     # (FSDP: the processes' batch counts are evened out, which needs a len())
     if is_sharded(model) and not isinstance(data, (torch.Tensor, Sized)):
@@ -420,18 +504,12 @@ def predict(
     positional = required_inputs(model)
     was_training = model.training
     model.eval()
-    outputs: list[torch.Tensor] = []
+    converted: list[T] = []
     try:
         with torch.inference_mode():
             for batch in evenly(model, batches, device, predicting=True):
                 args, kwargs = split_inputs(move_to_device(batch, device), positional)
-                output = model(*args, **kwargs)
-                prediction = prediction_of(output)
-                outputs.append(
-                    activate(task, prediction, classes, probabilities=probabilities).cpu()
-                )
+                converted.append(convert(model(*args, **kwargs)))
     finally:
         model.train(was_training)
-    if not outputs:
-        return torch.empty(0)
-    return torch.cat(outputs)
+    return converted

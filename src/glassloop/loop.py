@@ -56,6 +56,7 @@ from glassloop.evaluation import (
     label_shift,
     metric_table,
     predict,
+    predict_heads,
 )
 from glassloop.fsdp import gradient_sync
 from glassloop.guards import (
@@ -85,7 +86,13 @@ from glassloop.run_log import RunInfo, RunLog, python_config
 from glassloop.sinks import ProgressReporter
 from glassloop.state import EpochRecord, TrainState, step_loss
 from glassloop.summary import end_summary, samples_in, start_header
-from glassloop.tasks import model_loss, reduction_of, resolve_task, takes_probabilities
+from glassloop.tasks import (
+    model_loss,
+    reduction_of,
+    resolve_heads,
+    resolve_task,
+    takes_probabilities,
+)
 from glassloop.throughput import Throughput, peak_flops
 from glassloop.tracking import TrackingConfig
 from glassloop.validation import check_trainer_options
@@ -132,7 +139,8 @@ class Trainer:
         self, model: nn.Module, optimizer: torch.optim.Optimizer | Mapping[str, Any],
         loss_fn: LossFn | None, *,
         # the model, its loss and what it is for
-        task: str = "auto", metrics: Sequence[str] | Mapping[str, Metric | str] | None = None,
+        task: str | Mapping[str, str] = "auto",
+        metrics: Sequence[str] | Mapping[str, Metric | str] | None = None,
         # the step
         precision: str = "32", grad_accum_steps: int = 1, loss_weighting: str = "samples",
         loss_reduction: str = "auto", ignore_index: int = -100,
@@ -168,6 +176,8 @@ class Trainer:
         })  # fmt: skip
         # What the model is trained to do (glassloop.tasks): decides what predict returns,
         # the metrics and the checks; loss_fn=None: the model computes its own loss.
+        # A model with several heads: a task each ({"kind": "classification", ...}).
+        task, self.heads = resolve_heads(task)
         self.task = resolve_task(task, loss_fn)
         self.probabilities = takes_probabilities(loss_fn)  # BCELoss: outputs are probabilities
         # "sum": the loss adds up over a batch (reported per sample; micro-batches add up)
@@ -694,7 +704,7 @@ class Trainer:
             return evaluate(
                 self.eval_model, self.console.validation(loader), self.loss_fn,
                 task=self.task, device=self.device, loss_reduction=self.loss_reduction,
-                ignore_index=self.ignore_index, metrics=self.metrics,
+                ignore_index=self.ignore_index, metrics=self.metrics, heads=self.heads,
             )  # fmt: skip
 
     def _validate_now(self) -> None:
@@ -707,11 +717,15 @@ class Trainer:
     def predict(
         self, data: torch.Tensor | Iterable[Any], *, batch_size: int = 256,
         classes: int | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor | dict[str, torch.Tensor] | tuple[torch.Tensor, ...]:  # fmt: skip
         """What the task means by a prediction (softmax or sigmoid probabilities, or the
-        outputs as they are; :func:`glassloop.predict`), on the CPU, under inference mode.
+        outputs as they are; :func:`glassloop.predict`), on the CPU, under inference mode;
+        with a task per head, every head's (:func:`~glassloop.evaluation.predict_heads`).
         In a multi-process FSDP job every process calls it, each with its own data."""
         with autocast(self.precision, self.device):
+            if self.heads:
+                model, size, device = self.eval_model, batch_size, self.device
+                return predict_heads(model, data, self.heads, batch_size=size, device=device)
             return predict(
                 self.eval_model, data, task=self.task, batch_size=batch_size,
                 device=self.device, classes=classes, probabilities=self.probabilities,

@@ -362,6 +362,7 @@ class Configured(Protocol):
     optimizer: torch.optim.Optimizer
     loss_fn: Any
     task: str
+    heads: dict[str, str] | None
     scheduler: Any
     scheduler_interval: str
     precision: str
@@ -385,7 +386,7 @@ def python_config(trainer: Configured) -> dict[str, Any]:
             k: _jsonable(v) for k, v in sorted(trainer.optimizer.defaults.items())
         },
         "loss_fn": stable_repr(trainer.loss_fn),
-        "task": trainer.task,
+        "task": trainer.heads or trainer.task,  # (a task per head: the heads')
         "scheduler": type(trainer.scheduler).__name__ if trainer.scheduler is not None else None,
         "scheduler_interval": trainer.scheduler_interval,
         "precision": trainer.precision,

@@ -10,6 +10,8 @@
 - ``language-model`` (set it; a per-token CrossEntropyLoss): softmax over the vocabulary;
   accuracy over labelled tokens, perplexity.
 - ``custom`` (any other loss, or the model's own): the outputs as they are; the loss only.
+- several heads, a task each (``{"kind": "classification", "size": "regression"}``,
+  :func:`resolve_heads`): each head's metrics on its part of the target, every head predicted.
 
 The task is inferred from the loss when that is unambiguous (the loss classes above and
 their functional forms, ``F.cross_entropy`` & co.) and can always be set
@@ -83,6 +85,48 @@ def resolve_task(task: str, loss_fn: Any) -> str:
     if task not in TASKS:
         raise ConfigError(f"task must be 'auto' or one of {', '.join(TASKS)}; got {task!r}")
     return task
+
+
+def resolve_heads(task: str | Mapping[str, str]) -> tuple[str, dict[str, str] | None]:
+    """The model's task and, for a model with several heads, each head's
+    (``{"kind": "classification", "size": "regression"}``): every head's task stated (no
+    ``"auto"``: a joint loss implies none), the model's own is then ``"custom"``.
+
+    >>> resolve_heads({"kind": "classification", "size": "regression"})[0]
+    'custom'
+    """
+    if not isinstance(task, Mapping):
+        return task, None
+    if not task:
+        raise ConfigError("task: a task per head needs at least one head, got {}")
+    for name, head_task in task.items():
+        if head_task not in TASKS:
+            raise ConfigError(
+                f"task: head {name!r} needs one of {', '.join(TASKS)}, got {head_task!r}"
+            )
+    return "custom", {str(name): head_task for name, head_task in task.items()}
+
+
+def head_of(value: Any, name: str, index: int) -> Any:
+    """A head's part of a model's output or of a target: a dict's (or a Hugging Face
+    output's) by the head's name, a tuple's or list's by its place in the task mapping.
+
+    >>> head_of({"kind": 1, "size": 2}, "size", 1), head_of((1, 2), "size", 1)
+    (2, 2)
+    """
+    if isinstance(value, Mapping):
+        if name in value:
+            return value[name]
+    elif isinstance(value, (tuple, list)):
+        if index < len(value):
+            return value[index]
+    elif hasattr(value, name):
+        return getattr(value, name)
+    raise ModelError(
+        f"model: no head {name!r} in a {type(value).__name__}: with a task per head the "
+        "model returns a dict of its heads (or a tuple in the task mapping's order), and "
+        "the target is one too"
+    )
 
 
 def reduction_of(loss_fn: Any, given: str = "auto") -> str:
