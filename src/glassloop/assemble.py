@@ -4,14 +4,14 @@ This is what ``glassloop train`` does before it calls ``fit``; Python users can 
 
     cfg = glassloop.load_config("recipe.toml", ["optim.lr=3e-4"])
     run = glassloop.build(cfg, run_dir="runs/try1")
-    history = run.trainer.fit(run.train_loader, run.val_loader, epochs=cfg.train.epochs)
+    history = run.trainer.fit(run.train_loader, run.validation, epochs=cfg.train.epochs)
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -22,6 +22,7 @@ from torch.utils.data import Dataset
 from glassloop.callbacks import Callback, EarlyStopping
 from glassloop.config import Config, config_task, to_dict
 from glassloop.data import Splits, load_splits, loaders_for_splits, make_loader, pad_collate
+from glassloop.data.datasets import npz_validation_sets
 from glassloop.data.loaders import InMemoryLoader, ResumableLoader
 from glassloop.data.text import TextData, load_text
 from glassloop.errors import ConfigError
@@ -48,6 +49,14 @@ class Run:
     train_loader: InMemoryLoader | ResumableLoader
     val_loader: InMemoryLoader | ResumableLoader
     trainer: Trainer
+    # data.val_sets: further validation sets by name, each reported as val_<name>_*
+    val_sets: dict[str, InMemoryLoader | ResumableLoader] = field(default_factory=dict)
+
+    @property
+    def validation(self) -> Any:
+        """What ``fit`` validates on: the validation loader, or with ``data.val_sets`` it
+        first (its numbers as ``val_*``) and each further set by name."""
+        return {"": self.val_loader, **self.val_sets} if self.val_sets else self.val_loader
 
 
 def model_spec(cfg: Config, data: Splits | TextData | DiskData) -> dict[str, Any]:
@@ -79,6 +88,7 @@ class Parts:
     loss_fn: nn.Module
     device: torch.device
     task: str  # what the model is trained to do (glassloop.tasks)
+    val_sets: dict[str, InMemoryLoader | ResumableLoader] = field(default_factory=dict)
 
 
 def parquet_data(cfg: Config) -> DiskData | TextData:
@@ -117,6 +127,11 @@ def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
     seed_everything(cfg.train.seed)  # before building the model: reproducible initial weights
     task = config_task(cfg)
     data: Splits | TextData | DiskData
+    val_sets: dict[str, InMemoryLoader | ResumableLoader] = {}  # data.val_sets (npz)
+    if cfg.data.val_sets and cfg.data.name != "npz":
+        raise ConfigError(
+            f"config: data.val_sets reads .npz files (data.name = 'npz'), not {cfg.data.name!r}"
+        )
     # Parquet, or image files too many to decode into memory: DiskData (else None).
     on_disk = parquet_data(cfg) if cfg.data.name == "parquet" else lazy_images(cfg)
     texts = load_text(cfg.data) if cfg.data.name == "text-csv" else None
@@ -182,10 +197,18 @@ def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
             augment=cfg.data.augment,
             world=world,
         )
+        val_sets = {  # data.val_sets (npz): each further set's loader, as the validation's
+            name: make_loader(tensors, batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
+                              shard="strided", num_workers=cfg.data.num_workers,
+                              seed=cfg.train.seed, world=world)
+            for name, tensors in npz_validation_sets(cfg.data, task, data).items()
+        }  # fmt: skip
     loss_fn = build_loss(
         cfg.loss, num_outputs=data.num_classes, ignore_index=cfg.train.ignore_index
     )
-    return Parts(cfg, data, train_loader, val_loader, model, loss_fn.to(device), device, task)
+    return Parts(
+        cfg, data, train_loader, val_loader, model, loss_fn.to(device), device, task, val_sets
+    )
 
 
 def standardize_targets(data: Splits) -> None:
@@ -284,4 +307,4 @@ def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
         )
     if (note := target_scale_note(data, parts.task)) is not None:
         trainer.console.message(note)
-    return Run(cfg, data, train_loader, val_loader, trainer)
+    return Run(cfg, data, train_loader, val_loader, trainer, parts.val_sets)

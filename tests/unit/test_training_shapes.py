@@ -281,6 +281,62 @@ def test_several_validation_sets_each_equal_evaluate_and_monitorable(tmp_path: P
     assert "val_far_loss" in metrics and "val_near_accuracy" in metrics
 
 
+def write_npz(path: Path, rows: int, shift: float, seed: int) -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(rows, 6)) + shift).astype("float32")
+    np.savez(path, x=x, y=(x[:, 0] > shift).astype("int64") + (x[:, 1] > shift))
+
+
+def test_a_config_names_further_validation_sets_each_equal_evaluate(tmp_path: Path) -> None:
+    """[data] val_sets = {ood = "ood.npz"}: the set's numbers as val_ood_*, equal to
+    evaluate() on it; the configured validation split stays val_*."""
+    from glassloop.assemble import build
+    from glassloop.config import load_config
+    from glassloop.evaluation import evaluate
+
+    write_npz(tmp_path / "train.npz", 200, 0.0, 0)
+    write_npz(tmp_path / "ood.npz", 60, 1.5, 1)
+    cfg = load_config(None, [
+        "data.name=npz", f"data.path={tmp_path / 'train.npz'}", "data.batch_size=32",
+        "model.name=mlp", "model.hidden=[8]", "train.epochs=2", "train.device=cpu",
+        "train.progress=none", f'data.val_sets={{ood = "{tmp_path / "ood.npz"}"}}',
+        "checkpoint.monitor=val_ood_loss",
+    ])  # fmt: skip
+    run = build(cfg, run_dir=tmp_path / "run")
+    history = run.trainer.fit(run.train_loader, run.validation, epochs=2)
+    ood = run.val_sets["ood"]
+    assert len(ood.dataset) == 60  # type: ignore[attr-defined]
+    final = evaluate(run.trainer.eval_model, ood, run.trainer.loss_fn, device=torch.device("cpu"))
+    assert history[-1]["val_ood_loss"] == final["loss"]
+    assert history[-1]["val_ood_accuracy"] == final["accuracy"]
+    own = evaluate(run.trainer.eval_model, run.val_loader, run.trainer.loss_fn)
+    assert history[-1]["val_loss"] == own["loss"]  # the configured split: still val_*
+
+
+def test_a_further_validation_set_that_cannot_be_read_is_one_line(tmp_path: Path) -> None:
+    from glassloop.assemble import build_parts
+    from glassloop.config import load_config
+    from glassloop.errors import DataError
+
+    write_npz(tmp_path / "train.npz", 100, 0.0, 0)
+    base = ["data.name=npz", f"data.path={tmp_path / 'train.npz'}", "model.name=mlp",
+            "train.device=cpu"]  # fmt: skip
+    missing = load_config(None, [*base, 'data.val_sets={ood = "nowhere.npz"}'])
+    with pytest.raises(DataError, match=r"data\.val_sets\.ood must .* existing \.npz file"):
+        build_parts(missing)
+    import numpy as np
+
+    np.savez(tmp_path / "wide.npz", x=np.zeros((5, 7), "float32"), y=np.zeros(5, "int64"))
+    wide = load_config(None, [*base, f'data.val_sets={{w = "{tmp_path / "wide.npz"}"}}'])
+    with pytest.raises(DataError, match=r"inputs shaped \(7,\); the training inputs are \(6,\)"):
+        build_parts(wide)
+    digits = load_config(None, ["data.name=digits", 'data.val_sets={ood = "x.npz"}'])
+    with pytest.raises(ConfigError, match=r"data\.val_sets reads \.npz files"):
+        build_parts(digits)
+
+
 # ------------------------------------------------------------------- activation checkpointing
 class Block(nn.Module):
     def __init__(self, width: int) -> None:

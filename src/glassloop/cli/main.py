@@ -303,7 +303,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         run = build(cfg, run_dir=None)
         print("fast dev run: 1 training and 1 validation batch, nothing written")
         try:
-            run.trainer.fit(run.train_loader, run.val_loader, epochs=1)
+            run.trainer.fit(run.train_loader, run.validation, epochs=1)
         finally:
             shutdown()
         print("fast dev run: ok")
@@ -322,7 +322,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         history = run.trainer.fit(
             run.train_loader,
-            run.val_loader,
+            run.validation,  # (and data.val_sets, by name)
             epochs=cfg.train.epochs,
             resume=args.resume,
             allow_config_change=args.allow_config_change,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from glassloop.atomic import atomic_path
 from glassloop.data.options import DataConfig
@@ -200,6 +201,52 @@ def npz(cfg: DataConfig, task: str = "classification") -> Splits:
         vocabulary = max(num_classes, int(max(x_tr.max(), x_va.max())) + 1)
         return from_arrays(x_tr, y_tr, x_va, y_va, vocabulary, {"inputs": "token_ids"})
     return from_arrays(x_tr, y_tr, x_va, y_va, num_classes)
+
+
+def npz_validation_sets(
+    cfg: DataConfig, task: str, splits: Splits
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """``data.val_sets``: each further validation set as ``(inputs, targets)``, read from an
+    npz file like ``data.path`` (``x``/``y``, every row, or ``x_val``/``y_val``), checked as
+    it is, its labels within the training set's classes and its inputs of the training
+    inputs' shape."""
+    if cfg.val_sets and cfg.name != "npz":
+        raise DataError(
+            f"data: data.val_sets reads .npz files (data.name = 'npz'), not {cfg.name!r} data"
+        )
+    sets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, file in cfg.val_sets.items():
+        path = Path(file) if isinstance(file, str) else None
+        if not name.isidentifier() or path is None or not path.is_file():
+            raise DataError(
+                f"data: data.val_sets.{name} must name a set with letters, digits and _ and "
+                f"give an existing .npz file, got {file!r}"
+            )
+        arrays = load_arrays(path, f"data.val_sets.{name}")
+        keys = ("x_val", "y_val") if {"x_val", "y_val"} <= arrays.keys() else ("x", "y")
+        if not set(keys) <= arrays.keys() or len(arrays[keys[0]]) != len(arrays[keys[1]]):
+            raise DataError(
+                f"data: '{path}' (data.val_sets.{name}) must hold x and y (or x_val and y_val) "
+                f"of one length each; found {sorted(arrays)}"
+            )
+        xs, ys = arrays[keys[0]], arrays[keys[1]]
+        if len(ys) == 0 or tuple(xs.shape[1:]) != tuple(splits.x_train.shape[1:]):
+            raise DataError(
+                f"data: '{path}' (data.val_sets.{name}) holds {len(ys)} rows of inputs shaped "
+                f"{tuple(xs.shape[1:])}; the training inputs are {tuple(splits.x_train.shape[1:])}"
+            )
+        if task in ("classification", "language-model"):
+            _check_labels(ys, path, "", xs)
+            if int(ys.max()) >= splits.num_classes:
+                raise DataError(
+                    f"data: '{path}' (data.val_sets.{name}) has label {int(ys.max())}; the "
+                    f"training set has {splits.num_classes} classes"
+                )
+            target = torch.as_tensor(ys, dtype=torch.int64)
+        else:
+            target = torch.as_tensor(target_values(ys, task, f"'{path}'"), dtype=torch.float32)
+        sets[name] = (torch.as_tensor(xs, dtype=splits.x_train.dtype), target)
+    return sets
 
 
 def _check_labels(ys: np.ndarray, path: Path, name: str, xs: np.ndarray) -> None:

@@ -35,6 +35,9 @@ class DataConfig:
     shuffle: bool = True
     num_workers: int = 0
     val_fraction: float = 0.2  # for datasets without a fixed validation split
+    # npz: further validation sets by name ({ood = "shifted.npz"}: x and y, every row, or
+    # x_val and y_val), each reported as val_<name>_*, monitorable like val_*
+    val_sets: dict[str, str] = field(default_factory=dict)
     num_samples: int = 2048  # synthetic only
     num_features: int = 32  # synthetic only
     num_classes: int = 10  # synthetic only
