@@ -28,6 +28,7 @@ gathers the full weights that way).
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -35,21 +36,6 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.hf_storage import (
-    HuggingFaceStorageReader,
-    HuggingFaceStorageWriter,
-)
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from glassloop.batch import required_inputs, split_batch, split_inputs
 from glassloop.device import move_to_device
@@ -58,6 +44,26 @@ from glassloop.errors import CheckpointError, ConfigError, DataError
 
 MODEL = "model."  # key prefixes in a checkpoint's shards/ folder
 OPTIMIZER = "optimizer."
+
+
+# torch's FSDP, DTensor and DCP are imported where they are used, not here: importing them
+# took ~1.3 s of every start (each `glassloop` command, each torchrun worker), and a sharded
+# model or a DTensor cannot exist before its module was imported, so the checks below look
+# for the module instead of importing it.
+def _imported(module: str, name: str) -> Any:
+    """``module.name`` if ``module`` is imported already, else ``None``."""
+    loaded = sys.modules.get(module)
+    return getattr(loaded, name, None) if loaded is not None else None
+
+
+def _is_fsdp(model: Any) -> bool:
+    fsdp_module = _imported("torch.distributed.fsdp", "FSDPModule")
+    return fsdp_module is not None and isinstance(model, fsdp_module)
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    dtensor = _imported("torch.distributed.tensor", "DTensor")
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def check_options(*, precision: str, ema: bool, compile: bool) -> None:
@@ -103,7 +109,9 @@ def shard_model(
     optimizer built before it would update tensors the model no longer uses. Its groups keep
     their hyper-parameters and order; each parameter is swapped for the sharded one of the
     same name. An optimizer that has already stepped is refused (its state is per tensor)."""
-    if isinstance(model, FSDPModule):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if _is_fsdp(model):
         return model  # sharded by the user, who built the optimizer after it
     if optimizer.state:
         raise ConfigError(
@@ -131,7 +139,7 @@ def shard_model(
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    return _is_fsdp(model)
 
 
 def class_name(model: nn.Module) -> str:
@@ -148,7 +156,7 @@ def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContext
     step's hot path pays one call)."""
     if enabled:
         return _AS_IS
-    if isinstance(model, FSDPModule):
+    if _is_fsdp(model):
         return _fsdp_sync_off(model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return model.no_sync()
@@ -159,7 +167,7 @@ _AS_IS = contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def _fsdp_sync_off(model: FSDPModule) -> Iterator[None]:
+def _fsdp_sync_off(model: Any) -> Iterator[None]:
     model.set_requires_gradient_sync(False)
     try:
         yield
@@ -169,12 +177,12 @@ def _fsdp_sync_off(model: FSDPModule) -> Iterator[None]:
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This process's part of a sharded tensor (the tensor itself when it is not sharded)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return cast(Any, tensor).to_local() if _is_dtensor(tensor) else tensor
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole of a sharded tensor (a collective: every process calls it)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return cast(Any, tensor).full_tensor() if _is_dtensor(tensor) else tensor
 
 
 def all_finite(model: nn.Module) -> bool:
@@ -190,6 +198,8 @@ def all_finite(model: nn.Module) -> bool:
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's whole weights on the CPU in rank 0 (``{}`` elsewhere); a collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
 
@@ -213,6 +223,8 @@ class ShardedState:
     def _tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
         """This run's tensors by checkpoint key, and the two state dicts they came from
         (DCP's: keys are parameter names, the same for any sharding)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         model_state, optim_dict = get_state_dict(self.model, self.optimizer)
         optim_state = cast(dict[str, Any], optim_dict)
         flat = {MODEL + name: cast(torch.Tensor, tensor) for name, tensor in model_state.items()}
@@ -234,12 +246,19 @@ class ShardedState:
 
     def save(self, directory: Path) -> None:
         """Write this process's shard of every tensor into ``directory`` (all processes)."""
+        from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
         flat, _, _ = self._tensors()
         writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
         with quiet_single_process():
             dcp_save(flat, storage_writer=writer, no_dist=not distributed_job())
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
         if self.source is None:
             raise CheckpointError("checkpoint: no shards to load the FSDP state from")
         flat, model_state, optim_state = self._tensors()  # this run's own layout
@@ -276,6 +295,10 @@ def quiet_single_process() -> Iterator[None]:
 def read_full_weights(directory: Path) -> dict[str, torch.Tensor]:
     """The whole model from a checkpoint's ``shards/``, gathered in this one process (no
     process group): every tensor allocated at its global shape and filled from the chunks."""
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
     reader = HuggingFaceStorageReader(str(directory))
     try:
         metadata = reader.read_metadata()
@@ -302,7 +325,7 @@ def evenly(
     they can be counted: ``limit_batches`` keeps the count, see
     :func:`glassloop.evaluation.first_batches`). What the evaluation and prediction
     loops of :mod:`glassloop.evaluation` run the model over."""
-    if not isinstance(model, FSDPModule):
+    if not _is_fsdp(model):
         return batches
     try:
         count = len(batches)  # type: ignore[arg-type]
