@@ -35,12 +35,8 @@ def prepare_model(
     ``compile``: ``torch.compile``'s ``mode`` and ``dynamic`` (``None``: not compiled)."""
     check_strategy(strategy)  # (also when the world was given)
     model = model.to(device)
-    if checkpointed:
-        if strategy == "fsdp":
-            raise ConfigError(
-                "config: train.activation_checkpointing is not supported with train.strategy "
-                "= 'fsdp' yet; use 'ddp', or checkpoint the blocks yourself before sharding"
-            )
+    if checkpointed:  # (before FSDP: a unit's recomputation runs inside the unit, between
+        # its pre-backward all-gather and its reshard, as torchtitan's wrapper does)
         checkpoint_activations(model, checkpointed)
     # torch.compile wraps the module (state_dict keys gain "_orig_mod."); checkpoints store
     # the unwrapped keys, so they load with or without compile. dynamic=False: one static

@@ -57,6 +57,19 @@ def test_two_sharded_processes_equal_one_process(workdir: Path, two: Path) -> No
     assert ra["val_loss"] == pytest.approx(rb["val_loss"], abs=1e-6)
 
 
+def test_activation_checkpointing_inside_sharded_units_trains_bitwise_the_same(
+    workdir: Path, two: Path
+) -> None:
+    """train.activation_checkpointing under FSDP: each unit's activations recomputed in its
+    backward, between its all-gather and its reshard; the weights bitwise the same."""
+    ac = train(workdir, "--run-dir", "ac", "--set", 'train.activation_checkpointing=["Linear"]',
+               nproc=2)  # fmt: skip
+    assert ac.returncode == 0, ac.stderr
+    x, y = load_file(workdir / "ac" / "model.safetensors"), load_file(two / "model.safetensors")
+    assert sorted(x) == sorted(y)
+    assert all(torch.equal(x[key], y[key]) for key in x)
+
+
 def test_a_sharded_checkpoint_is_one_safetensors_file_per_process_and_no_pickle(
     two: Path,
 ) -> None:
