@@ -73,6 +73,16 @@ def test_every_block_is_run_or_listed_with_a_reason() -> None:
             assert language in ("bash", "python", "toml"), f"{file}: a {language} block"
 
 
+@pytest.mark.parametrize("name", [*FILES, "docs/tasks.md"])
+def test_every_fence_closes_bare(name: str) -> None:
+    """A closing fence with text after it does not close the block on GitHub: the rest of
+    the page would render as code (the README's "Benchmarks live in ..." once did)."""
+    fences = [line for line in (ROOT / name).read_text(encoding="utf-8").splitlines()
+              if line.startswith("```")]  # fmt: skip
+    assert fences[1::2] == ["```"] * len(fences[1::2]), name
+    assert all(re.fullmatch(r"```\w*", line) for line in fences[::2]), name
+
+
 @pytest.mark.parametrize("name", FILES)
 def test_toml_blocks_are_valid_configs(name: str) -> None:
     for language, code in blocks(name):
