@@ -81,15 +81,20 @@ def write_report(
         images.append((name, title))
         if name == "loss.png" and len(steps) > 1:
             images.append(("step_loss.png", "training loss per step"))
-    report_text = ""
-    if evaluation is not None and "confusion" in evaluation:
-        confusion = evaluation["confusion"]
-        names = class_names or [str(i) for i in range(len(confusion))]
+    texts: list[str] = []
+    # A classifier's confusion matrix and class report; a model with a task per head: each
+    # classifying head's ("<head>_confusion", its classes numbered).
+    heads = [k.removesuffix("confusion") for k in evaluation or {} if k.endswith("confusion")]
+    for head in heads:
+        assert evaluation is not None
+        confusion = evaluation[f"{head}confusion"]
+        names = (class_names if not head else None) or [str(i) for i in range(len(confusion))]
         size = max(4.0, 0.5 * len(names) + 2)
         figure, axis = plt.subplots(figsize=(size, size))
         axis.imshow(confusion, cmap="Blues")
+        title = f"confusion matrix{' of ' + head.rstrip('_') if head else ''} (validation)"
         axis.set(xticks=range(len(names)), yticks=range(len(names)), xlabel="predicted",
-                 ylabel="true", title="confusion matrix (validation)")  # fmt: skip
+                 ylabel="true", title=title)  # fmt: skip
         axis.set_xticklabels(names, rotation=45, ha="right")
         axis.set_yticklabels(names)
         top = max(max(row) for row in confusion) or 1
@@ -98,11 +103,13 @@ def write_report(
                 colour = "white" if count > top / 2 else "black"
                 axis.text(j, i, str(count), ha="center", va="center", color=colour, fontsize=8)
         figure.tight_layout()
-        save(figure, "confusion.png")
-        images.append(("confusion.png", "confusion matrix"))
-        report_text = format_report(evaluation["report"], evaluation["accuracy"], names)
-        with atomic_path(out / "classification_report.txt") as tmp:
-            tmp.write_text(report_text + "\n", encoding="utf-8")
+        save(figure, f"{head}confusion.png")
+        images.append((f"{head}confusion.png", title.removesuffix(" (validation)")))
+        text = format_report(evaluation[f"{head}report"], evaluation[f"{head}accuracy"], names)
+        with atomic_path(out / f"{head}classification_report.txt") as tmp:
+            tmp.write_text(text + "\n", encoding="utf-8")
+        texts.append((f"{head.rstrip('_')}:\n" if head else "") + text)
+    report_text = "\n\n".join(texts)
     if predicted_vs_true is not None:
         predicted, true = (t.detach().float().flatten().cpu() for t in predicted_vs_true)
         figure, axis = plt.subplots(figsize=(5, 5))

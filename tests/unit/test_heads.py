@@ -4,6 +4,7 @@ returning every head as the model returns them (a dict, or a tuple)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -106,3 +107,19 @@ def test_a_head_without_a_stated_task_or_missing_from_the_output_is_one_line() -
                       device="cpu", progress="none")  # fmt: skip
     with pytest.raises(ModelError, match="no head 'age' in a dict"):
         trainer.predict(torch.randn(4, 6))
+
+
+def test_the_report_has_each_classifying_heads_confusion_matrix_and_class_report(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = TwoHeads()
+    trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), joint_loss,
+                      task=HEADS, device="cpu", progress="none", run_dir=tmp_path / "run")  # fmt: skip
+    trainer.fit(data(100, 0), data(50, 1), epochs=1)
+    report = tmp_path / "run" / "report"
+    assert (report / "kind_confusion.png").stat().st_size > 0
+    text = (report / "kind_classification_report.txt").read_text()
+    assert text.split()[:4] == ["precision", "recall", "f1-score", "support"]
+    assert "kind:" in (report / "index.html").read_text()
+    assert not (report / "size_confusion.png").exists()  # a regression head has none
