@@ -34,6 +34,7 @@ EXPECTED = {  # what each example must print: it ran, and it learned
     "An optimizer that takes a closure (LBFGS)": "train_loss",
     "Several models and optimizers: a GAN": "generated mean",
     "Several validation sets": "shifted",
+    "Two inputs, and the knobs of a long run": "same class:",
     "Finding a learning rate": "suggested lr",
     "Saving and reloading a model built in Python": "True",
 }
