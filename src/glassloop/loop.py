@@ -717,10 +717,11 @@ class Trainer:
     def predict(
         self, data: torch.Tensor | Iterable[Any], *, batch_size: int = 256,
         classes: int | None = None,
-    ) -> torch.Tensor | dict[str, torch.Tensor] | tuple[torch.Tensor, ...]:  # fmt: skip
+    ) -> Any:  # fmt: skip
         """What the task means by a prediction (softmax or sigmoid probabilities, or the
-        outputs as they are; :func:`glassloop.predict`), on the CPU, under inference mode;
-        with a task per head, every head's (:func:`~glassloop.evaluation.predict_heads`).
+        outputs as they are; :func:`glassloop.predict`), a tensor on the CPU, under inference
+        mode; with a task per head every head's, in a dict by name (a tuple for a model that
+        returns one: :func:`~glassloop.evaluation.predict_heads`; hence ``Any``).
         In a multi-process FSDP job every process calls it, each with its own data."""
         with autocast(self.precision, self.device):
             if self.heads:
