@@ -38,6 +38,7 @@ from glassloop.models import build_model, target_scale_of
 from glassloop.optimizers import build_optimizer, build_scheduler, schedule_span
 from glassloop.rng import seed_everything
 from glassloop.run_log import RunInfo
+from glassloop.validator import Validation
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Run:
     val_sets: dict[str, InMemoryLoader | ResumableLoader] = field(default_factory=dict)
 
     @property
-    def validation(self) -> Any:
+    def validation(self) -> Validation:
         """What ``fit`` validates on: the validation loader, or with ``data.val_sets`` it
         first (its numbers as ``val_*``) and each further set by name."""
         return {"": self.val_loader, **self.val_sets} if self.val_sets else self.val_loader

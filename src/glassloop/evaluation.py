@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from glassloop.batch import batch_size_of, required_inputs, split_batch, split_inputs
 from glassloop.device import move_to_device
 from glassloop.distributed import World, distributed_job, gather_objects
-from glassloop.errors import DataError
+from glassloop.errors import ConfigError, DataError
 from glassloop.fsdp import evenly, is_sharded
 from glassloop.metric_names import check_metric_name, make_metric
 from glassloop.metrics import ClassificationSums, MultilabelSums, RegressionSums
@@ -89,7 +89,7 @@ def evaluate(
     summed = reduction_of(loss_fn, loss_reduction) == "sum"
     device = device if device is not None else model_device(model)
     own_loss = loss_fn is None
-    wanted = metric_table(metrics, task)
+    wanted = metric_table(metrics, task, heads)
     extra: dict[str, Metric] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     weight = torch.zeros((), dtype=torch.float64, device=device)
@@ -232,12 +232,19 @@ def label_shift(
 
 
 def metric_table(
-    metrics: Mapping[str, Metric | str] | Sequence[str] | None, task: str
-) -> dict[str, Metric | str]:
+    metrics: Mapping[str, Metric | str] | Sequence[str] | None, task: str,
+    heads: Mapping[str, str] | None = None,
+) -> dict[str, Metric | str]:  # fmt: skip
     """``{name: metric object or name}``; names are checked for ``task`` here, before any
-    batch is evaluated."""
+    batch is evaluated. With a task per head (``heads``) each head's metrics are its task's:
+    more would have no prediction to take, so they are refused, not ignored."""
     if metrics is None:
         return {}
+    if heads and metrics:
+        raise ConfigError(
+            "metrics: with a task per head, each head gets its task's metrics "
+            "(val_<head>_<metric>); compute others in an evaluate() override"
+        )
     table: dict[str, Metric | str] = (
         dict(metrics) if isinstance(metrics, Mapping) else {name: name for name in metrics}
     )

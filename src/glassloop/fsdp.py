@@ -56,7 +56,8 @@ def _imported(module: str, name: str) -> Any:
     return getattr(loaded, name, None) if loaded is not None else None
 
 
-def _is_fsdp(model: Any) -> bool:
+def is_sharded(model: Any) -> bool:
+    """Whether ``model`` is sharded by FSDP2 (``fully_shard``)."""
     fsdp_module = _imported("torch.distributed.fsdp", "FSDPModule")
     return fsdp_module is not None and isinstance(model, fsdp_module)
 
@@ -111,7 +112,7 @@ def shard_model(
     same name. An optimizer that has already stepped is refused (its state is per tensor)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if _is_fsdp(model):
+    if is_sharded(model):
         return model  # sharded by the user, who built the optimizer after it
     if optimizer.state:
         raise ConfigError(
@@ -138,10 +139,6 @@ def shard_model(
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
-    return _is_fsdp(model)
-
-
 def class_name(model: nn.Module) -> str:
     """The model's class name (FSDP2 renames a sharded module's class ``FSDP<name>``: the
     same model, sharded or not, has the same name)."""
@@ -156,7 +153,7 @@ def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContext
     step's hot path pays one call)."""
     if enabled:
         return _AS_IS
-    if _is_fsdp(model):
+    if is_sharded(model):
         return _fsdp_sync_off(model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return model.no_sync()
@@ -325,7 +322,7 @@ def evenly(
     they can be counted: ``limit_batches`` keeps the count, see
     :func:`glassloop.evaluation.first_batches`). What the evaluation and prediction
     loops of :mod:`glassloop.evaluation` run the model over."""
-    if not _is_fsdp(model):
+    if not is_sharded(model):
         return batches
     try:
         count = len(batches)  # type: ignore[arg-type]

@@ -183,7 +183,7 @@ class Trainer:
         # "sum": the loss adds up over a batch (reported per sample; micro-batches add up)
         self.loss_reduction = reduction_of(loss_fn, loss_reduction)
         self.summed = self.loss_reduction == "sum"  # (read every step: an attribute)
-        self.metrics = metric_table(metrics, self.task)
+        self.metrics = metric_table(metrics, self.task, self.heads)
         self.validate_every_n_steps = validate_every_n_steps
         self.limit_batches = limit_batches
         if seed is not None:
@@ -375,7 +375,7 @@ class Trainer:
             "kind": "epoch", "epoch": epoch, "step": state.step, "samples": state.samples_seen,
         }  # fmt: skip
         # train_loss (and a train_step's named losses: train_<name>), over every process
-        row.update(self.record.train_loss(self.world, self.device)[0])
+        row.update(self.record.train_loss(self.world, self.device))
         row.update(self.validator.row(self))  # val_* (nothing without a validation set)
         row["lr"] = self.optimizer.param_groups[0]["lr"]
         if self.scheduler is not None and self.scheduler_interval == "epoch":

@@ -110,24 +110,18 @@ class EpochRecord:
         totals = torch.stack([loss[0] if loss.ndim else loss for loss in self.losses])
         return float(totals.to(torch.float64) @ weights / weights.sum())
 
-    def train_loss(self, world: World, device: torch.device) -> tuple[dict[str, float], int]:
+    def train_loss(self, world: World, device: torch.device) -> dict[str, float]:
         """The epoch's mean training loss over every process's samples (``train_loss``; NaN
-        when every step of the epoch was skipped) and each named loss's (``train_<name>``),
-        and the number of samples."""
+        when every step of the epoch was skipped) and each named loss's (``train_<name>``)."""
         keys = ["train_loss", *(f"train_{name}" for name in self.names)]
         if not self.losses:
-            return {key: float("nan") for key in keys}, sum(self.sizes)
+            return {key: float("nan") for key in keys}
         weights = torch.tensor(self.weights, dtype=torch.float64, device=device)
         means = torch.stack(self.losses).to(torch.float64).reshape(len(self.losses), -1)
-        sums = torch.cat([
-            weights @ means, weights.sum().reshape(1),
-            torch.tensor([float(sum(self.sizes))], dtype=torch.float64, device=device),
-        ]).cpu()  # fmt: skip
+        sums = torch.cat([weights @ means, weights.sum().reshape(1)]).cpu()
         if world.distributed:  # the mean over every process's samples
             sums = all_reduce(sums)
-        count = len(keys)
-        values = {key: float(sums[i] / sums[count]) for i, key in enumerate(keys)}
-        return values, int(sums[count + 1])
+        return {key: float(sums[i] / sums[len(keys)]) for i, key in enumerate(keys)}
 
     def _steps(self) -> dict[str, Any]:
         return {

@@ -107,6 +107,8 @@ def test_a_head_without_a_stated_task_or_missing_from_the_output_is_one_line() -
                       device="cpu", progress="none")  # fmt: skip
     with pytest.raises(ModelError, match="no head 'age' in a dict"):
         trainer.predict(torch.randn(4, 6))
+    with pytest.raises(ConfigError, match="with a task per head, each head gets its task's"):
+        Trainer(model, optimizer, joint_loss, task=HEADS, metrics={"extra": object()})  # type: ignore[dict-item]
 
 
 def test_the_report_has_each_classifying_heads_confusion_matrix_and_class_report(

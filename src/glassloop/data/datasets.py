@@ -180,18 +180,7 @@ def npz(cfg: DataConfig, task: str = "classification") -> Splits:
         )
     x_tr, y_tr, x_va, y_va = parts
     for name, xs, ys in (("train", x_tr, y_tr), ("validation", x_va, y_va)):
-        if len(xs) == 0:
-            raise DataError(f"data: the {name} set in '{path}' is empty (0 samples)")
-        if len(xs) != len(ys):
-            raise DataError(f"data: '{path}' {name} set has {len(xs)} inputs but {len(ys)} labels")
-        if np.issubdtype(xs.dtype, np.floating) and not np.isfinite(xs).all():
-            row = int(np.flatnonzero(~np.isfinite(xs.reshape(len(xs), -1)).all(axis=1))[0])
-            raise DataError(
-                f"data: '{path}' {name} inputs hold NaN or infinite values (row {row} of that "
-                "set); clean them first"
-            )
-        if labels:
-            _check_labels(ys, path, f"{name} ", xs)
+        _check_set(xs, ys, path, name, labels)
     if not labels:
         y_tr = target_values(y_tr, task, f"'{path}' (train)")
         y_va = target_values(y_va, task, f"'{path}' (validation)")
@@ -210,10 +199,6 @@ def npz_validation_sets(
     npz file like ``data.path`` (``x``/``y``, every row, or ``x_val``/``y_val``), checked as
     it is, its labels within the training set's classes and its inputs of the training
     inputs' shape."""
-    if cfg.val_sets and cfg.name != "npz":
-        raise DataError(
-            f"data: data.val_sets reads .npz files (data.name = 'npz'), not {cfg.name!r} data"
-        )
     sets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, file in cfg.val_sets.items():
         path = Path(file) if isinstance(file, str) else None
@@ -224,19 +209,20 @@ def npz_validation_sets(
             )
         arrays = load_arrays(path, f"data.val_sets.{name}")
         keys = ("x_val", "y_val") if {"x_val", "y_val"} <= arrays.keys() else ("x", "y")
-        if not set(keys) <= arrays.keys() or len(arrays[keys[0]]) != len(arrays[keys[1]]):
+        if not set(keys) <= arrays.keys():
             raise DataError(
-                f"data: '{path}' (data.val_sets.{name}) must hold x and y (or x_val and y_val) "
-                f"of one length each; found {sorted(arrays)}"
+                f"data: '{path}' (data.val_sets.{name}) must hold x and y (or x_val and y_val); "
+                f"found {sorted(arrays)}"
             )
         xs, ys = arrays[keys[0]], arrays[keys[1]]
-        if len(ys) == 0 or tuple(xs.shape[1:]) != tuple(splits.x_train.shape[1:]):
+        labels = task in ("classification", "language-model")
+        _check_set(xs, ys, path, f"data.val_sets.{name}", labels)  # (as data.path's sets)
+        if tuple(xs.shape[1:]) != tuple(splits.x_train.shape[1:]):
             raise DataError(
                 f"data: '{path}' (data.val_sets.{name}) holds {len(ys)} rows of inputs shaped "
                 f"{tuple(xs.shape[1:])}; the training inputs are {tuple(splits.x_train.shape[1:])}"
             )
-        if task in ("classification", "language-model"):
-            _check_labels(ys, path, "", xs)
+        if labels:
             if int(ys.max()) >= splits.num_classes:
                 raise DataError(
                     f"data: '{path}' (data.val_sets.{name}) has label {int(ys.max())}; the "
@@ -247,6 +233,23 @@ def npz_validation_sets(
             target = torch.as_tensor(target_values(ys, task, f"'{path}'"), dtype=torch.float32)
         sets[name] = (torch.as_tensor(xs, dtype=splits.x_train.dtype), target)
     return sets
+
+
+def _check_set(xs: np.ndarray, ys: np.ndarray, path: Path, name: str, labels: bool) -> None:
+    """One set of an npz file: not empty, as many inputs as labels, finite inputs, and (for
+    ``labels``) integer class indices."""
+    if len(xs) == 0:
+        raise DataError(f"data: the {name} set in '{path}' is empty (0 samples)")
+    if len(xs) != len(ys):
+        raise DataError(f"data: '{path}' {name} set has {len(xs)} inputs but {len(ys)} labels")
+    if np.issubdtype(xs.dtype, np.floating) and not np.isfinite(xs).all():
+        row = int(np.flatnonzero(~np.isfinite(xs.reshape(len(xs), -1)).all(axis=1))[0])
+        raise DataError(
+            f"data: '{path}' {name} inputs hold NaN or infinite values (row {row} of that "
+            "set); clean them first"
+        )
+    if labels:
+        _check_labels(ys, path, f"{name} ", xs)
 
 
 def _check_labels(ys: np.ndarray, path: Path, name: str, xs: np.ndarray) -> None:
