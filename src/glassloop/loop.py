@@ -20,16 +20,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import glassloop.evaluation as evaluation
 import glassloop.fsdp as fsdp
+import glassloop.guards as guards
+import glassloop.optimizers as optimizers
+import glassloop.tasks as tasks
 from glassloop.arguments import described
-from glassloop.batch import (
-    Inputs,
-    Window,
-    batch_size_of,
-    loss_weights,
-    split_batch,
-    token_counts,
-)
+from glassloop.batch import Inputs, Window, batch_size_of, loss_weights, split_batch, token_counts
 from glassloop.callbacks import Callback
 from glassloop.checkpointer import (
     CheckpointConfig,
@@ -49,31 +46,10 @@ from glassloop.distributed import (
 )
 from glassloop.distributed import unwrap_model as unwrap_model  # (re-exported: its old home)
 from glassloop.errors import GlassloopError
-from glassloop.evaluation import (
-    LossFn,
-    Metric,
-    evaluate,
-    label_shift,
-    metric_table,
-    predict,
-    predict_heads,
-)
+from glassloop.evaluation import LossFn, Metric
 from glassloop.fsdp import gradient_sync
-from glassloop.guards import (
-    NonFinitePolicy,
-    NonFiniteWatch,
-    all_finite,
-    check_batches,
-    check_first_batch,
-    explain,
-)
-from glassloop.optimizers import (
-    Optimizers,
-    Schedulers,
-    closure_step,
-    optimizer_parameters,
-    step_per_epoch,
-)
+from glassloop.guards import NonFinitePolicy, NonFiniteWatch
+from glassloop.optimizers import Optimizers, Schedulers, optimizer_parameters
 from glassloop.parallelize import averaged, prepare_model
 from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import Preempted, StopSignals
@@ -86,13 +62,7 @@ from glassloop.run_log import RunInfo, RunLog, python_config
 from glassloop.sinks import ProgressReporter
 from glassloop.state import EpochRecord, TrainState, step_loss
 from glassloop.summary import end_summary, samples_in, start_header
-from glassloop.tasks import (
-    model_loss,
-    reduction_of,
-    resolve_heads,
-    resolve_task,
-    takes_probabilities,
-)
+from glassloop.tasks import model_loss
 from glassloop.throughput import Throughput, peak_flops
 from glassloop.tracking import TrackingConfig
 from glassloop.validation import check_trainer_options
@@ -177,13 +147,13 @@ class Trainer:
         # What the model is trained to do (glassloop.tasks): decides what predict returns,
         # the metrics and the checks; loss_fn=None: the model computes its own loss.
         # A model with several heads: a task each ({"kind": "classification", ...}).
-        task, self.heads = resolve_heads(task)
-        self.task = resolve_task(task, loss_fn)
-        self.probabilities = takes_probabilities(loss_fn)  # BCELoss: outputs are probabilities
+        task, self.heads = tasks.resolve_heads(task)
+        self.task = tasks.resolve_task(task, loss_fn)
+        self.probabilities = tasks.takes_probabilities(loss_fn)  # BCELoss takes probabilities
         # "sum": the loss adds up over a batch (reported per sample; micro-batches add up)
-        self.loss_reduction = reduction_of(loss_fn, loss_reduction)
+        self.loss_reduction = tasks.reduction_of(loss_fn, loss_reduction)
         self.summed = self.loss_reduction == "sum"  # (read every step: an attribute)
-        self.metrics = metric_table(metrics, self.task, self.heads)
+        self.metrics = evaluation.metric_table(metrics, self.task, self.heads)
         self.validate_every_n_steps = validate_every_n_steps
         self.limit_batches = limit_batches
         if seed is not None:
@@ -216,7 +186,7 @@ class Trainer:
         self.clip_grad_value = clip_grad_value or None
         self.nonfinite = policy
         # LBFGS & co.: step(closure) evaluates forward, loss and backward itself.
-        self.closure_step = closure_step(
+        self.closure_step = optimizers.closure_step(
             optimizer, precision=precision, clipping=bool(clip_grad_norm or clip_grad_value),
             nonfinite=policy.policy, processes=self.world.size,
         )  # fmt: skip
@@ -365,12 +335,12 @@ class Trainer:
                 train_loader.finish_epoch()  # a limited epoch is the first N of its order
             self.throughput.stop()
         except (RuntimeError, IndexError, ValueError) as err:
-            explained = explain(err, batch, state)
+            explained = guards.explain(err, batch, state)
             if explained is err:
                 raise
             raise explained from err
         self.watch.check(state, self.world)  # before anything of the epoch is recorded
-        check_batches(state.batch_in_epoch)  # (an empty loader: one clear line)
+        guards.check_batches(state.batch_in_epoch)  # (an empty loader: one clear line)
         row: dict[str, Any] = {
             "kind": "epoch", "epoch": epoch, "step": state.step, "samples": state.samples_seen,
         }  # fmt: skip
@@ -379,7 +349,7 @@ class Trainer:
         row.update(self.validator.row(self))  # val_* (nothing without a validation set)
         row["lr"] = self.optimizer.param_groups[0]["lr"]
         if self.scheduler is not None and self.scheduler_interval == "epoch":
-            step_per_epoch(self.scheduler, row)  # ReduceLROnPlateau: on val_loss
+            optimizers.step_per_epoch(self.scheduler, row)  # ReduceLROnPlateau: on val_loss
         state.epoch, state.batch_in_epoch = epoch, 0  # (an epoch's end, in every checkpoint)
         if self.last_grad_norm is not None:
             row["grad_norm"] = float(self.last_grad_norm)  # of the epoch's last step
@@ -558,7 +528,7 @@ class Trainer:
         # "strict", "skip", fp16: decided now, alike in every process (fp16: the scaler
         # checks the gradients itself; a clipped norm is finite exactly when they all are).
         gradients = params if not self.clip_grad_norm and not self.scaler.is_enabled() else []
-        return all_finite(checked, gradients, self.world, sharded=self.sharded is not None)
+        return guards.all_finite(checked, gradients, self.world, sharded=self.sharded is not None)
 
     def _end_epoch(self, row: dict[str, Any], epochs: int) -> None:
         """Record the epoch, let callbacks see it, track the best, checkpoint per policy."""
@@ -614,13 +584,14 @@ class Trainer:
         causal LM: shifted by one), so ``loss_weighting="tokens"`` counts the tokens its loss
         averages over (:func:`glassloop.evaluation.label_shift`, once per fit)."""
         with autocast(self.precision, self.device):
-            return label_shift(self.model, inputs, target, self.ignore_index, self.device)
+            model, ignored, device = self.model, self.ignore_index, self.device
+            return evaluation.label_shift(model, inputs, target, ignored, device)
 
     def check_first_batch(self, inputs: Inputs, target: Any) -> None:
         """The first-batch guard (:func:`glassloop.guards.check_first_batch`): NaN/inf
         inputs, labels within the model's outputs. Override it to replace it, or with
         ``pass`` to switch it off (e.g. for a model that keeps state between steps)."""
-        check_first_batch(
+        guards.check_first_batch(
             unwrap_model(self.model), inputs, target, precision=self.precision,
             device=self.device, ignore_index=self.ignore_index, task=self.task,
             own_loss=self.loss_fn is None,
@@ -701,7 +672,7 @@ class Trainer:
         In a multi-process FSDP job every process calls it with its shard (a loader with a
         ``len()``: shards may differ by a batch)."""
         with autocast(self.precision, self.device):
-            return evaluate(
+            return evaluation.evaluate(
                 self.eval_model, self.console.validation(loader), self.loss_fn,
                 task=self.task, device=self.device, loss_reduction=self.loss_reduction,
                 ignore_index=self.ignore_index, metrics=self.metrics, heads=self.heads,
@@ -726,8 +697,10 @@ class Trainer:
         with autocast(self.precision, self.device):
             if self.heads:
                 model, size, device = self.eval_model, batch_size, self.device
-                return predict_heads(model, data, self.heads, batch_size=size, device=device)
-            return predict(
+                return evaluation.predict_heads(
+                    model, data, self.heads, batch_size=size, device=device
+                )
+            return evaluation.predict(
                 self.eval_model, data, task=self.task, batch_size=batch_size,
                 device=self.device, classes=classes, probabilities=self.probabilities,
             )  # fmt: skip

@@ -107,6 +107,10 @@ def test_an_offline_run_holds_params_metrics_files_weights_status_and_a_resume_c
     tracking = TrackingConfig(backend="wandb", experiment="tests", tags={"team": "a"})
     run = tmp_path / "run"
     trainer(run, tracking).fit(batches(), batches(), epochs=2)
+    # run.finish() hands the last records to W&B's service process, which writes them on its
+    # own time (read too early under load, the file once held none); teardown() ends that
+    # process, so its file is complete (what a user's process exit does too).
+    wandb.teardown()
     first = logged(run)
     run_id = json.loads((run / "tracking.json").read_text())["run_id"]
     assert first["ids"] == [run_id] and first["name"] == "run" and first["tags"] == ["team=a"]
@@ -126,6 +130,7 @@ def test_an_offline_run_holds_params_metrics_files_weights_status_and_a_resume_c
     # within the same second would write over the first part's folder.
     time.sleep(1.1)
     trainer(run, tracking).fit(batches(), batches(), epochs=3, resume="auto")
+    wandb.teardown()
     both = logged(run)
     assert both["ids"] == [run_id, run_id]  # the same W&B run, continued
     assert both["history"][9]["val_loss"] == pytest.approx(

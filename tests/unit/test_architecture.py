@@ -172,3 +172,35 @@ def test_storage_never_reaches_up_into_fsdp() -> None:
     edges = graph()
     for storage in ("glassloop.checkpoint", "glassloop.atomic"):
         assert "glassloop.fsdp" not in edges[storage], storage
+
+
+# tinygrad's size budget for the core (STYLE.md), in lines as `wc -l` counts them. The loop
+# proper is Trainer.fit down to _stop_if_signalled, read contiguously; loop.py around it holds
+# the constructor, the imports and the public methods (each one call into a component).
+FILE_BUDGETS = {"loop.py": 710, "checkpoint.py": 500, "weights.py": 270, "atomic.py": 155}
+LOOP_PROPER = ("fit", "_stop_if_signalled", 330)
+TRAIN_STEP = 55
+
+
+def lines_of_methods(first: str, last: str) -> int:
+    """Lines of ``Trainer`` from ``def first`` to the end of ``def last``, which must come
+    after it in the file (the loop read top to bottom)."""
+    tree = ast.parse((PACKAGE / "loop.py").read_text(encoding="utf-8"))
+    trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    methods = {n.name: n for n in trainer.body if isinstance(n, ast.FunctionDef)}
+    start = methods[first].decorator_list[0].lineno if methods[first].decorator_list else None
+    begin, end = start or methods[first].lineno, methods[last].end_lineno
+    assert end is not None and end >= begin, f"{last} comes before {first} in loop.py"
+    return end - begin + 1
+
+
+def test_the_core_keeps_its_size_budget() -> None:
+    over = {
+        name: lines
+        for name, budget in FILE_BUDGETS.items()
+        if (lines := len((PACKAGE / name).read_text(encoding="utf-8").splitlines())) > budget
+    }
+    assert not over, f"over budget (lines): {over}; budgets: {FILE_BUDGETS}"
+    first, last, budget = LOOP_PROPER
+    assert lines_of_methods(first, last) <= budget
+    assert lines_of_methods("train_step", "train_step") <= TRAIN_STEP
