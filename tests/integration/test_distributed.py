@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import run_group
+from cli_runner import run_glassloop, run_group
 from safetensors.torch import load_file
 
 from glassloop.throughput import TIMING
@@ -54,6 +54,13 @@ def train(
     )
 
 
+def train_here(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``glassloop train cfg.toml ARGS`` in this process (:func:`cli_runner.run_glassloop`):
+    for the one-process baselines and the refusals, which need no process of their own
+    (a subprocess costs an interpreter, a torch import and torch._dynamo's: ~6 s of CPU)."""
+    return run_glassloop("train", "cfg.toml", *args, cwd=cwd)
+
+
 def last_epoch(run: Path) -> dict[str, float]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [row for row in rows if row["kind"] == "epoch"][-1]
@@ -83,8 +90,8 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(workdir: Pat
     two = train(workdir, "--run-dir", "two", "--set", "train.log_every=1", nproc=2)
     assert two.returncode == 0, two.stderr
     assert "global batch 32 = 16 per process x 2 process(es)" in two.stdout
-    one = train(workdir, "--run-dir", "one", "--set", "data.batch_size=32",
-                "--set", "train.log_every=1")  # fmt: skip
+    one = train_here(workdir, "--run-dir", "one", "--set", "data.batch_size=32",
+                     "--set", "train.log_every=1")  # fmt: skip
     assert one.returncode == 0, one.stderr
     a, b = (
         load_file(workdir / "one" / "model.safetensors"),
@@ -115,7 +122,7 @@ def test_two_processes_with_accumulation_equal_one_process(workdir: Path) -> Non
                 "--set", "train.grad_accum_steps=2", nproc=2)  # fmt: skip
     assert two.returncode == 0, two.stderr
     assert "global batch 32 = 8 per process x 2 process(es) x 2 accumulation step(s)" in two.stdout
-    one = train(workdir, "--run-dir", "one-32", "--set", "data.batch_size=32")
+    one = train_here(workdir, "--run-dir", "one-32", "--set", "data.batch_size=32")
     assert one.returncode == 0, one.stderr
     a = load_file(workdir / "one-32" / "model.safetensors")
     b = load_file(workdir / "two-accum" / "model.safetensors")
@@ -165,13 +172,13 @@ def test_two_process_run_resumes_bitwise_from_a_mid_epoch_checkpoint(workdir: Pa
     for name in ("model.safetensors", "checkpoints/step-00000040/state.safetensors"):
         a, b = load_file(workdir / "ref" / name), load_file(workdir / "cut" / name)
         assert all(torch.equal(a[k], b[k]) for k in a), name
-    changed = train(workdir, "--run-dir", "cut", "--resume", *common)
+    changed = train_here(workdir, "--run-dir", "cut", "--resume", *common)
     assert changed.returncode == 2
     assert "written by 2 process(es), this job has 1" in changed.stderr
 
 
 def test_dataparallel_is_refused_with_the_reason(workdir: Path) -> None:
-    result = train(workdir, "--run-dir", "dp", "--set", "train.strategy=dp")
+    result = train_here(workdir, "--run-dir", "dp", "--set", "train.strategy=dp")
     assert result.returncode == 2
     assert "GPU 0 becomes the bottleneck" in result.stderr and "torchrun" in result.stderr
 

@@ -16,7 +16,7 @@ import torch
 from cli_runner import run_group
 from safetensors.torch import load_file
 from test_distributed import CONFIG as DDP_CONFIG
-from test_distributed import KILLABLE, last_epoch, train
+from test_distributed import KILLABLE, last_epoch, train, train_here
 
 from glassloop.checkpoint import read_checkpoint
 
@@ -48,8 +48,8 @@ def two(workdir: Path) -> Path:
 
 
 def test_two_sharded_processes_equal_one_process(workdir: Path, two: Path) -> None:
-    one = train(workdir, "--run-dir", "one", "--set", "data.batch_size=32",
-                "--set", "train.strategy=auto")  # fmt: skip
+    one = train_here(workdir, "--run-dir", "one", "--set", "data.batch_size=32",
+                     "--set", "train.strategy=auto")  # fmt: skip
     assert one.returncode == 0, one.stderr
     close(workdir / "one" / "model.safetensors", two / "model.safetensors")
     ra, rb = last_epoch(workdir / "one"), last_epoch(two)
@@ -178,10 +178,10 @@ def test_bf16_shards_train_and_strategy_mismatches_are_refused(workdir: Path, tw
     assert last_epoch(workdir / "bf16")["val_loss"] < 2.3  # learned something (ln 10 = 2.30)
     best = read_checkpoint(workdir / "bf16" / "best")  # written sharded too, and verified
     assert best.sharded and len(list((best.path / "shards").iterdir())) == 2
-    fp16 = train(workdir, "--run-dir", "fp16", "--set", "train.precision=fp16")
+    fp16 = train_here(workdir, "--run-dir", "fp16", "--set", "train.precision=fp16")
     assert fp16.returncode == 2 and "use 'bf16'" in fp16.stderr
-    ddp = train(workdir, "--run-dir", "two", "--resume", "--set", "train.strategy=ddp",
-                "--allow-config-change")  # fmt: skip  # (refused before the process count)
+    ddp = train_here(workdir, "--run-dir", "two", "--resume", "--set", "train.strategy=ddp",
+                     "--allow-config-change")  # fmt: skip  # (refused before the process count)
     assert ddp.returncode == 2 and "resume it with train.strategy = 'fsdp'" in ddp.stderr
 
 
