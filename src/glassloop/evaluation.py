@@ -214,15 +214,17 @@ def own_shift(
 
 
 def label_shift(
-    model: nn.Module, inputs: Any, target: Any, ignore_index: int, device: torch.device
-) -> int:
+    model: nn.Module, inputs: Any, target: Any, ignore_index: int, device: torch.device,
+    precision: str = "32",
+) -> int:  # fmt: skip
     """:func:`own_shift` of a model that computes its own loss, from one forward of a batch
-    in eval mode without gradients (no dropout: no random number is drawn); ``0`` when it is
-    not found."""
+    in eval mode without gradients (no dropout: no random number is drawn), under
+    ``precision``'s autocast; ``0`` when it is not found. The loop's ``loss_weighting=
+    "tokens"`` counts the tokens such a loss averages over with it."""
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast(precision, device):
             output = model(*inputs[0], **inputs[1])
     finally:
         model.train(was_training)

@@ -18,7 +18,6 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import glassloop.evaluation as evaluation
 import glassloop.fsdp as fsdp
@@ -49,11 +48,11 @@ from glassloop.errors import GlassloopError
 from glassloop.evaluation import LossFn, Metric
 from glassloop.fsdp import gradient_sync
 from glassloop.guards import NonFinitePolicy, NonFiniteWatch
-from glassloop.optimizers import Optimizers, Schedulers, optimizer_parameters
-from glassloop.parallelize import averaged, prepare_model
+from glassloop.optimizers import Schedulers, optimizer_parameters
+from glassloop.parallelize import averaged, evaluated, prepare_model
 from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import Preempted, StopSignals
-from glassloop.profiling import StepProfiler
+from glassloop.profiling import StepProfiler, fit_profiler
 from glassloop.provenance import environment
 from glassloop.redaction import redacted
 from glassloop.replaced import fold_replaced
@@ -63,7 +62,7 @@ from glassloop.sinks import ProgressReporter
 from glassloop.state import EpochRecord, TrainState, step_loss
 from glassloop.summary import end_summary, samples_in, start_header
 from glassloop.tasks import model_loss
-from glassloop.throughput import Throughput, peak_flops
+from glassloop.throughput import Throughput
 from glassloop.tracking import TrackingConfig
 from glassloop.validation import check_trainer_options
 from glassloop.validator import Validation, Validator
@@ -132,10 +131,8 @@ class Trainer:
         **replaced: Any,  # names replaced in 0.2 (glassloop.replaced), with a warning
     ) -> None:  # fmt: skip
         policy, compiled, run_info = fold_replaced(replaced, nonfinite, compile, run_info)
-        if isinstance(optimizer, Mapping):  # several, by name (a GAN's): one object
-            optimizer = cast(torch.optim.Optimizer, Optimizers(optimizer))
-        if isinstance(scheduler, Mapping):
-            scheduler = Schedulers(scheduler)
+        optimizer = optimizers.one_optimizer(optimizer)  # several by name (a GAN's): one
+        scheduler = Schedulers(scheduler) if isinstance(scheduler, Mapping) else scheduler
         check_trainer_options({  # the rules the config reader applies too, one table
             "scheduler_interval": scheduler_interval, "loss_weighting": loss_weighting,
             "log_every": log_every, "grad_accum_steps": grad_accum_steps, "ema_decay": ema_decay,
@@ -200,9 +197,7 @@ class Trainer:
         self.ema = averaged(self.model, ema_decay) if ema_decay else None
         self.log_every = log_every
         # samples/s, tokens/s (a language model's), MFU where the GPU's peak is known
-        peak = peak_flops(self.device, precision)
-        lm = self.task == "language-model"
-        self.throughput = Throughput(tokens=lm, peak=peak, world=self.world)
+        self.throughput = Throughput.of(self.task, self.device, precision, self.world)
         self.profile = profile  # steps to profile (0: none): glassloop.profiling
         self.profiler: StepProfiler | None = None
         self.callbacks = list(callbacks)
@@ -249,6 +244,7 @@ class Trainer:
         self.validator = Validator(
             val_loader, limit=self.limit_batches, counted=self.sharded is not None,
             every=self.validate_every_n_steps,
+            sinks=(self.run_log.write, self.console.validation_row),  # (mid-epoch rows)
         )  # fmt: skip
         # The config a resume compares (without a config file: the Trainer's arguments), the
         # versions and git SHA (a git subprocess: only worth it when something is written).
@@ -279,8 +275,9 @@ class Trainer:
         start = time.perf_counter()
         status = "failed"
         pairs = None  # a regression's validation outputs and targets, for the report's plot
+        self.profiler = fit_profiler(self.profile, self.world, self.run_dir, self.console.message)
         try:
-            with StopSignals() as self._signals, self._profiling():
+            with StopSignals() as self._signals, self.profiler or contextlib.nullcontext():
                 for callback in self.callbacks:
                     callback.on_fit_start(self)
                 while self.state.epoch < epochs and not self.should_stop:
@@ -291,8 +288,7 @@ class Trainer:
                 self.save_checkpoint(finished=True)  # always at the end
             status = "finished"
             if self.task == "regression" and self.run_dir:  # (every process: its shard)
-                model, device = self.eval_model, self.device
-                pairs = self.validator.outputs(model, device, self.precision, self.world)
+                pairs = self.validator.outputs(self)
         except (KeyboardInterrupt, Preempted):
             status = "interrupted"
             raise
@@ -309,9 +305,8 @@ class Trainer:
         self.console.info(end_summary(self, time.perf_counter() - start, report))
 
     def _run_epoch(self, train_loader: Iterable[Any], epochs: int) -> dict[str, Any]:
-        state = self.state
+        state, start = self.state, time.perf_counter()
         epoch = state.epoch + 1
-        start = time.perf_counter()
         done = sum(self.record.sizes)  # a resumed epoch's bar starts where it was
         self.throughput.start(done)
         self.console.epoch_start(epoch, epochs, samples_in(train_loader), done)
@@ -392,7 +387,7 @@ class Trainer:
             for callback in self.callbacks:
                 callback.on_step_end(self, state.step, total)
             if self.validator.every and state.step % self.validator.every == 0:
-                self._validate_now()  # (validate_every_n_steps)
+                self.validator.mid_epoch(self, state)  # (validate_every_n_steps)
             if self.checkpointer.due_after_step(state.step):
                 self.save_checkpoint()
         self._stop_if_signalled(signum)
@@ -409,10 +404,10 @@ class Trainer:
             return Window(micro, [None], samples), None
         counts = sizes
         if self.loss_weighting == "tokens" and self.loss_reduction == "mean":
-            if self._label_shift is None:  # a model's own loss may count shifted labels
-                own = self.loss_fn is None
-                self._label_shift = self.own_label_shift(*micro[0]) if own else 0
-            counts = token_counts([t for _, t in micro], self._label_shift, self.ignore_index)
+            if self._label_shift is None and self.loss_fn is None:  # the model's own loss
+                args = (*micro[0], self.ignore_index, self.device, self.precision)
+                self._label_shift = evaluation.label_shift(self.model, *args)  # HF LMs: by one
+            counts = token_counts([t for _, t in micro], self._label_shift or 0, self.ignore_index)
         total, signum = sum(counts), None
         if self.distributed:  # the counts of every process, and a stop signal of any
             total, samples, signum = agreed_counts(total, samples, self._signals.received)
@@ -571,22 +566,7 @@ class Trainer:
             loss=value, lr=self.optimizer.param_groups[0]["lr"], grad_norm=norm,
         )  # fmt: skip
 
-    def _profiling(self) -> contextlib.AbstractContextManager[Any]:
-        """The profiler of ``profile`` steps (rank 0's), or nothing."""
-        if not self.profile or not self.world.is_main:
-            return contextlib.nullcontext()
-        self.profiler = StepProfiler(self.profile, self.run_dir, self.console.message)
-        return self.profiler
-
     # ---------------------------------------------------------------- hooks of the step
-    def own_label_shift(self, inputs: Inputs, target: Any) -> int:
-        """How a model that computes its own loss lines tokens up with labels (a Hugging Face
-        causal LM: shifted by one), so ``loss_weighting="tokens"`` counts the tokens its loss
-        averages over (:func:`glassloop.evaluation.label_shift`, once per fit)."""
-        with autocast(self.precision, self.device):
-            model, ignored, device = self.model, self.ignore_index, self.device
-            return evaluation.label_shift(model, inputs, target, ignored, device)
-
     def check_first_batch(self, inputs: Inputs, target: Any) -> None:
         """The first-batch guard (:func:`glassloop.guards.check_first_batch`): NaN/inf
         inputs, labels within the model's outputs. Override it to replace it, or with
@@ -661,10 +641,7 @@ class Trainer:
     @property
     def eval_model(self) -> nn.Module:
         """What is evaluated and exported: the EMA of the weights when enabled, else the model."""
-        if self.ema is not None:
-            return self.ema.module
-        # Evaluation needs no gradient sync: the module under DDP, each process on its shard.
-        return self.model.module if isinstance(self.model, DDP) else self.model
+        return evaluated(self.model, self.ema)
 
     def evaluate(self, loader: Iterable[Any]) -> dict[str, Any]:
         """The loss (mean over samples) and the task's metrics (:func:`glassloop.evaluate`),
@@ -677,13 +654,6 @@ class Trainer:
                 task=self.task, device=self.device, loss_reduction=self.loss_reduction,
                 ignore_index=self.ignore_index, metrics=self.metrics, heads=self.heads,
             )  # fmt: skip
-
-    def _validate_now(self) -> None:
-        """Validation inside an epoch (``validate_every_n_steps``): a ``"kind": "val"`` row."""
-        row = {"kind": "val", "epoch": self.state.epoch + 1, "step": self.state.step}
-        row.update(self.validator.row(self))
-        self.run_log.write(row)
-        self.console.validation_row(row)
 
     def predict(
         self, data: torch.Tensor | Iterable[Any], *, batch_size: int = 256,

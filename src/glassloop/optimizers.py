@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -326,3 +326,13 @@ class Schedulers(dict[str, Any]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, scheduler in self.items():
             scheduler.load_state_dict(state[name])
+
+
+def one_optimizer(
+    optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer],
+) -> torch.optim.Optimizer:
+    """``optimizer``, or several by name (a GAN's generator and discriminator) as one
+    :class:`Optimizers`, which the loop steps, zeroes and checkpoints like an optimizer."""
+    if isinstance(optimizer, Mapping):
+        return cast(torch.optim.Optimizer, Optimizers(optimizer))
+    return optimizer

@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.checkpoint import checkpoint
 
@@ -61,6 +62,14 @@ def prepare_model(
     if world.distributed:
         model = fsdp.shard_model(model, optimizer, world, device, precision)
     return model, ShardedState(model, optimizer)
+
+
+def evaluated(model: nn.Module, ema: AveragedModel | None) -> nn.Module:
+    """What a trainer evaluates and exports: the EMA of the weights when there is one, else
+    the model (under DDP its module: evaluation needs no gradient sync)."""
+    if ema is not None:
+        return ema.module
+    return model.module if isinstance(model, DDP) else model
 
 
 def averaged(model: nn.Module, decay: float) -> AveragedModel:

@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from glassloop.atomic import atomic_path, own_dir
+from glassloop.distributed import World
 
 
 class StepProfiler:
@@ -53,3 +54,9 @@ class StepProfiler:
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=10)
         self.say(f"profile of {self.steps} steps{where}:\n{table}")
+
+
+def fit_profiler(steps: int, world: World, run_dir: Path | None, say: Any) -> StepProfiler | None:
+    """The profiler of a fit's first ``steps`` steps (``Trainer(profile=N)``), in the main
+    process only; ``None`` when not asked for."""
+    return StepProfiler(steps, run_dir, say) if steps and world.is_main else None

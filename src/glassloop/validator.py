@@ -9,7 +9,7 @@ line, as torchtitan's trainer calls its validator; what is evaluated is the trai
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -19,6 +19,7 @@ from glassloop.callbacks import Callback
 from glassloop.distributed import World
 from glassloop.evaluation import first_batches, gathered_outputs
 from glassloop.metrics import is_number
+from glassloop.state import TrainState
 
 # What fit validates on: one loader, or several by name ({"in": a, "ood": b}).
 Validation = Iterable[Any] | Mapping[str, Iterable[Any]]
@@ -32,20 +33,30 @@ class Validating(Protocol):
 
     def evaluate(self, loader: Iterable[Any]) -> dict[str, Any]: ...
 
+    # (for a regression's outputs: :meth:`Validator.outputs`)
+    @property
+    def eval_model(self) -> nn.Module: ...
+
+    device: torch.device
+    precision: str
+    world: World
+
 
 class Validator:
     """The validation sets of one ``fit``; ``limit``: at most this many batches of each
     (``limit_batches``; ``counted``: an FSDP run evens the processes' batch counts out);
-    ``every``: also inside epochs, every this many steps (``validate_every_n_steps``)."""
+    ``every``: also inside epochs, every this many steps (``validate_every_n_steps``), each
+    such row handed to ``sinks``."""
 
     def __init__(
-        self, sets: Validation | None, *, limit: int = 0, counted: bool = False, every: int = 0
-    ) -> None:
+        self, sets: Validation | None, *, limit: int = 0, counted: bool = False, every: int = 0,
+        sinks: Sequence[Callable[[dict[str, Any]], None]] = (),
+    ) -> None:  # fmt: skip
         if sets is None:
             self.sets: dict[str, Iterable[Any]] = {}
         else:
             self.sets = dict(sets) if isinstance(sets, Mapping) else {"": sets}
-        self.limit, self.counted = limit, counted
+        self.limit, self.counted, self.sinks = limit, counted, sinks
         self.every = every if self.sets else 0  # (read every step: an attribute, no call)
         self.last: dict[str, Any] | None = None  # the first set's metrics (the report's)
 
@@ -67,6 +78,14 @@ class Validator:
                 row.update({f"val_{name}_{k}": v for k, v in numbers.items()})
         return row
 
+    def mid_epoch(self, trainer: Validating, state: TrainState) -> None:
+        """Validation inside an epoch (``every``): a ``"kind": "val"`` row of every set, handed
+        to each of the ``sinks`` (the run log's rows, the console)."""
+        row: dict[str, Any] = {"kind": "val", "epoch": state.epoch + 1, "step": state.step}
+        row.update(self.row(trainer))
+        for sink in self.sinks:
+            sink(row)
+
     def validate(self, trainer: Validating, loader: Iterable[Any]) -> dict[str, Any]:
         """``trainer.evaluate`` on (the first ``limit`` batches of) ``loader``, between the
         callbacks' ``on_validation_start`` and ``on_validation_end``."""
@@ -81,12 +100,11 @@ class Validator:
             callback.on_validation_end(trainer, metrics)
         return metrics
 
-    def outputs(
-        self, model: nn.Module, device: torch.device, precision: str, world: World
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def outputs(self, trainer: Validating) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A regression's outputs and targets on the first set (every process: its shard),
         for the report's predicted-vs-true plot; ``None`` without a validation set."""
         first = self.first
         if first is None:
             return None
-        return gathered_outputs(model, first, device, precision, world)
+        model, device, world = trainer.eval_model, trainer.device, trainer.world
+        return gathered_outputs(model, first, device, trainer.precision, world)
