@@ -59,12 +59,6 @@ class Throughput:
         self.before = 0  # this process's samples of the epoch before start()
         self.tokens_seen = 0  # this process's tokens since start()
 
-    @classmethod
-    def of(cls, task: str, device: torch.device, precision: str, world: World) -> Throughput:
-        """A trainer's: tokens counted for a language model, MFU where the peak is known."""
-        lm = task == "language-model"
-        return cls(tokens=lm, peak=peak_flops(device, precision), world=world)
-
     def start(self, samples: int) -> None:
         self.started, self.before, self.tokens_seen = time.perf_counter(), samples, 0
 
