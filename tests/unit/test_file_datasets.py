@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -151,3 +152,48 @@ def test_download_without_torchvision_says_how_to_install(tmp_path: Path) -> Non
         pytest.skip("torchvision is installed here")
     with pytest.raises(DataError, match=r"needs torchvision: pip install 'glassloop\[vision\]'"):
         load_splits(DataConfig(name="mnist", root=str(tmp_path), download=True))
+
+
+def test_the_digits_split_is_cached_the_same_bits_without_importing_sklearn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first load splits scikit-learn's digits (each seed and fraction its own split);
+    a later process reads the cached split, the same bits, with no scikit-learn import (~2 s
+    of its start)."""
+    import hashlib
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    from glassloop.data.splits import stratified_split
+
+    def digest(s: Any) -> str:
+        parts = (s.x_train, s.y_train, s.x_val, s.y_val)
+        return hashlib.sha256(b"".join(t.numpy().tobytes() for t in parts)).hexdigest()
+
+    monkeypatch.setenv("GLASSLOOP_CACHE_DIR", str(tmp_path))
+    first = load_splits(DataConfig(name="digits"))
+    bunch = load_digits()
+    images = (bunch.images.astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
+    fresh = stratified_split(images, bunch.target.astype(np.int64), val_size=0.2, seed=0)
+    for got, want in zip((first.x_train, first.y_train, first.x_val, first.y_val), fresh,
+                         strict=True):  # fmt: skip
+        assert np.array_equal(got.numpy(), want)
+    other = load_splits(DataConfig(name="digits", seed=1))
+    assert digest(other) != digest(first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "digits-split-0-0.2.npz", "digits-split-1-0.2.npz",
+    ]  # fmt: skip
+    probe = (
+        "import sys, hashlib\n"
+        "from glassloop.config import DataConfig\n"
+        "from glassloop.data import load_splits\n"
+        "s = load_splits(DataConfig(name='digits'))\n"
+        "parts = (s.x_train, s.y_train, s.x_val, s.y_val)\n"
+        "print(hashlib.sha256(b''.join(t.numpy().tobytes() for t in parts)).hexdigest(),\n"
+        "      'sklearn' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, check=True)  # fmt: skip
+    assert done.stdout.split() == [digest(first), "False"]
