@@ -51,6 +51,7 @@ from glassloop.checkpoint import (
 from glassloop.distributed import SINGLE, World, all_reduce, gather_objects
 from glassloop.errors import ConfigError, GlassloopError, write_failure
 from glassloop.fsdp import ShardedState
+from glassloop.guards import NonFiniteWatch
 from glassloop.metrics import is_number
 from glassloop.rng import capture_rng_state, replay_caveat, restore_rng_state
 from glassloop.run_log import RunInfo
@@ -61,25 +62,31 @@ from glassloop.weights import load_checked
 
 def state_of(
     parts: Mapping[str, Any], record: EpochRecord, callbacks: Sequence[Any], loader: Any,
-    world: World,
+    world: World, watch: NonFiniteWatch | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Everything but the weights that an exact resume needs: each part's ``state_dict()``
     (``None``: not part of this run), the epoch's losses so far (every process's: a
-    collective), the callbacks' states, and the RNG, the loader's generators included (every
-    process's: dropout masks differ per process; a collective)."""
+    collective), the callbacks' states, the RNG, the loader's generators included (every
+    process's: dropout masks differ per process; a collective), and with a loss-spike guard
+    the losses its next steps are measured against (every process's own)."""
     rng = capture_rng_state(loader)
-    return {
+    state = {
         **{name: part.state_dict() if part is not None else None for name, part in parts.items()},
         **record.state_dict(world),
         "callbacks": [cb.state_dict() if hasattr(cb, "state_dict") else None for cb in callbacks],
         "rng": rng,
         "rng_per_rank": gather_objects(rng) if world.distributed else None,
     }
+    if watch is not None and watch.spike:  # (absent otherwise: the format is unchanged)
+        window = watch.state_dict()
+        state["loss_spike"] = gather_objects(window) if world.distributed else [window]
+    return state
 
 
 def restore_state(
     state: dict[str, Any], parts: Mapping[str, Any], record: EpochRecord,
     callbacks: Sequence[Any], loader: Any, world: World, device: torch.device,
+    watch: NonFiniteWatch | None = None,
 ) -> None:  # fmt: skip
     """:func:`state_of` back into the parts; the global RNGs last, right before training goes
     on. A part the state lacks is a ``KeyError`` (reported as "does not fit")."""
@@ -88,6 +95,9 @@ def restore_state(
         if part is not None and saved is not None:
             part.load_state_dict(saved)
     record.load_state_dict(state, device, world)
+    windows = state.get("loss_spike") or []  # (none: written without the guard, or before it)
+    if watch is not None and watch.spike and len(windows) == world.size:
+        watch.load_state_dict(windows[world.rank])
     for callback, saved in zip(callbacks, state["callbacks"], strict=False):
         if saved is not None and hasattr(callback, "load_state_dict"):
             callback.load_state_dict(saved)

@@ -132,6 +132,15 @@ class NonFiniteWatch:
         self.steps: list[tuple[torch.Tensor, tuple[int, int, int, int]]] = []
         self.recent: list[float] = []  # the last SPIKE_WINDOW checked losses
 
+    def state_dict(self) -> dict[str, Any]:
+        """The loss-spike guard's window (the last checked losses): what a resumed run
+        measures its next steps against, as the uninterrupted run does. Read after
+        :meth:`check` (as a checkpoint does), so no step is pending."""
+        return {"recent": list(self.recent)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.recent = [float(value) for value in state["recent"]][-SPIKE_WINDOW:]
+
     def observe_step(self, loss: torch.Tensor, state: TrainState, batches: int) -> None:
         """A taken step's loss and where it was (for ``spike``: checked with the rest)."""
         first, last = state.batch_in_epoch - batches + 1, state.batch_in_epoch

@@ -214,14 +214,16 @@ class TrainerParts:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything but the weights that an exact resume needs (:func:`~glassloop.
-        checkpointer.state_of`: :meth:`stateful`, the epoch's losses, callbacks, RNG)."""
+        checkpointer.state_of`: :meth:`stateful`, the epoch's losses, callbacks, RNG, the
+        loss-spike guard's window)."""
         parts, loader = self.stateful(), self._train_loader
-        return state_of(parts, self.record, self.callbacks, loader, self.world)
+        return state_of(parts, self.record, self.callbacks, loader, self.world, self.watch)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the global RNGs last, right before training goes on."""
-        parts, loader = self.stateful(), self._train_loader
-        restore_state(state, parts, self.record, self.callbacks, loader, self.world, self.device)
+        parts, loader, world = self.stateful(), self._train_loader, self.world
+        restore_state(state, parts, self.record, self.callbacks, loader, world, self.device,
+                      self.watch)  # fmt: skip
 
     def _start_from(self, resume: str | Path | None, allow_change: bool, epochs: int) -> None:
         """Resume from a checkpoint (``resume``: ``"auto"`` or a path; what :meth:`fit` says),

@@ -451,3 +451,12 @@ def test_a_loss_spike_stops_the_run_naming_its_step_and_batches(tmp_path: Path) 
     latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
     assert latest == "step-00000024"  # the step-28 row found it; nothing after 27 saved
     assert len(make(0.0, None).fit(Epochs(), epochs=3)) == 3
+
+    # Resumed from step 24 (epoch 3, batch 4) by a new Trainer: the guard measures step 27
+    # against the same 20 losses as the uninterrupted run (they are in the checkpoint), so
+    # it stops at the same step. (Before: a resume started an empty window and trained on.)
+    resumed, rest = make(10.0, tmp_path / "run"), Epochs()
+    rest.epoch = 2  # its next epoch is the third, the one with the wild batch
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000024"
+    with pytest.raises(LossSpikeError, match=r"loss spike at step 27 \(epoch 3, batch 7\)"):
+        resumed.fit(rest, epochs=3, resume=checkpoint)
