@@ -151,6 +151,8 @@ def test_two_process_run_resumes_bitwise_from_a_mid_epoch_checkpoint(workdir: Pa
         "model.target=killable.py:KillableMLP",
         "--set",
         "checkpoint.every_n_steps=4",
+        "--set",
+        "train.loss_spike=1000",  # on (it never fires here): its window is resumed too
     )
     reference = train(workdir, "--run-dir", "ref", *common, nproc=2)
     assert reference.returncode == 0, reference.stderr
@@ -172,6 +174,11 @@ def test_two_process_run_resumes_bitwise_from_a_mid_epoch_checkpoint(workdir: Pa
     for name in ("model.safetensors", "checkpoints/step-00000040/state.safetensors"):
         a, b = load_file(workdir / "ref" / name), load_file(workdir / "cut" / name)
         assert all(torch.equal(a[k], b[k]) for k in a), name
+    # Each process's loss-spike window (the last 20 losses it checked) as uninterrupted.
+    windows = [json.loads((workdir / run / "checkpoints/step-00000040/state.json").read_text())
+               ["loss_spike"] for run in ("ref", "cut")]  # fmt: skip
+    assert windows[0] == windows[1] and len(windows[0]) == 2
+    assert len(windows[0][0]["recent"]) == 20 and windows[0][0] != windows[0][1]
     changed = train_here(workdir, "--run-dir", "cut", "--resume", *common)
     assert changed.returncode == 2
     assert "written by 2 process(es), this job has 1" in changed.stderr
