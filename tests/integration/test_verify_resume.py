@@ -32,12 +32,15 @@ def test_verify_resume_proves_an_exact_resume(tmp_path: Path) -> None:
 
 
 def test_a_kill_after_the_last_step_is_one_line(tmp_path: Path) -> None:
+    """Said as soon as the straight run shows its last step, before a second run."""
     done = run_glassloop("verify-resume", *SMALL, "--kill-at", "1000", "--keep", str(tmp_path))
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "glassloop: error: verify-resume: the run ended before step 1000; choose a smaller "
         "--kill-at"
     ]
+    assert done.stdout.splitlines() == ["verify-resume: straight through ..."]
+    assert not (tmp_path / "killed").exists()
 
 
 def test_a_digest_sees_one_ulp_and_the_structure() -> None:

@@ -353,18 +353,20 @@ def cmd_verify_resume(args: argparse.Namespace) -> int:
              [*train, "--run-dir", str(killed), "--kill-at-step", str(args.kill_at)]),
             ("resumed", [*train, "--run-dir", str(killed), "--resume"]),
         ]  # fmt: skip
+        too_late = GlassloopError(
+            f"verify-resume: the run ended before step {args.kill_at}; choose a smaller --kill-at"
+        )
         for name, command in runs:
             print(f"verify-resume: {name} ...", flush=True)
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             expected = -signal.SIGKILL if name.startswith("killed") else 0
             if done.returncode != expected:
                 if expected and done.returncode == 0:
-                    raise GlassloopError(
-                        f"verify-resume: the run ended before step {args.kill_at}; choose a "
-                        "smaller --kill-at"
-                    )
+                    raise too_late
                 tail = "\n".join(done.stderr.strip().splitlines()[-3:])
                 raise GlassloopError(f"verify-resume: the {name} run failed:\n{tail}")
+            if name == "straight through" and last_step(straight) < args.kill_at:
+                raise too_late  # (said now, not after a second whole run)
         ours, theirs = fingerprints(straight), fingerprints(killed)
     width = max(len(name) for name in ours)
     print(f"{'':<{width}}  {'straight through':<16}  {'killed and resumed':<18}")
@@ -375,6 +377,14 @@ def cmd_verify_resume(args: argparse.Namespace) -> int:
     exact = ours == theirs
     print("resume is exact" if exact else "resume is NOT exact: see the rows marked DIFFERENT")
     return EXIT_OK if exact else EXIT_NOT_EXACT
+
+
+def last_step(run_dir: Path) -> int:
+    """The step a finished run ended at (its run.json), or a large number when unknown."""
+    from glassloop.runs import read_json_object
+
+    step = read_json_object(run_dir / "run.json").get("step")
+    return step if isinstance(step, int) else sys.maxsize
 
 
 def launch_torchrun(nproc: int) -> int:
