@@ -95,7 +95,10 @@ def restore_state(
         if part is not None and saved is not None:
             part.load_state_dict(saved)
     record.load_state_dict(state, device, world)
-    windows = state.get("loss_spike") or []  # (none: written without the guard, or before it)
+    # The loss-spike windows, each process its own. None: written without the guard or
+    # before it; written by another number of processes (a resharded FSDP resume): the new
+    # processes start fresh windows, as every resume did before.
+    windows = state.get("loss_spike") or []
     if watch is not None and watch.spike and len(windows) == world.size:
         watch.load_state_dict(windows[world.rank])
     for callback, saved in zip(callbacks, state["callbacks"], strict=False):
