@@ -339,6 +339,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_verify_resume(args: argparse.Namespace) -> int:
     from glassloop.errors import GlassloopError
+    from glassloop.runs import summarise
     from glassloop.verify_resume import fingerprints
 
     sets = [f"--set={item}" for item in args.overrides]
@@ -365,8 +366,10 @@ def cmd_verify_resume(args: argparse.Namespace) -> int:
                     raise too_late
                 tail = "\n".join(done.stderr.strip().splitlines()[-3:])
                 raise GlassloopError(f"verify-resume: the {name} run failed:\n{tail}")
-            if name == "straight through" and last_step(straight) < args.kill_at:
-                raise too_late  # (said now, not after a second whole run)
+            if name == "straight through":  # said now, not after a second whole run
+                ended = summarise(straight)
+                if ended is not None and ended.status == "finished" and ended.step < args.kill_at:
+                    raise too_late
         ours, theirs = fingerprints(straight), fingerprints(killed)
     width = max(len(name) for name in ours)
     print(f"{'':<{width}}  {'straight through':<16}  {'killed and resumed':<18}")
@@ -377,14 +380,6 @@ def cmd_verify_resume(args: argparse.Namespace) -> int:
     exact = ours == theirs
     print("resume is exact" if exact else "resume is NOT exact: see the rows marked DIFFERENT")
     return EXIT_OK if exact else EXIT_NOT_EXACT
-
-
-def last_step(run_dir: Path) -> int:
-    """The step a finished run ended at (its run.json), or a large number when unknown."""
-    from glassloop.runs import read_json_object
-
-    step = read_json_object(run_dir / "run.json").get("step")
-    return step if isinstance(step, int) else sys.maxsize
 
 
 def launch_torchrun(nproc: int) -> int:
