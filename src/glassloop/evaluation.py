@@ -18,6 +18,7 @@ from glassloop.batch import batch_size_of, required_inputs, split_batch, split_i
 from glassloop.device import move_to_device
 from glassloop.distributed import World, distributed_job, gather_objects
 from glassloop.errors import ConfigError, DataError
+from glassloop.file_names import check_name
 from glassloop.fsdp import evenly, is_sharded
 from glassloop.metric_names import check_metric_name, make_metric
 from glassloop.metrics import ClassificationSums, MultilabelSums, RegressionSums
@@ -250,7 +251,8 @@ def metric_table(
     table: dict[str, Metric | str] = (
         dict(metrics) if isinstance(metrics, Mapping) else {name: name for name in metrics}
     )
-    for metric in table.values():
+    for name, metric in table.items():
+        check_name(name, "metrics: metric")  # (val_<name> names a column and a plot)
         if isinstance(metric, str):
             check_metric_name(metric, task)
     return table

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import html
 import json
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from glassloop.atomic import atomic_path, own_dir
 from glassloop.errors import GlassloopError
+from glassloop.file_names import file_name
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +53,9 @@ def write_report(
         return figure, axis
 
     def save(figure: Any, name: str) -> None:  # (never through a link of that name)
-        with atomic_path(out / name) as tmp:
+        with atomic_path(out / name) as tmp, warnings.catch_warnings():
+            # (a name in a script the font lacks is drawn as boxes: no warning per glyph)
+            warnings.filterwarnings("ignore", "Glyph .* missing from font")
             figure.savefig(tmp, dpi=100, format="png")
 
     rows = read_epochs(run_dir)
@@ -66,7 +70,8 @@ def write_report(
     # r2, mae, ... whatever the task and the callbacks wrote), then the learning rate.
     metrics = sorted({k for r in rows for k in r if k.startswith("val_") and k != "val_loss"})
     panels = [("loss.png", "loss", ["train_loss", "val_loss"])]
-    panels += [(f"{key}.png", key.removeprefix("val_"), [key]) for key in metrics]
+    # (a key is input: a run directory's files are copied and shared)
+    panels += [(file_name(key, ".png"), _label(key[4:]), [key]) for key in metrics]
     panels.append(("lr.png", "learning rate", ["lr"]))
     for name, title, keys in panels:
         nan = float("nan")
@@ -76,7 +81,7 @@ def write_report(
             continue
         figure, axis = curves(title, "epoch", title)
         for key, values in series:
-            axis.plot(epochs, values, marker="o", label=key)
+            axis.plot(epochs, values, marker="o", label=_label(key))
         if all(_percent(key) for key, _ in series):  # as the tables show it
             axis.yaxis.set_major_formatter(PercentFormatter(1.0))
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
@@ -93,44 +98,107 @@ def write_report(
         assert evaluation is not None
         confusion = evaluation[f"{head}confusion"]
         names = (class_names if not head else None) or [str(i) for i in range(len(confusion))]
-        size = max(4.0, 0.5 * len(names) + 2)
-        figure = Figure(figsize=(size, size))
-        axis = figure.subplots()
-        axis.imshow(confusion, cmap="Blues")
-        title = f"confusion matrix{' of ' + head.rstrip('_') if head else ''} (validation)"
-        axis.set(xticks=range(len(names)), yticks=range(len(names)), xlabel="predicted",
-                 ylabel="true", title=title)  # fmt: skip
-        axis.set_xticklabels(names, rotation=45, ha="right")
-        axis.set_yticklabels(names)
+        of = f" of {_label(head.rstrip('_'))}" if head else ""
+        if f"{head}perplexity" in evaluation:  # a language model's vocabulary: no picture
+            texts.append(f"no confusion matrix{of}: a language model's {len(names):,} tokens")
+        else:
+            figure, title = _confusion_figure(confusion, names, f"confusion matrix{of}")
+            image = file_name(f"{head}confusion", ".png")
+            save(figure, image)
+            images.append((image, title))
+        text = format_report(evaluation[f"{head}report"], evaluation[f"{head}accuracy"], names)
+        with atomic_path(out / file_name(f"{head}classification_report", ".txt")) as tmp:
+            tmp.write_text(text + "\n", encoding="utf-8")
+        texts.append((f"{head.rstrip('_')}:\n" if head else "") + text)
+    report_text = "\n\n".join(texts)
+    if predicted_vs_true is not None:
+        figure, title = _scatter_figure(*predicted_vs_true)
+        save(figure, "predicted_vs_true.png")
+        images.append(("predicted_vs_true.png", title))
+    index = out / "index.html"
+    with atomic_path(index) as tmp:
+        tmp.write_text(_html(run_dir, rows, images, report_text), encoding="utf-8")
+    return index
+
+
+# The confusion matrix costs at most a second or two whatever the number of classes (1,024
+# are kept, metrics.CONFUSION_MAX_CLASSES): a number in each cell up to CELL_NUMBERS_MAX
+# classes, the class names on the axes up to NAMES_MAX, a plain heat map beyond; the figure
+# is never larger than MAX_INCHES (a 1,024-class matrix drawn with a text per cell on a
+# 514-inch figure ran for 32 minutes).
+CELL_NUMBERS_MAX = 30
+NAMES_MAX = 60
+MAX_INCHES = 16.0
+# A regression's predicted-vs-true plot draws at most this many points, a random sample
+# (a fixed seed: the same report for the same outputs); the title says of how many.
+SCATTER_MAX = 10_000
+
+
+def _confusion_figure(confusion: list[list[int]], names: list[str], title: str) -> tuple[Any, str]:
+    """The figure of a confusion matrix and its caption (which says its size and how much of
+    it is labelled)."""
+    from matplotlib.figure import Figure
+
+    n = len(confusion)
+    size = min(MAX_INCHES, max(4.0, 0.5 * n + 2)) if n <= NAMES_MAX else 9.0
+    figure = Figure(figsize=(size, size))
+    axis = figure.subplots()
+    image = axis.imshow(confusion, cmap="Blues", interpolation="nearest")
+    caption = f"{title}, {n:,} classes"
+    if n <= NAMES_MAX:
+        labels = [_label(name, 24) for name in names]
+        axis.set(xticks=range(n), yticks=range(n))
+        axis.set_xticklabels(labels, rotation=45, ha="right", fontsize=8 if n <= 30 else 6)
+        axis.set_yticklabels(labels, fontsize=8 if n <= 30 else 6)
+    else:
+        caption += " (too many to label: the class report has each)"
+        figure.colorbar(image, ax=axis, shrink=0.8)
+    if n <= CELL_NUMBERS_MAX:
         top = max(max(row) for row in confusion) or 1
         for i, row in enumerate(confusion):
             for j, count in enumerate(row):
                 colour = "white" if count > top / 2 else "black"
                 axis.text(j, i, str(count), ha="center", va="center", color=colour, fontsize=8)
+    axis.set(xlabel="predicted", ylabel="true", title=f"{caption} (validation)")
+    with warnings.catch_warnings():  # (as in write_report's save)
+        warnings.filterwarnings("ignore", "Glyph .* missing from font")
         figure.tight_layout()
-        save(figure, f"{head}confusion.png")
-        images.append((f"{head}confusion.png", title.removesuffix(" (validation)")))
-        text = format_report(evaluation[f"{head}report"], evaluation[f"{head}accuracy"], names)
-        with atomic_path(out / f"{head}classification_report.txt") as tmp:
-            tmp.write_text(text + "\n", encoding="utf-8")
-        texts.append((f"{head.rstrip('_')}:\n" if head else "") + text)
-    report_text = "\n\n".join(texts)
-    if predicted_vs_true is not None:
-        predicted, true = (t.detach().float().flatten().cpu() for t in predicted_vs_true)
-        figure = Figure(figsize=(5, 5))
-        axis = figure.subplots()
-        axis.scatter(true, predicted, s=8, alpha=0.5)
-        low, high = float(min(true.min(), predicted.min())), float(max(true.max(), predicted.max()))
-        axis.plot([low, high], [low, high], linestyle="--", color="gray")  # perfect predictions
-        samples = f"{len(true):,} validation samples"
-        axis.set(xlabel="true", ylabel="predicted", title=f"predicted vs true ({samples})")
-        figure.tight_layout()
-        save(figure, "predicted_vs_true.png")
-        images.append(("predicted_vs_true.png", f"predicted vs true, {samples}"))
-    index = out / "index.html"
-    with atomic_path(index) as tmp:
-        tmp.write_text(_html(run_dir, rows, images, report_text), encoding="utf-8")
-    return index
+    return figure, caption
+
+
+def _scatter_figure(predicted: torch.Tensor, true: torch.Tensor) -> tuple[Any, str]:
+    """A regression's predicted-vs-true plot of at most :data:`SCATTER_MAX` of its points,
+    and its caption (how many of how many)."""
+    import torch
+    from matplotlib.figure import Figure
+
+    predicted, true = (t.detach().float().flatten().cpu() for t in (predicted, true))
+    total = len(true)
+    low, high = float(min(true.min(), predicted.min())), float(max(true.max(), predicted.max()))
+    if total > SCATTER_MAX:  # (a private generator: the run's global RNG stays as it is)
+        generator = torch.Generator().manual_seed(0)
+        kept = torch.randperm(total, generator=generator)[:SCATTER_MAX]
+        predicted, true = predicted[kept], true[kept]
+    figure = Figure(figsize=(5, 5))
+    axis = figure.subplots()
+    axis.scatter(true, predicted, s=8, alpha=0.5)
+    axis.plot([low, high], [low, high], linestyle="--", color="gray")  # perfect predictions
+    shown = (
+        f"{total:,} validation points"
+        if total <= SCATTER_MAX
+        else (f"{SCATTER_MAX:,} of {total:,} validation points, at random")
+    )
+    axis.set(xlabel="true", ylabel="predicted", title=f"predicted vs true ({shown})")
+    figure.tight_layout()
+    return figure, f"predicted vs true, {shown}"
+
+
+def _label(name: str, limit: int = 60) -> str:
+    """A name from outside as text in a figure: one line, cut to ``limit`` characters, its
+    ``$`` escaped (matplotlib reads text between two as TeX and fails on what is not)."""
+    text = "".join(c if c.isprintable() else "?" for c in name)
+    text = text if len(text) <= limit else text[: limit - 1] + "…"
+    return text.replace("$", r"\$")
 
 
 def _html(
@@ -163,8 +231,8 @@ def _html(
         for k in ("glassloop", "torch", "python", "platform", "git_sha")
     )
     figures = "".join(
-        f'<figure><img src="{name}" alt="{html.escape(title)}"><figcaption>{html.escape(title)}'
-        "</figcaption></figure>"
+        f'<figure><img src="{html.escape(name)}" alt="{html.escape(title)}">'
+        f"<figcaption>{html.escape(title)}</figcaption></figure>"
         for name, title in images
     )
     report_block = (

@@ -33,6 +33,7 @@ from glassloop.checkpoint import (
 )
 from glassloop.distributed import SINGLE, World, unwrap_model
 from glassloop.errors import GlassloopError, write_failure
+from glassloop.file_names import check_key
 from glassloop.run_lock import RunLock
 from glassloop.runs import read_json_object
 from glassloop.serialization import stable_repr, write_json
@@ -143,7 +144,11 @@ class RunLog:
             self._tracker.start(self.run_dir, config, resume=not fresh)
 
     def write(self, row: dict[str, Any]) -> None:
-        """One metrics row to every sink; a full disk is a write failure (exit 3)."""
+        """One metrics row to every sink; a full disk is a write failure (exit 3). A key
+        the files cannot hold (a callback's, an ``evaluate`` override's, a ``train_step``'s
+        named loss) is one line before any of them is written."""
+        for key in row:
+            check_key(key, "metrics: the row key")
         if self._tracker is not None:
             self._tracker.log(row)  # never raises: a failing backend turns itself off
         for sink in self._sinks:

@@ -6,6 +6,7 @@ Rows are plain dicts. A step row has ``kind="step"``; an epoch row has ``kind="e
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import sys
@@ -280,19 +281,24 @@ def truncate_rows(run_dir: Path, max_step: int, max_epoch: int) -> None:
         path = run_dir / name
         if not path.is_file():
             continue
-        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-        if name.endswith(".jsonl"):
-            kept = [line for line in lines if _keep(_jsonl_row(line), max_step, max_epoch)]
-        else:
-            header, rows = lines[:1], lines[1:]
-            reader = csv.DictReader(header + rows)
-            kept = header + [
-                line
-                for line, row in zip(rows, reader, strict=True)
-                if _keep(row, max_step, max_epoch)
-            ]
+        with path.open(encoding="utf-8", newline="") as handle:  # (a CSV's own line ends)
+            text = handle.read()
         with atomic_path(path) as tmp:
-            tmp.write_text("".join(kept), encoding="utf-8")
+            if name.endswith(".jsonl"):
+                lines = text.splitlines(keepends=True)
+                kept = [line for line in lines if _keep(_jsonl_row(line), max_step, max_epoch)]
+                tmp.write_text("".join(kept), encoding="utf-8")
+                continue
+            # Records, not lines: a quoted field may hold a newline (a header written by an
+            # older glassloop from a key with one), and each record is written back as read.
+            reader = csv.DictReader(io.StringIO(text, newline=""))
+            rows = [row for row in reader if _keep(row, max_step, max_epoch)]
+            if reader.fieldnames:  # (an empty file stays empty)
+                with open_own(tmp, "w", encoding="utf-8", newline="") as handle:
+                    fields = reader.fieldnames
+                    writer = csv.DictWriter(handle, fields, extrasaction="ignore")
+                    writer.writeheader()
+                    writer.writerows(rows)
 
 
 def _jsonl_row(line: str) -> dict[str, Any] | None:

@@ -45,6 +45,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from glassloop.errors import ConfigError, ModelError
+from glassloop.file_names import check_name
 
 TASKS = ("classification", "multilabel", "regression", "language-model", "custom")
 # Tasks whose targets are class labels (per sample or per token); "auto" is treated as one
@@ -100,6 +101,7 @@ def resolve_heads(task: str | Mapping[str, str]) -> tuple[str, dict[str, str] | 
     if not task:
         raise ConfigError("task: a task per head needs at least one head, got {}")
     for name, head_task in task.items():
+        check_name(name, "task: head")  # (it names keys and the report's files)
         if head_task not in TASKS:
             raise ConfigError(
                 f"task: head {name!r} needs one of {', '.join(TASKS)}, got {head_task!r}"

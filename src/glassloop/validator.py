@@ -18,6 +18,7 @@ from torch import nn
 from glassloop.callbacks import Callback
 from glassloop.distributed import World
 from glassloop.evaluation import first_batches, gathered_outputs
+from glassloop.file_names import check_name
 from glassloop.metrics import is_number
 from glassloop.state import TrainState
 
@@ -56,6 +57,9 @@ class Validator:
             self.sets: dict[str, Iterable[Any]] = {}
         else:
             self.sets = dict(sets) if isinstance(sets, Mapping) else {"": sets}
+        if isinstance(sets, Mapping):  # (each names its val_<name>_* keys and their plots)
+            for name in self.sets:
+                check_name(name, "fit: validation set")
         self.limit, self.counted, self.sinks = limit, counted, sinks
         self.every = every if self.sets else 0  # (read every step: an attribute, no call)
         self.last: dict[str, Any] | None = None  # the first set's metrics (the report's)

@@ -253,7 +253,7 @@ def plotted_samples(cwd: Path, sets: list[str], *args: str) -> str:
                          capture_output=True, text=True, timeout=180, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
     page = (cwd / run / "report" / "index.html").read_text()
-    return page.split("predicted vs true, ")[1].split(" validation samples")[0]
+    return page.split("predicted vs true, ")[1].split(" validation points")[0]
 
 
 def test_a_regression_plot_has_every_processs_validation_samples(tmp_path: Path) -> None:

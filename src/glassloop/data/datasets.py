@@ -28,6 +28,7 @@ from glassloop.data.splits import (
     target_values,
 )
 from glassloop.errors import DataError
+from glassloop.file_names import check_name
 
 # The usual MNIST pixel statistics (over the 60,000 training images, pixels in [0, 1]).
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -209,6 +210,7 @@ def npz_validation_sets(
     inputs' shape."""
     sets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, file in cfg.val_sets.items():
+        check_name(name, "data: data.val_sets name")  # (its val_<name>_* keys name files)
         path = Path(file) if isinstance(file, str) else None
         if not name.isidentifier() or path is None or not path.is_file():
             raise DataError(
