@@ -155,10 +155,13 @@ def _ours(path: Path) -> bool:
 
 
 def latest_pointer(run_dir: Path) -> Path | None:
+    """The step folder ``checkpoints/latest`` names; ``None`` when it is missing, unreadable,
+    not text (a binary file) or not a step folder's name: a resume then looks at the step
+    folders themselves (:func:`find_resumable`), as for a damaged pointer."""
     pointer = checkpoints_dir(run_dir) / LATEST
     try:
         name = pointer.read_text(encoding="utf-8").strip()
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return None
     return checkpoints_dir(run_dir) / name if STEP_DIR.match(name) else None
 

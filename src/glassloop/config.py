@@ -33,8 +33,10 @@ from typing import Any
 from glassloop.checkpointer import CheckpointConfig
 from glassloop.data.options import DataConfig as DataConfig
 from glassloop.errors import ConfigError
+from glassloop.guards import check_loss_spike
 from glassloop.losses import LossConfig as LossConfig
 from glassloop.metric_names import check_metric_name
+from glassloop.models import BUILT_IN_KEYS
 from glassloop.models import ModelConfig as ModelConfig
 from glassloop.optimizers import OptimConfig as OptimConfig
 from glassloop.optimizers import SchedulerConfig as SchedulerConfig
@@ -334,6 +336,14 @@ def from_dict(raw: dict[str, Any]) -> Config:
                 f"config: {section}.monitor must be 'train_loss' or a validation metric "
                 f"('val_loss', 'val_accuracy', 'val_r2', ...), got {monitor!r}"
             )
+    check_loss_spike(cfg.train.loss_spike)  # 0 or over 1 (a Range cannot say "or")
+    if cfg.model.kwargs and not cfg.model.target:  # (it would be ignored)
+        keys = ", ".join(f"model.{key}" for key in BUILT_IN_KEYS.get(cfg.model.name, ()))
+        raise ConfigError(
+            f"config: model.kwargs is for a model.target model only; the built-in "
+            f"{cfg.model.name!r} takes {keys} (set those instead), or set model.target = "
+            "'package.module:Class'"
+        )
     for name in cfg.train.metrics:
         check_metric_name(name, config_task(cfg))
     if cfg.scheduler.name == "warmup_cosine":

@@ -1,5 +1,6 @@
-"""The loop's guards: cheap checks on the first batch, torch errors caused by the user's data
-or model turned into one clear line, and the non-finite policy (raise, or skip and count).
+"""The loop's guards: cheap checks on the first batch and on the parts a Trainer is given,
+torch errors caused by the user's data, model or optimizer turned into one clear line naming
+that culprit, and the non-finite policy (raise, or skip and count).
 
 A Trainer subclass replaces the first-batch guard by overriding
 ``Trainer.check_first_batch`` (for example a stateful model that must not be called outside
@@ -8,8 +9,11 @@ its step), or switches it off with an override that does nothing.
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
 import statistics
+import traceback
 from typing import Any
 
 import torch
@@ -17,7 +21,7 @@ from torch import nn
 
 from glassloop.batch import Inputs, describe_batch
 from glassloop.distributed import World, all_reduce
-from glassloop.errors import DataError, GlassloopError, ModelError, NonFiniteError
+from glassloop.errors import ConfigError, DataError, GlassloopError, ModelError, NonFiniteError
 from glassloop.evaluation import check_same_shape
 from glassloop.fsdp import local
 from glassloop.precision import autocast
@@ -51,7 +55,7 @@ def check_first_batch(
     args, kwargs = inputs
     for name, value in [*enumerate(args), *kwargs.items()]:
         floating = isinstance(value, torch.Tensor) and value.is_floating_point()
-        if floating and not bool(torch.isfinite(value).all()):
+        if floating and not _finite_values(value):
             raise DataError(
                 f"data: the first training batch has NaN or inf in input {name!r}; "
                 "clean or impute the data before training"
@@ -92,17 +96,79 @@ def check_batches(batches: int) -> None:
         )
 
 
+def _finite_values(tensor: torch.Tensor) -> bool:
+    """Whether the values ``tensor`` stores are finite: a sparse tensor's stored values
+    (``torch.isfinite`` has no sparse kernel; the pytorch/examples GCN feeds a sparse
+    adjacency), and ``True`` for a layout torch cannot check: the guard's limit is never
+    reported as the data's fault."""
+    try:
+        if tensor.layout == torch.sparse_coo:
+            tensor = tensor._values()  # (uncoalesced too: no copy)
+        elif tensor.layout != torch.strided:
+            tensor = tensor.values()  # CSR, CSC, BSR, BSC, nested
+        return bool(torch.isfinite(tensor).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return True
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse, in one line, a model the loop cannot drive: its own ``train``/``eval`` in place
+    of ``nn.Module``'s (pytorch/examples' mnist_forward_forward defines ``train(self, x_pos,
+    x_neg)``: ``fit`` calls ``model.train()``, evaluation ``model.eval()``), or no parameters at
+    all (the optimizer would have nothing of it to step)."""
+    name = type(model).__name__
+    for method, args in (("train", [(), (True,)]), ("eval", [()])):
+        bound = getattr(model, method, None)
+        if getattr(type(model), method, None) is getattr(nn.Module, method):
+            continue
+        try:
+            for given in args:
+                inspect.signature(bound).bind(*given)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ModelError(
+                f"model: {name} defines its own {method}() (not nn.Module's {method}(mode=True)"
+                f"), which the loop calls to switch dropout and batch-norm; rename yours (e.g. "
+                f"'{method}_step') or accept nn.Module's signature and call super().{method}"
+            ) from None
+    if next(iter(model.parameters()), None) is None:
+        raise ModelError(
+            f"model: {name} registers no parameters (no nn.Parameter, no submodule with one): "
+            "there is nothing to train; register its weights as nn.Parameter or modules"
+        )
+
+
 def explain(err: Exception, batch: Any, state: TrainState) -> Exception:
-    """A torch error caused by the user's data or model as one clear line (``err`` itself
-    when it is not one of those)."""
+    """A torch error as one clear line naming its culprit (``err`` itself when no culprit
+    is known): the optimizer (raised in ``torch.optim``, at any step: it names the class and
+    the options that differ from its defaults), the data (a label out of range; the loader
+    at the first batch) or, at the first batch, the model or loss. An error raised by
+    glassloop's own code (its guards included) is never blamed on the user: it is ``err``."""
     if isinstance(err, GlassloopError):
         return err
     text = " ".join(str(err).split())
     where = f"epoch {state.epoch + 1}, batch {state.batch_in_epoch + 1}"
+    culprit, optimizer = _culprit(err)
+    if culprit == "clipping":
+        return ConfigError(
+            f"train: clipping the gradients (clip_grad_norm/clip_grad_value) failed at {where}: "
+            f"{type(err).__name__}: {text[:200]}; torch cannot clip sparse gradients "
+            "(nn.Embedding(sparse=True)): drop the clipping or use a dense layer"
+        )
+    if culprit == "optimizer":
+        return ConfigError(
+            f"optim: {type(optimizer).__name__}.step() failed at {where}: "
+            f"{type(err).__name__}: {text.rstrip('.')}; {_options(optimizer)}"
+        )
+    if isinstance(err, AssertionError) or culprit == "glassloop":
+        return err  # an invariant or glassloop's own code: a bug, with its traceback
     if "out of bounds" in text and "arget" in text:
         return DataError(
             f"data: a label is outside the model's output range ({text}) at {where}; "
             "labels must be in [0, num_outputs)"
+        )
+    if state.step == 0 and culprit == "data":
+        return DataError(
+            f"data: reading the first training batch failed: {type(err).__name__}: {text}"
         )
     if state.step == 0:
         return ModelError(
@@ -110,6 +176,59 @@ def explain(err: Exception, batch: Any, state: TrainState) -> Exception:
             f"{type(err).__name__}: {text}"
         )
     return err
+
+
+_OWN = os.path.dirname(os.path.abspath(__file__)) + os.sep  # glassloop's package folder
+_OPTIM = os.sep + os.path.join("torch", "optim") + os.sep
+_DATA = (os.sep + os.path.join("torch", "utils", "data") + os.sep, _OWN + "data" + os.sep)
+
+
+def _culprit(err: BaseException) -> tuple[str, Any]:
+    """Who raised ``err``, from the files of its traceback: ``"optimizer"`` (a frame in
+    ``torch.optim``, with the optimizer it stepped), ``"clipping"`` (torch's), ``"data"`` (a
+    loader's frame), ``"user"`` (the innermost frame outside glassloop: the model, the loss,
+    torch.nn, autograd; the built-in models count as the user's choice) or ``"glassloop"``
+    (the innermost frame is glassloop's own: its code, or a torch function it called
+    directly, failed)."""
+    frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__)]
+    if not frames:
+        return "user", None
+    files = [os.path.abspath(frame.f_code.co_filename) for frame in frames]
+    innermost = files[-1]
+    owners = [frame.f_locals.get("self") for frame in frames if _OPTIM in frame.f_code.co_filename]
+    stepped = [owner for owner in owners if isinstance(owner, torch.optim.Optimizer)]
+    if _OPTIM in innermost and stepped:  # (the innermost is the one that failed)
+        return "optimizer", stepped[-1]
+    if innermost.endswith(os.path.join("torch", "nn", "utils", "clip_grad.py")):
+        return "clipping", None
+    if any(name.startswith(_DATA[1]) or _DATA[0] in name for name in files):
+        return "data", None
+    if innermost.startswith(_OWN) and innermost != _OWN + "models.py":
+        return "glassloop", None
+    return "user", None
+
+
+def _options(optimizer: torch.optim.Optimizer) -> str:
+    """The options of ``optimizer`` that differ from its class's defaults, to check first."""
+    try:
+        params = inspect.signature(type(optimizer)).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    changed = []
+    for key, value in optimizer.defaults.items():
+        default = params[key].default if key in params else None
+        simple = isinstance(value, (bool, int, float, str, tuple))
+        # (a default of None is worked out from the others, as LBFGS's max_eval)
+        if (
+            key != "lr"
+            and simple
+            and default not in (None, inspect.Parameter.empty)
+            and value != default
+        ):
+            changed.append(f"{key}={value!r}")
+    if not changed:
+        return "it runs with its default options: check its state and the parameters it steps"
+    return f"check its options that differ from the defaults: {', '.join(changed)}"
 
 
 class NonFiniteWatch:
@@ -124,6 +243,7 @@ class NonFiniteWatch:
     for who wants a non-finite step never taken."""
 
     def __init__(self, spike: float = 0.0) -> None:
+        check_loss_spike(spike, "Trainer")
         self.pending: list[tuple[torch.Tensor, ...]] = []  # each step's values since `base`
         self.base = 0  # the step before the first pending one
         # train.loss_spike: a finite loss over `spike` times the median of the steps before
@@ -184,14 +304,23 @@ class NonFiniteWatch:
         """Raise :class:`LossSpikeError` at the first step whose loss is more than ``spike``
         times the median of the :data:`SPIKE_WINDOW` steps before it (once that many are
         known); one host read of the pending steps' losses (with several processes, one
-        collective: they all stop, at the first step any of them saw)."""
+        collective: they all stop, at the first step any of them saw).
+
+        Measured as a distance: a loss more than ``spike - 1`` times ``|median|`` above the
+        median, which for positive losses is "over ``spike`` times the median" and also works
+        for losses below zero (a negative log-likelihood of densities, an ELBO): a median of
+        -2 with ``spike = 10`` stops at a loss over 16. A median of exactly 0 has no scale to
+        measure against: those steps are not checked."""
         values = torch.stack([loss.detach().double() for loss, _ in self.steps]).cpu().tolist()
         spike, found = math.inf, ""
         for i, value in enumerate(values):
             if len(self.recent) == SPIKE_WINDOW:
                 median = statistics.median(self.recent)
-                if median > 0 and value > self.spike * median and math.isinf(spike):
-                    found = f"{value:.6g}, {value / median:.3g} times the median {median:.6g}"
+                scale = abs(median)
+                if scale and value - median > (self.spike - 1) * scale and math.isinf(spike):
+                    times = value / median if median > 0 else (value - median) / scale
+                    what = "the median" if median > 0 else "|median| above the median"
+                    found = f"{value:.6g}, {times:.3g} times {what} {median:.6g}"
                     spike = float(i)
                 self.recent.pop(0)
             self.recent.append(value)
@@ -207,6 +336,24 @@ class NonFiniteWatch:
                 "saved, the last good checkpoint is intact. Inspect those batches (their "
                 "positions in the epoch's order), lower the learning rate or clip gradients"
             )
+
+
+def check_loss_spike(spike: float, where: str = "config") -> None:
+    """``loss_spike`` is 0 (off) or over 1: at 1 or below, any loss above the recent median
+    would stop the run, a falling loss included (the Trainer's check and the config's).
+
+    >>> check_loss_spike(0.5, "Trainer")
+    Traceback (most recent call last):
+    ...
+    glassloop.errors.ConfigError: Trainer: loss_spike must be 0 (off) or over 1 (e.g. 10: ...
+    """
+    if spike != 0 and not spike > 1:  # (nan fails both)
+        key = "train.loss_spike" if where == "config" else "loss_spike"
+        raise ConfigError(
+            f"{where}: {key} must be 0 (off) or over 1 (e.g. 10: stop at a loss over 10 times "
+            f"the median of the {SPIKE_WINDOW} steps before), got {spike!r}: any loss above "
+            "the median would stop the run"
+        )
 
 
 def _place(step: int, epoch: int, first: int, last: int) -> str:
@@ -239,7 +386,7 @@ class NonFinitePolicy:
                 name
                 for name, p in model.named_parameters()
                 # (FSDP: this process's shard; a sharded whole would need every process)
-                if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())
+                if p.grad is not None and not _finite_values(local(p.grad))
             ),
             None,
         )
@@ -277,6 +424,8 @@ def all_finite(
         # Fused L2 norms (one kernel on GPU; 51 us/step on the tutorial MLP on this CPU;
         # the inf-norm would be 885 us): finite exactly when every gradient is.
         grads = [local(p.grad) if sharded else p.grad for p in params if p.grad is not None]
+        # (a sparse gradient, nn.Embedding(sparse=True)'s: the norm of its stored values)
+        grads = [grad._values() if grad.is_sparse else grad for grad in grads]
         checked.extend(torch._foreach_norm(grads))
     # A sum is finite only if all its terms are; item() is ~25x cheaper than torch.isfinite
     # on a CPU scalar. (Summed in float32: half-precision norms each finite can overflow.)

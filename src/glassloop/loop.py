@@ -186,8 +186,8 @@ class Trainer(TrainerParts):
             if self.limit_batches and hasattr(train_loader, "finish_epoch"):
                 train_loader.finish_epoch()  # a limited epoch is the first N of its order
             self.throughput.stop()
-        except (RuntimeError, IndexError, ValueError) as err:
-            explained = guards.explain(err, batch, state)
+        except (RuntimeError, IndexError, ValueError, AssertionError) as err:
+            explained = guards.explain(err, batch, state)  # (an assert: torch.optim's only)
             if explained is err:
                 raise
             raise explained from err

@@ -35,6 +35,14 @@ class ModelConfig:
     num_heads: int = 4
 
 
+# The [model] keys each built-in model reads (model.kwargs is for a model.target class).
+BUILT_IN_KEYS = {
+    "mlp": ("hidden", "dropout"),
+    "cnn": ("dropout",),
+    "text-classifier": ("embed_dim", "encoder", "num_layers", "num_heads", "dropout"),
+}
+
+
 def mlp(
     input_shape: tuple[int, ...], num_classes: int, hidden: list[int], dropout: float = 0.0
 ) -> nn.Sequential:

@@ -135,12 +135,34 @@ def optimizer_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         and isinstance(param.default, (bool, int, float, tuple))
     }
     merged = {**defaults, **checked}
-    build: Any = cls  # (a concrete subclass: it takes lr)
     try:  # its own checks (betas in [0, 1), eps >= 0, ...), before any data is read
-        build([torch.zeros(1, requires_grad=True)], lr=1e-3, **merged)
-    except (TypeError, ValueError, IndexError, RuntimeError) as err:
-        raise ConfigError(f"config: optim: {cls.__name__} refuses these arguments: {err}") from err
+        dry_step(cls, merged)
+    except (TypeError, ValueError, IndexError, RuntimeError, AssertionError) as err:
+        given = ", ".join(f"{key}={value!r}" for key, value in checked.items())
+        raise ConfigError(
+            f"config: optim: {cls.__name__} refuses these arguments ({given}): "
+            f"{type(err).__name__}: {' '.join(str(err).split()).rstrip('.')}"
+        ) from err
     return merged
+
+
+def dry_step(cls: Any, kwargs: dict[str, Any]) -> None:
+    """Build ``cls`` over one number and take a step: what its constructor refuses, and what
+    only its step does (LBFGS's ``history_size = 0``, ``differentiable = true`` on a leaf).
+    ``capturable``/``fused`` choose a device's kernel: stepped where the device is known."""
+    probe = torch.ones(1, requires_grad=True)
+    optimizer = cls([probe], lr=1e-3, **kwargs)
+    if kwargs.get("capturable") or kwargs.get("fused"):
+        return
+
+    def closure() -> torch.Tensor:  # (called again by LBFGS's line search and iterations)
+        optimizer.zero_grad()
+        loss = (probe * probe).sum()
+        loss.backward()  # type: ignore[no-untyped-call]
+        return loss
+
+    closure()
+    optimizer.step(closure) if needs_closure(optimizer) else optimizer.step()
 
 
 WARMUP_COSINE_KEYS = {"warmup_steps": int, "min_lr_ratio": float, "total_steps": int}
@@ -332,7 +354,53 @@ def one_optimizer(
     optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer],
 ) -> torch.optim.Optimizer:
     """``optimizer``, or several by name (a GAN's generator and discriminator) as one
-    :class:`Optimizers`, which the loop steps, zeroes and checkpoints like an optimizer."""
+    :class:`Optimizers`, which the loop steps, zeroes and checkpoints like an optimizer;
+    anything else (an empty dict, a class instead of an instance) refused in one line."""
     if isinstance(optimizer, Mapping):
+        if not optimizer:
+            raise ConfigError(
+                "optimizer: an empty dict of optimizers has nothing to step; pass one "
+                "torch.optim optimizer, or several by name ({'g': ..., 'd': ...})"
+            )
+        for name, each in optimizer.items():
+            _check_optimizer(each, f"optimizer[{name!r}]")
         return cast(torch.optim.Optimizer, Optimizers(optimizer))
+    _check_optimizer(optimizer, "optimizer")
     return optimizer
+
+
+def _check_optimizer(optimizer: Any, what: str) -> None:
+    """What the loop calls on an optimizer (accelerate's rule: refused when it is handed over,
+    not at the first step or checkpoint)."""
+    needed = ("step", "zero_grad", "state_dict", "load_state_dict", "param_groups")
+    missing = [name for name in needed if not hasattr(optimizer, name)]
+    if missing or isinstance(optimizer, type):
+        kind = f"the class {optimizer.__name__}" if isinstance(optimizer, type) else "it"
+        raise ConfigError(
+            f"{what}: {kind} is not an optimizer instance (it needs {', '.join(needed)}); pass "
+            "e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)"
+        )
+
+
+def check_kernels(optimizer: torch.optim.Optimizer) -> None:
+    """``capturable=True`` (a kernel for CUDA graphs) on parameters of a device torch has no
+    such kernel for (a CPU) is refused in one line; torch would assert at the first step."""
+    supported = _capturable_devices()
+    for group in optimizer.param_groups:
+        devices = sorted({p.device.type for p in group["params"]} - set(supported))
+        if group.get("capturable") and devices:
+            raise ConfigError(
+                f"optim: capturable = true needs parameters on {', '.join(supported)}; they "
+                f"are on {', '.join(devices)}. Drop optim.capturable (it only chooses a kernel)"
+            )
+
+
+def _capturable_devices() -> list[str]:
+    """The device types torch's capturable optimizer kernels run on (torch's own list)."""
+    from torch.optim import optimizer as base
+
+    listed = getattr(base, "_get_capturable_supported_devices", None)
+    try:
+        return list(listed()) if listed is not None else ["cuda"]
+    except Exception:  # a private helper of torch's: its list when it works, else CUDA's
+        return ["cuda"]

@@ -81,6 +81,7 @@ class TrainerParts:
         **replaced: Any,  # names replaced in 0.2 (glassloop.replaced), with a warning
     ) -> None:  # fmt: skip
         policy, compiled, run_info = fold_replaced(replaced, nonfinite, compile, run_info)
+        guards.check_model(model)  # its own train()/eval() in place of nn.Module's, no weights
         optimizer = optimizers.one_optimizer(optimizer)  # several by name (a GAN's): one
         scheduler = Schedulers(scheduler) if isinstance(scheduler, Mapping) else scheduler
         check_trainer_options({  # the rules the config reader applies too, one table
@@ -120,6 +121,7 @@ class TrainerParts:
             compile=compiled, ema=bool(ema_decay), checkpointed=activation_checkpointing,
         )  # fmt: skip
         self._parameters = list(self.model.parameters())
+        optimizers.check_kernels(optimizer)  # on the device: capturable=True needs a GPU
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.scheduler = scheduler

@@ -74,12 +74,17 @@ def _count(value: Any) -> int:
 
 def read_rows(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     """The rows of one ``kind`` ("epoch", "step", "val") of ``RUN_DIR/metrics.jsonl`` (none
-    if it is missing); a line cut short by a kill, or one that is not a row, is skipped."""
+    if it is missing or unreadable); a line cut short by a kill, one that is not a row or not
+    UTF-8 text, is skipped."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
+    try:  # (undecodable bytes, a damaged or foreign file: that line is skipped, not the rest)
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in text.splitlines():
         try:
             row = json.loads(line)
         except (ValueError, RecursionError):
