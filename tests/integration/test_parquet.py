@@ -278,3 +278,12 @@ def test_the_arrow_cache_copy_is_verified_and_rebuilt(tmp_path: Path) -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("GLASSLOOP_CACHE_DIR", str(blocked))
         assert_refused(parquet_train(table), "cannot write the Arrow copy", "GLASSLOOP_CACHE_DIR")
+
+
+def test_a_data_file_with_a_long_name_gets_a_cache_copy_of_a_bounded_name(tmp_path: Path) -> None:
+    """The Arrow copy was named after the data file: a 240-character name (a file system's
+    limit is 255 bytes) made a name the disk refused, and the run failed before training."""
+    table = numeric_parquet(tmp_path / f"{'n' * 240}.parquet")
+    assert parquet_train(table).returncode == 0
+    (copy,) = (tmp_path / "cache" / "arrow").glob("*.arrow")
+    assert len(copy.name) <= 130 and copy.name.startswith("nnnn")

@@ -36,6 +36,7 @@ from glassloop.data.lazy import channel_stats, probe_shape, read_image, stats_sa
 from glassloop.data.splits import check_class_count
 from glassloop.data.text import PAD, TextData, tokenizer_for
 from glassloop.errors import DataError
+from glassloop.file_names import file_name
 
 
 def _pyarrow() -> Any:
@@ -150,7 +151,8 @@ def arrow_copy(parquet: Path) -> Path:
 
     stat = parquet.stat()
     key = hashlib.sha256(f"{parquet.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    target = cache_dir() / "arrow" / f"{parquet.stem}-{key.hexdigest()[:16]}.arrow"
+    # (the data file's own name, bounded: a 250-character one made a name the disk refused)
+    target = cache_dir() / "arrow" / file_name(parquet.stem, f"-{key.hexdigest()[:16]}.arrow")
     check = target.with_name(target.name + ".crc")
     # (A link there is not our copy: never read or replaced.)
     if refuse_link(target).is_file() and _matches(target, refuse_link(check)):
