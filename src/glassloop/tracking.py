@@ -36,6 +36,7 @@ from typing import Any
 
 from glassloop.atomic import atomic_path
 from glassloop.errors import ConfigError
+from glassloop.redaction import redact, redacted_output
 from glassloop.runs import read_json_object
 from glassloop.serialization import dotted
 
@@ -111,14 +112,20 @@ class Tracker:
         if self.failed:
             return None
         try:
-            return action(*args)
+            # What the backend prints meanwhile (MLflow's "View run at <tracking URI>") is
+            # redacted: console output is what CI logs and Slurm's .out files keep.
+            with redacted_output():
+                return action(*args)
         except Exception as err:  # the backend's errors are its own (HTTP, SQL, OS, ...)
             self.failed = True
-            reason = " ".join(str(err).split())[:300]  # (W&B's run over several lines)
+            # (redacted before it is cut: a cut secret would no longer look like one)
+            reason = " ".join(redact(str(err)).split())[:300]  # (W&B's run over several lines)
             self.warn(
-                f"warning: tracking ({self.name}) failed and is off for the rest of this run; "
-                f"the run directory has everything: {type(err).__name__}: {reason}"
-                f"{self.hint}"
+                redact(
+                    f"warning: tracking ({self.name}) failed and is off for the rest of this "
+                    f"run; the run directory has everything: {type(err).__name__}: {reason}"
+                    f"{self.hint}"
+                )
             )
             return None
 
@@ -147,14 +154,17 @@ class MLflowTracker(Tracker):
     @property
     def hint(self) -> str:
         return (
-            f" (tracking.uri {self.config.uri!r}: MLflow takes e.g. 'sqlite:///mlflow.db' or "
-            "'http://host:5000')"
+            f" (tracking.uri {redact(self.config.uri, uri=True)!r}: MLflow takes e.g. "
+            "'sqlite:///mlflow.db' or 'http://host:5000')"
             if self.client is None
             else ""
         )
 
     def _open(self, run_dir: Path, params: dict[str, Any], previous: str | None) -> str:
         uri = self.config.uri or "sqlite:///mlflow.db"
+        if "://" not in uri and redact(uri, uri=True) != uri:
+            # MLflow (before 3) would take it for a local folder named after the secret.
+            raise ValueError("a URI with credentials needs a scheme: write 'http://...@host'")
         reachable(uri)  # (a server that is down cost 4 minutes of MLflow's retries)
         client = self.make_client(tracking_uri=uri)  # (a URI it refuses: one warning)
         client.search_experiments(max_results=1)  # the store answers, or fails here
@@ -287,7 +297,8 @@ def make_tracker(
         return None
     if config.backend not in TRACKERS:
         raise ConfigError(
-            f"config: tracking.backend must be '', 'mlflow' or 'wandb', got {config.backend!r}"
+            "config: tracking.backend must be '', 'mlflow' or 'wandb', "
+            f"got {redact(config.backend)!r}"
         )
     return TRACKERS[config.backend](config, warn)
 

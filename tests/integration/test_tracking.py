@@ -90,11 +90,19 @@ def free_port() -> int:
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A real ``mlflow server`` on 127.0.0.1 (its own store), stopped after the test."""
+    with mlflow_server(tmp_path) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def mlflow_server(folder: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A real ``mlflow server`` on 127.0.0.1, its store in ``folder``: (its URL, its process);
+    stopped when the block ends."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-         "--artifacts-destination", str(tmp_path / "server-artifacts"), "--workers", "1"],
+         "--backend-store-uri", f"sqlite:///{folder / 'server.db'}",
+         "--artifacts-destination", str(folder / "server-artifacts"), "--workers", "1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
