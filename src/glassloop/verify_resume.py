@@ -6,7 +6,8 @@ cut) and resumed in a new process. Exact resume means the two end in the same pl
 :func:`fingerprints` says so in SHA-256 digests of what must match: the final weights, the
 optimizer's state, the other stateful parts (loop position, scheduler, scaler, EMA, data
 order), every process's RNG, and every reported number of every epoch (wall-clock times
-aside).
+aside). Each run is a child process that dies with this one: a SIGTERM/SIGINT is passed on
+to it, it is waited for and the temporary folder removed (:class:`TrainingRuns`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
+from types import FrameType, TracebackType
 from typing import Any
 
 import torch
@@ -24,6 +27,7 @@ import torch
 from glassloop.callbacks import AnyTrainer, Callback
 from glassloop.checkpoint import latest_pointer, read_checkpoint
 from glassloop.errors import CheckpointError
+from glassloop.preemption import STOP_SIGNALS, die_with_parent
 from glassloop.serialization import flatten
 from glassloop.throughput import TIMING
 from glassloop.weights import read_safetensors
@@ -74,3 +78,58 @@ def fingerprints(run_dir: Path) -> dict[str, str]:
         "rng": digest({"rng": state["rng"], "per_rank": state.get("rng_per_rank")}),
         "numbers": digest(history),
     }
+
+
+class Interrupted(Exception):
+    """verify-resume got SIGTERM/SIGINT: its training run was stopped and waited for."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(
+            f"verify-resume: stopped by {signal.Signals(signum).name}; nothing verified"
+        )
+
+
+class TrainingRuns:
+    """verify-resume's training runs, one child process at a time: each dies with this
+    process (Linux: its parent-death signal, so a ``kill -9`` of this one leaves no orphan
+    training), and a SIGTERM/SIGINT that reaches this process is passed on to the running
+    child, which is waited for; then :class:`Interrupted` is raised (a ``with`` around it
+    removes the temporary folder as it unwinds). The handlers are ours for the whole
+    ``with``: a signal between two runs starts no further one."""
+
+    def __init__(self) -> None:
+        self.child: subprocess.Popen[str] | None = None
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> TrainingRuns:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._forward)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _forward(self, signum: int, frame: FrameType | None) -> None:
+        self.received = self.received or signum
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)  # (a training run checkpoints and stops)
+
+    def run(self, command: list[str]) -> subprocess.CompletedProcess[str]:
+        """``command`` to its end, its output captured (as ``subprocess.run``)."""
+        if self.received is None:
+            pipe, dies = subprocess.PIPE, die_with_parent
+            self.child = subprocess.Popen(
+                command, stdout=pipe, stderr=pipe, text=True, errors="replace", preexec_fn=dies
+            )
+            if self.received is not None:  # (one that came while it started)
+                self.child.send_signal(self.received)
+            out, err = self.child.communicate()  # (a signal meanwhile: forwarded, waited for)
+            code, self.child = self.child.returncode, None
+        if self.received is not None:
+            raise Interrupted(self.received)
+        return subprocess.CompletedProcess(command, code, out, err)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import re
 import signal
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -338,39 +339,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_verify_resume(args: argparse.Namespace) -> int:
-    from glassloop.errors import GlassloopError
-    from glassloop.runs import summarise
-    from glassloop.verify_resume import fingerprints
+    from glassloop.verify_resume import Interrupted, TrainingRuns
 
-    sets = [f"--set={item}" for item in args.overrides]
-    config = [args.config] if args.config else []
-    with tempfile.TemporaryDirectory(prefix="glassloop-verify-") as tmp:
-        where = Path(args.keep) if args.keep else Path(tmp)
-        straight, killed = where / "straight", where / "killed"
-        train = [sys.executable, "-m", "glassloop", "train", *config, *sets]
-        runs = [
-            ("straight through", [*train, "--run-dir", str(straight)]),
-            (f"killed after step {args.kill_at}",
-             [*train, "--run-dir", str(killed), "--kill-at-step", str(args.kill_at)]),
-            ("resumed", [*train, "--run-dir", str(killed), "--resume"]),
-        ]  # fmt: skip
-        too_late = GlassloopError(
-            f"verify-resume: the run ended before step {args.kill_at}; choose a smaller --kill-at"
-        )
-        for name, command in runs:
-            print(f"verify-resume: {name} ...", flush=True)
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-            expected = -signal.SIGKILL if name.startswith("killed") else 0
-            if done.returncode != expected:
-                if expected and done.returncode == 0:
-                    raise too_late
-                tail = "\n".join(done.stderr.strip().splitlines()[-3:])
-                raise GlassloopError(f"verify-resume: the {name} run failed:\n{tail}")
-            if name == "straight through":  # said now, not after a second whole run
-                ended = summarise(straight)
-                if ended is not None and ended.status == "finished" and ended.step < args.kill_at:
-                    raise too_late
-        ours, theirs = fingerprints(straight), fingerprints(killed)
+    try:
+        # The handlers around the folder: a SIGTERM stops the child, removes the folder, and
+        # is said in one line with exit code 128 + N.
+        with TrainingRuns() as children, tempfile.TemporaryDirectory(prefix="glassloop-v") as tmp:
+            ours, theirs = verify_in(Path(args.keep) if args.keep else Path(tmp), args, children)
+    except Interrupted as stop:
+        print(f"glassloop: {stop}", file=sys.stderr)
+        return 128 + stop.signum
     width = max(len(name) for name in ours)
     print(f"{'':<{width}}  {'straight through':<16}  {'killed and resumed':<18}")
     for name in ours:
@@ -380,6 +358,65 @@ def cmd_verify_resume(args: argparse.Namespace) -> int:
     exact = ours == theirs
     print("resume is exact" if exact else "resume is NOT exact: see the rows marked DIFFERENT")
     return EXIT_OK if exact else EXIT_NOT_EXACT
+
+
+def verify_in(where: Path, args: argparse.Namespace, children: Any) -> tuple[dict[str, str], ...]:
+    """The three runs of verify-resume in ``where`` (straight, killed, resumed), each a child
+    of ``children`` (:class:`~glassloop.verify_resume.TrainingRuns`); their fingerprints."""
+    from glassloop.errors import CheckpointWriteError, GlassloopError
+    from glassloop.runs import summarise
+    from glassloop.verify_resume import fingerprints
+
+    sets = [f"--set={item}" for item in args.overrides]
+    config = [args.config] if args.config else []
+    straight, killed = where / "straight", where / "killed"
+    train = [sys.executable, "-m", "glassloop", "train", *config, *sets]
+    runs = [
+        ("straight through", [*train, "--run-dir", str(straight)]),
+        (f"killed after step {args.kill_at}",
+         [*train, "--run-dir", str(killed), "--kill-at-step", str(args.kill_at)]),
+        ("resumed", [*train, "--run-dir", str(killed), "--resume"]),
+    ]  # fmt: skip
+    too_late = GlassloopError(
+        f"verify-resume: the run ended before step {args.kill_at}; choose a smaller --kill-at"
+    )
+    for name, command in runs:
+        print(f"verify-resume: {name} ...", flush=True)
+        done = children.run(command)
+        expected = -signal.SIGKILL if name.startswith("killed") else 0
+        if done.returncode != expected:
+            if expected and done.returncode == 0:
+                raise too_late
+            tail = "\n".join(done.stderr.strip().splitlines()[-3:])
+            # (a run that could not write, --keep on a full disk: exit 3 as train says it)
+            failed = (
+                CheckpointWriteError if done.returncode == EXIT_WRITE_FAILED else GlassloopError
+            )
+            raise failed(f"verify-resume: the {name} run failed:\n{tail}")
+        if name == "straight through":  # said now, not after a second whole run
+            ended = summarise(straight)
+            if ended is not None and ended.status == "finished" and ended.step < args.kill_at:
+                raise too_late
+    return fingerprints(straight), fingerprints(killed)
+
+
+@contextlib.contextmanager
+def writing(command: str, folder: Path, safe: str) -> Iterator[None]:
+    """An ``OSError`` while ``command`` writes into ``folder`` (read-only, full, over quota)
+    as one line and exit code 3, as a failed checkpoint write: never a traceback. One about
+    a file elsewhere (an input being read) is not a write failure and goes on as it is."""
+    from glassloop.errors import CheckpointWriteError
+
+    try:
+        yield
+    except OSError as err:
+        where = Path(err.filename) if isinstance(err.filename, str) else folder
+        if where.resolve().parent != folder.resolve() and where.resolve() != folder.resolve():
+            raise
+        code = errno.errorcode.get(err.errno or 0, type(err).__name__)
+        raise CheckpointWriteError(
+            f"{command}: could not write '{where}': {err.strerror or err} ({code}); {safe}"
+        ) from err
 
 
 def launch_torchrun(nproc: int) -> int:
@@ -555,7 +592,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
     predictions = predictor.top_k(sources, probs, args.top_k)
     print(format_predictions(predictions))
     if args.output:
-        write_predictions(predictions, Path(args.output))
+        output = Path(args.output)
+        with writing("predict", output.parent, "nothing was written"):
+            write_predictions(predictions, output)
         print(f"wrote {args.output}")
     return EXIT_OK
 
@@ -596,10 +635,12 @@ def report_for(run_dir: Path, *, trust_code: bool = False) -> Path:
 
     if not (run_dir / "config.json").is_file():
         raise GlassloopError(f"report: '{run_dir}' is not a run directory (no config.json)")
+    written = writing("report", run_dir / "report", "the run's own files are unchanged")
     if made_in_python(read_json_object(run_dir / "config.json")):
         # Its model and data live in the user's code: the report of its files (curves,
         # metrics), without a fresh evaluation.
-        return write_report(run_dir)
+        with written:
+            return write_report(run_dir)
     parts, _, evaluation = evaluate_weights(run_dir, [], trust_code)
     pairs = None
     if parts.task == "regression" and isinstance(parts.data, Splits):
@@ -607,10 +648,11 @@ def report_for(run_dir: Path, *, trust_code: bool = False) -> Path:
 
         prediction = predict(parts.model, parts.data.x_val, task="regression", device=parts.device)
         pairs = (prediction, parts.data.y_val)
-    return write_report(
-        run_dir, evaluation=evaluation, class_names=parts.data.class_names,
-        predicted_vs_true=pairs,
-    )  # fmt: skip
+    with written:  # (a read-only run directory: exit 3, as the README says)
+        return write_report(
+            run_dir, evaluation=evaluation, class_names=parts.data.class_names,
+            predicted_vs_true=pairs,
+        )  # fmt: skip
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -637,7 +679,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from glassloop.export import export_model
 
-    path = export_model(args.source, args.output)
+    with writing("export", Path(args.output).parent, "nothing was written"):
+        path = export_model(args.source, args.output)
     print(f"exported {path} ({path.stat().st_size} bytes)")
     return EXIT_OK
 
