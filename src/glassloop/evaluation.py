@@ -29,10 +29,10 @@ from glassloop.tasks import (
     class_scores,
     head_of,
     model_loss,
+    outputs_are_probabilities,
     prediction_of,
     reduction_of,
     resolve_task,
-    takes_probabilities,
     task_of,
 )
 
@@ -64,6 +64,7 @@ def evaluate(
     metrics: Mapping[str, Metric | str] | Sequence[str] | None = None,
     loss_reduction: str = "auto",
     heads: Mapping[str, str] | None = None,
+    outputs: str = "auto",
 ) -> dict[str, Any]:
     """Return ``loss`` (mean over samples, or over labelled tokens; a loss that sums over its
     batch, ``loss_reduction="sum"`` or a loss module's ``reduction``, per sample too) and the
@@ -75,6 +76,8 @@ def evaluate(
     ``loss_fn=None``: the model computes its own loss (it gets the target as ``labels=``).
     ``heads``: a task per head of a model with several (:func:`glassloop.tasks.
     resolve_heads`): each head's metrics on its part of the target, as ``<head>_<metric>``.
+    ``outputs``: what the model returns (:func:`glassloop.tasks.outputs_are_probabilities`:
+    ``"auto"`` sees a BCELoss or a final ``nn.Sigmoid``/``nn.Softmax``).
 
     The tutorial averages batch means (``test_loss / num_batches``), which over-weights a
     short last batch; here every sample counts once. Inside a multi-process job each process
@@ -86,7 +89,8 @@ def evaluate(
     ['accuracy', 'confusion', 'loss', 'report']
     """
     task = task_of(model, resolve_task(task, loss_fn))
-    probabilities = takes_probabilities(loss_fn)  # BCELoss: the outputs are probabilities
+    # (BCELoss, a final nn.Sigmoid: decided at 0.5, never put through a sigmoid again)
+    probabilities = outputs_are_probabilities(outputs, model, loss_fn)
     summed = reduction_of(loss_fn, loss_reduction) == "sum"
     device = device if device is not None else model_device(model)
     own_loss = loss_fn is None
@@ -288,9 +292,10 @@ def metric_inputs(
     ``(M,)`` for classification (tokens flattened), label probabilities and 0/1 integer
     targets for multilabel, outputs and targets (``(N,)`` for one output) otherwise."""
     if labels is not None and task in LABEL_TASKS:
-        return activate(task, labels[0]), labels[1]
+        return activate(task, labels[0], probabilities=probabilities), labels[1]
     if task == "multilabel" and isinstance(target, torch.Tensor):
-        return activate(task, prediction, probabilities=probabilities), target.round().long()
+        goal = target.reshape(prediction.shape) if one_column(prediction, target) else target
+        return activate(task, prediction, probabilities=probabilities), goal.round().long()
     if task == "regression" and isinstance(target, torch.Tensor):
         flat = prediction.float().reshape(prediction.shape[0], -1)
         goal = target.float().reshape(target.shape[0], -1)
@@ -314,15 +319,37 @@ def task_sums(
         return None
     if task in LABEL_TASKS:
         if labels is None:
+            if task != "auto":  # (an "auto" task's metrics are there when the batch fits)
+                skipped(task, prediction, target, "integer labels, one per output row")
             return None
         return ClassificationSums(int(labels[0].shape[-1]), device, ignore_index)
-    if task == "multilabel" and prediction.ndim in (1, 2) and prediction.shape == target.shape:
+    fits = prediction.shape == target.shape or one_column(prediction, target)
+    if task == "multilabel" and prediction.ndim in (1, 2) and fits:
         labels_per_sample = int(prediction.shape[1]) if prediction.ndim == 2 else 1
         return MultilabelSums(labels_per_sample, device, probabilities=probabilities)
+    if task == "multilabel":
+        skipped(task, prediction, target, "a 0/1 target per output")
     if task == "regression":
         check_same_shape(prediction, target, "evaluate")
         return RegressionSums(max(1, prediction[0].numel()), device)
     return None
+
+
+def one_column(prediction: torch.Tensor, target: torch.Tensor) -> bool:
+    """A yes/no model's ``(N, 1)`` outputs against ``(N,)`` targets (what
+    ``BCELoss()(out.squeeze(), t)`` trains): the same values, one column."""
+    return (
+        prediction.ndim == 2 and prediction.shape[1] == 1 and target.shape == prediction.shape[:1]
+    )
+
+
+def skipped(task: str, prediction: torch.Tensor, target: torch.Tensor, wanted: str) -> None:
+    """Say (once per shape) that a task's metrics are not computed: never a silent none."""
+    warnings.warn(
+        f"evaluate: no {task} metrics: the outputs are shaped {tuple(prediction.shape)} and "
+        f"the targets {tuple(target.shape)}, not {wanted}; only the loss is reported",
+        stacklevel=3,
+    )
 
 
 def update_sums(
@@ -334,6 +361,8 @@ def update_sums(
     if isinstance(sums, ClassificationSums):
         if labels is not None:
             sums.update(*labels)
+    elif one_column(prediction, target):  # (N, 1) outputs and (N,) targets: one label each
+        sums.update(prediction, target.reshape(prediction.shape))
     else:
         sums.update(prediction, target)
 
@@ -423,13 +452,14 @@ def predict(
     batch_size: int = 256,
     device: torch.device | None = None,
     classes: int | None = None,
-    probabilities: bool = False,
+    probabilities: bool | None = None,
 ) -> torch.Tensor:
     """What the task means by a prediction (:func:`glassloop.tasks.activate`): class
     probabilities (softmax) for classification, label probabilities (sigmoid) for
-    multilabel (``probabilities``: the model's outputs are already, e.g. trained with
-    BCELoss), the outputs as they are for regression and custom tasks; on the CPU, in input
-    order, under ``torch.inference_mode``. ``task="auto"``: the task a model from
+    multilabel, the outputs as they are for regression and custom tasks; outputs that are
+    ``probabilities`` already as they are (``None``: when the model's last module is an
+    ``nn.Sigmoid`` or ``nn.Softmax``); on the CPU, in input order, under
+    ``torch.inference_mode``. ``task="auto"``: the task a model from
     :func:`glassloop.load_model` carries, else a softmax over two or more columns and a
     single column as it is.
 
@@ -445,6 +475,8 @@ def predict(
     (torch.Size([2, 3]), True)
     """
     task = task_of(model, resolve_task(task, None))
+    if probabilities is None:
+        probabilities = outputs_are_probabilities("auto", model, None)
     convert = functools.partial(activated, task=task, classes=classes, probabilities=probabilities)
     outputs = model_outputs(model, data, batch_size, device, convert)
     return torch.cat(outputs) if outputs else torch.empty(0)

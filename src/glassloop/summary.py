@@ -128,6 +128,9 @@ def loss_note(loss_fn: Any, reduction: str) -> str | None:
         return f"loss: {name} sums over each batch; train_loss and val_loss are per sample"
     if loss_fn is None or hasattr(loss_fn, "reduction") or isinstance(loss_fn, torch.nn.Module):
         return None
+    if getattr(loss_fn, "__module__", None) == "torch.nn.functional":
+        return None  # torch's own (F.nll_loss, F.cross_entropy, ...): a mean unless told
+
     return (
         f"loss: {name} is taken as a mean over each batch (losses are reported per sample "
         "as such); if it sums over the batch, pass loss_reduction='sum'"

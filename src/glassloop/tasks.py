@@ -155,6 +155,49 @@ def takes_probabilities(loss_fn: Any) -> bool:
     return isinstance(loss_fn, nn.BCELoss) or loss_fn is F.binary_cross_entropy
 
 
+# What a model's outputs are: "auto" (probabilities when the loss takes them or the model
+# ends in a sigmoid or softmax module), "logits" (scores: put through a sigmoid or softmax
+# for predictions) or "probabilities" (returned as they are, labels decided at 0.5).
+OUTPUTS = ("auto", "logits", "probabilities")
+
+
+def outputs_are_probabilities(outputs: str, model: nn.Module | None, loss_fn: Any) -> bool:
+    """Whether the model's outputs are probabilities already, so that ``predict`` never puts
+    them through a second sigmoid or softmax (0.42 became 0.60: every pair "same") and a
+    label is decided at 0.5: ``outputs="probabilities"``, or ``"auto"`` and a loss that
+    takes probabilities or a model whose last module is an ``nn.Sigmoid`` or ``nn.Softmax``.
+
+    >>> outputs_are_probabilities("auto", nn.Sequential(nn.Linear(2, 1), nn.Sigmoid()), None)
+    True
+    """
+    if outputs not in OUTPUTS:
+        raise ConfigError(f"outputs must be one of {', '.join(OUTPUTS)}; got {outputs!r}")
+    if outputs != "auto":
+        return outputs == "probabilities"
+    return takes_probabilities(loss_fn) or (model is not None and ends_in_activation(model))
+
+
+def ends_in_activation(model: nn.Module) -> bool:
+    """Whether the last module ``model`` registers (its last layer, as a model is written
+    top to bottom) is an ``nn.Sigmoid`` or ``nn.Softmax``."""
+    leaves = [m for m in model.modules() if next(m.children(), None) is None]
+    return bool(leaves) and isinstance(leaves[-1], (nn.Sigmoid, nn.Softmax))
+
+
+def predicted_task(task: str, loss_fn: Any) -> str:
+    """The task ``predict`` follows: ``task``, except that ``"auto"`` with a loss function of
+    the user's (one that implies no task) is ``"custom"``, the outputs as they are, said once:
+    such a loss says nothing about them (a VAE's 784 pixels are no classes to softmax)."""
+    if task != "auto" or loss_fn is None:
+        return task
+    warnings.warn(
+        "predict: the loss implies no task (task 'auto'), so the outputs are returned as they "
+        "are; set task='classification' (or 'multilabel') for probabilities",
+        stacklevel=3,
+    )
+    return "custom"
+
+
 # Set by glassloop.load_model on the model it returns: the task its weights file names, so
 # that glassloop.predict(model, x) returns what that task means without being told again.
 TASK_ATTRIBUTE = "glassloop_task"
@@ -222,8 +265,8 @@ def activate(
     task: str, prediction: torch.Tensor, classes: int | None = None, *, probabilities: bool = False
 ) -> torch.Tensor:
     """What ``predict`` returns for ``task``: class probabilities (softmax over the classes,
-    returned in the last dimension), label probabilities (sigmoid; as they are when the
-    outputs are ``probabilities`` already), or the outputs as they are; in float32. Classes
+    returned in the last dimension), label probabilities (sigmoid), or the outputs as they
+    are; in float32. Outputs that are ``probabilities`` already are returned as they are. Classes
     are the last dimension, or dimension 1 (torch's ``(N, C, T)`` layout) when ``classes``
     says the last one is not them. A single column is never put through a softmax.
 
@@ -235,6 +278,8 @@ def activate(
         layout_n_c_t = prediction.ndim > 2 and prediction.shape[-1] != classes
         if classes is not None and layout_n_c_t and prediction.shape[1] == classes:
             prediction = prediction.movedim(1, -1)
+        if probabilities:  # (a model ending in a softmax: never a second one)
+            return prediction
         if prediction.ndim < 2 or prediction.shape[-1] < 2:
             return single_column(task, prediction)
         return torch.softmax(prediction, dim=-1)

@@ -59,7 +59,8 @@ class Validator:
             self.sets = dict(sets) if isinstance(sets, Mapping) else {"": sets}
         if isinstance(sets, Mapping):  # (each names its val_<name>_* keys and their plots)
             for name in self.sets:
-                check_name(name, "fit: validation set")
+                if name != "":  # (a set without a name: its numbers as val_* only)
+                    check_name(name, "fit: validation set")
         self.limit, self.counted, self.sinks = limit, counted, sinks
         self.every = every if self.sets else 0  # (read every step: an attribute, no call)
         self.last: dict[str, Any] | None = None  # the first set's metrics (the report's)

@@ -32,7 +32,7 @@ BAD = {
     "nul": "a\x00b",
     "newline": "a\nb",
     "long": "x" * 300,
-    "empty": "",
+    "space": "a b",
     "hidden": ".profile",
 }
 
