@@ -36,7 +36,7 @@ from glassloop.errors import GlassloopError, write_failure
 from glassloop.file_names import check_key
 from glassloop.run_lock import RunLock
 from glassloop.runs import read_json_object
-from glassloop.serialization import stable_repr, write_json
+from glassloop.serialization import behaviour_digest, stable_repr, write_json
 from glassloop.sinks import CSVSink, JSONLSink, TensorBoardSink, truncate_rows
 from glassloop.state import TrainState
 from glassloop.tracking import Tracker, TrackingConfig, make_tracker
@@ -391,6 +391,9 @@ def python_config(trainer: Configured) -> dict[str, Any]:
             k: _jsonable(v) for k, v in sorted(trainer.optimizer.defaults.items())
         },
         "loss_fn": stable_repr(trainer.loss_fn),
+        # (a loss of the user's, edited between runs under the same name: its source's
+        # digest differs, and a resume says so as for any config change)
+        **_digest("loss_fn_source_sha256", trainer.loss_fn),
         "task": trainer.heads or trainer.task,  # (a task per head: the heads')
         "scheduler": type(trainer.scheduler).__name__ if trainer.scheduler is not None else None,
         "scheduler_interval": trainer.scheduler_interval,
@@ -406,6 +409,13 @@ def python_config(trainer: Configured) -> dict[str, Any]:
         "compile": trainer.model is not unwrap_model(trainer.model),
         "device": str(trainer.device),
     }
+
+
+def _digest(key: str, value: Any) -> dict[str, str]:
+    """``{key: digest}`` of :func:`~glassloop.serialization.behaviour_digest`, or nothing
+    (torch's own losses: runs written before the digest existed compare unchanged)."""
+    digest = behaviour_digest(value)
+    return {key: digest} if digest is not None else {}
 
 
 def _jsonable(value: Any) -> Any:

@@ -124,6 +124,58 @@ def stable_repr(value: Any) -> str:
     return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
 
 
+def behaviour_digest(value: Any) -> str | None:
+    """8 hex digits of SHA-256 over what decides what ``value`` (a loss) computes beyond its
+    name, so that a resume tells a function edited between runs from the same one: a
+    function's source (its bytecode where no source is found) and defaults; a module's own
+    settings (plain attributes and buffers) and, for a class of the user's, its source.
+    ``None`` for torch's own functions: their name says it all (and their source changes
+    with torch's version, which must not block a resume).
+
+    >>> import torch.nn.functional as F
+    >>> behaviour_digest(F.cross_entropy) is None, len(behaviour_digest(lambda a, b: a - b))
+    (True, 8)
+    """
+    parts: list[bytes] = []
+    if isinstance(value, torch.nn.Module):
+        settings = {
+            k: v for k, v in sorted(vars(value).items())
+            if not k.startswith("_") and k != "training"
+            and isinstance(v, (int, float, str, bool, type(None)))
+        }  # fmt: skip
+        parts.append(repr(settings).encode())
+        for name, buffer in value.named_buffers():
+            tensor = buffer.detach().cpu().contiguous()
+            parts.append(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+            parts.append(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+        cls = type(value)
+        if not cls.__module__.startswith("torch."):
+            parts.append(_source(cls))
+    elif callable(value) and hasattr(value, "__code__"):
+        if getattr(value, "__module__", "").startswith("torch."):
+            return None
+        parts.append(_source(value))
+        parts.append(stable_repr(getattr(value, "__defaults__", None)).encode())
+        parts.append(stable_repr(getattr(value, "__kwdefaults__", None)).encode())
+    else:
+        return None
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:8]
+
+
+def _source(value: Any) -> bytes:
+    """The source of a function or class; a function's bytecode and constants where the
+    source cannot be read (defined in a REPL or an exec'd string)."""
+    import inspect
+
+    try:
+        return inspect.getsource(value).encode()
+    except (OSError, TypeError):
+        code = getattr(value, "__code__", None)
+        if code is None:
+            return stable_repr(value).encode()
+        return bytes(code.co_code) + stable_repr(code.co_consts).encode()
+
+
 def dotted(tree: Any, prefix: str = "") -> dict[str, Any]:
     """A nested dict flattened to ``{"section.key": value}`` (empty dicts kept as values).
 
