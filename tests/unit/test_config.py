@@ -34,7 +34,9 @@ def test_toml_file_and_overrides(tmp_path: Path) -> None:
 
 
 def test_resolved_config_round_trips() -> None:
-    cfg = load_config(None, ["optim.betas=[0.8, 0.9]", "model.kwargs.width=3"])
+    # (model.kwargs: a model.target's; a built-in model refuses them)
+    overrides = ["optim.betas=[0.8, 0.9]", "model.target=pkg.nets:Net", "model.kwargs.width=3"]
+    cfg = load_config(None, overrides)
     assert cfg.optim.kwargs["betas"] == (0.8, 0.9)
     assert from_dict(to_dict(cfg)) == cfg
 
