@@ -265,6 +265,7 @@ def trainer_options(cfg: Config) -> dict[str, Any]:
         "tensorboard": t.tensorboard, "tracking": cfg.tracking, "checkpoint": cfg.checkpoint,
         "scheduler_interval": cfg.scheduler.interval, "deterministic": t.deterministic,
         "activation_checkpointing": t.activation_checkpointing, "loss_spike": t.loss_spike,
+        "outputs": t.outputs,
     }  # fmt: skip
 
 
