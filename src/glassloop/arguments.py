@@ -25,6 +25,9 @@ ARGUMENTS: dict[str, dict[str, str]] = {
         "reported (:mod:`glassloop.tasks`); a model with several heads: a task each "
         "(``{'kind': 'classification', 'size': 'regression'}``: every head predicted, its "
         "metrics as ``val_<head>_<metric>``).",
+        "outputs": '"auto", "logits" or "probabilities": what the model returns; probabilities '
+        "(auto: with BCELoss or a final ``nn.Sigmoid``/``nn.Softmax``) are never put through a "
+        "second sigmoid or softmax by ``predict``, and a label is decided at 0.5.",
         "metrics": "more metrics, by name (``['top5_accuracy']``) or ``{name: metric}``.",
     },
     "the step": {

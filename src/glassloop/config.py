@@ -84,6 +84,7 @@ class TrainConfig:
     dist_timeout_s: float = 300.0  # a collective waiting longer (a dead process) fails the job
     tensorboard: bool = False  # also write RUN_DIR/tensorboard/ (glassloop[tensorboard])
     task: str = "auto"  # auto: from loss.name; classification, multilabel, regression, ...
+    outputs: str = "auto"  # "probabilities": the model ends in a sigmoid/softmax; or "logits"
     metrics: list[str] = field(default_factory=list)  # by name, e.g. ["top5_accuracy", "auroc"]
     validate_every_n_steps: int = 0  # 0: validate at epoch ends only
     limit_batches: int = 0  # 0: all; N: at most N training and N validation batches an epoch
@@ -151,6 +152,7 @@ CHOICES: dict[tuple[str, str], tuple[Any, ...]] = {
         "cross_entropy", "nll", "bce_with_logits", "mse", "l1", "huber", "smooth_l1",
     ),
     ("train", "task"): ("auto", "classification", "multilabel", "regression", "language-model"),
+    ("train", "outputs"): ("auto", "logits", "probabilities"),
     ("early_stopping", "mode"): ("auto", "min", "max"),
     ("tracking", "backend"): ("", "mlflow", "wandb"),
     ("train", "nonfinite"): ("raise", "strict", "skip"),

@@ -58,7 +58,7 @@ class TrainerParts:
         self, model: nn.Module, optimizer: torch.optim.Optimizer | Mapping[str, Any],
         loss_fn: LossFn | None, *,
         # the model, its loss and what it is for
-        task: str | Mapping[str, str] = "auto",
+        task: str | Mapping[str, str] = "auto", outputs: str = "auto",
         metrics: Sequence[str] | Mapping[str, Metric | str] | None = None,
         # the step
         precision: str = "32", grad_accum_steps: int = 1, loss_weighting: str = "samples",
@@ -97,7 +97,8 @@ class TrainerParts:
         # A model with several heads: a task each ({"kind": "classification", ...}).
         task, self.heads = tasks.resolve_heads(task)
         self.task = tasks.resolve_task(task, loss_fn)
-        self.probabilities = tasks.takes_probabilities(loss_fn)  # BCELoss takes probabilities
+        # (BCELoss, a final nn.Sigmoid: probabilities already, never through a second one)
+        self.probabilities = tasks.outputs_are_probabilities(outputs, model, loss_fn)
         # "sum": the loss adds up over a batch (reported per sample; micro-batches add up)
         self.loss_reduction = tasks.reduction_of(loss_fn, loss_reduction)
         self.summed = self.loss_reduction == "sum"  # (read every step: an attribute)
@@ -268,6 +269,7 @@ class TrainerParts:
                 self.eval_model, self.console.validation(loader), self.loss_fn,
                 task=self.task, device=self.device, loss_reduction=self.loss_reduction,
                 ignore_index=self.ignore_index, metrics=self.metrics, heads=self.heads,
+                outputs="probabilities" if self.probabilities else "logits",
             )  # fmt: skip
 
     def predict(
@@ -285,7 +287,9 @@ class TrainerParts:
                 return evaluation.predict_heads(
                     model, data, self.heads, batch_size=size, device=device
                 )
-            return evaluation.predict(
-                self.eval_model, data, task=self.task, batch_size=batch_size,
+            return evaluation.predict(  # (a loss of the user's says nothing: as they are)
+                self.eval_model, data,
+                task=tasks.predicted_task(self.task, self.loss_fn, self.last_eval),
+                batch_size=batch_size,
                 device=self.device, classes=classes, probabilities=self.probabilities,
             )  # fmt: skip

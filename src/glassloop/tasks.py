@@ -18,7 +18,11 @@ their functional forms, ``F.cross_entropy`` & co.) and can always be set
 (``Trainer(task="regression")``, ``train.task`` in a config). With any other loss, or the
 model's own, the task stays ``"auto"``: evaluation reports classification metrics when the
 targets are integer labels that fit the outputs (and only the loss otherwise), and
-``predict`` returns softmax probabilities; set the task for anything else. A softmax over a
+``predict`` returns softmax probabilities, except with a loss function of the user's whose
+last evaluation found no such labels: the outputs as they are then, said once
+(:func:`predicted_task`); set the task for anything else. Outputs that are probabilities
+already (``outputs="probabilities"``, a BCELoss, a final ``nn.Sigmoid``/``nn.Softmax``) are
+never put through a second sigmoid or softmax (:func:`outputs_are_probabilities`). A softmax over a
 single output column is always 1.0: ``"auto"`` never takes one (it returns that column as
 it is and says so once), and a classification needs two outputs or more.
 
@@ -184,11 +188,13 @@ def ends_in_activation(model: nn.Module) -> bool:
     return bool(leaves) and isinstance(leaves[-1], (nn.Sigmoid, nn.Softmax))
 
 
-def predicted_task(task: str, loss_fn: Any) -> str:
+def predicted_task(task: str, loss_fn: Any, evaluated: Mapping[str, Any] | None) -> str:
     """The task ``predict`` follows: ``task``, except that ``"auto"`` with a loss function of
-    the user's (one that implies no task) is ``"custom"``, the outputs as they are, said once:
-    such a loss says nothing about them (a VAE's 784 pixels are no classes to softmax)."""
-    if task != "auto" or loss_fn is None:
+    the user's (one that implies no task) is ``"custom"``, the outputs as they are, said once,
+    unless the last evaluation (``evaluated``) found integer labels that fit the outputs and
+    reported an accuracy: such a loss says nothing about the outputs (a VAE's 784 pixels are
+    no classes to softmax), the labels do."""
+    if task != "auto" or loss_fn is None or (evaluated is not None and "accuracy" in evaluated):
         return task
     warnings.warn(
         "predict: the loss implies no task (task 'auto'), so the outputs are returned as they "
