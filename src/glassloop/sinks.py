@@ -192,6 +192,11 @@ class JSONLSink:
         self._file.close()
 
 
+# A run file's bytes that are not UTF-8 (a disk error, an editor's encoding) are read and
+# written back as they are: a resume drops what is not a row, never fails on a decode.
+KEEP_BYTES = "surrogateescape"
+
+
 class CSVSink:
     """A CSV whose header grows with the metrics: a row with a new column (a metric a
     callback or an ``evaluate`` override adds) rewrites the file once with the wider header,
@@ -202,7 +207,7 @@ class CSVSink:
         new = fresh or not path.exists() or path.stat().st_size == 0
         self.fields, found = list(fields), list(fields)
         if not new:
-            with path.open(encoding="utf-8", newline="") as handle:
+            with path.open(encoding="utf-8", errors=KEEP_BYTES, newline="") as handle:
                 found = next(csv.reader(handle), [])
             self.fields = found + [f for f in fields if f not in found]
         self._open(rewrite=new or self.fields != found)
@@ -213,11 +218,11 @@ class CSVSink:
         if rewrite:
             rows: list[dict[str, str]] = []
             if self.path.exists() and self.path.stat().st_size:
-                with self.path.open(encoding="utf-8", newline="") as handle:
+                with self.path.open(encoding="utf-8", errors=KEEP_BYTES, newline="") as handle:
                     rows = list(csv.DictReader(handle))
             with (
                 atomic_path(self.path) as tmp,
-                open_own(tmp, "w", encoding="utf-8", newline="") as handle,
+                open_own(tmp, "w", encoding="utf-8", errors=KEEP_BYTES, newline="") as handle,
             ):
                 writer = csv.DictWriter(handle, fieldnames=self.fields, extrasaction="ignore")
                 writer.writeheader()
@@ -281,20 +286,22 @@ def truncate_rows(run_dir: Path, max_step: int, max_epoch: int) -> None:
         path = run_dir / name
         if not path.is_file():
             continue
-        with path.open(encoding="utf-8", newline="") as handle:  # (a CSV's own line ends)
+        with path.open(
+            encoding="utf-8", errors=KEEP_BYTES, newline=""
+        ) as handle:  # (a CSV's own line ends)
             text = handle.read()
         with atomic_path(path) as tmp:
             if name.endswith(".jsonl"):
                 lines = text.splitlines(keepends=True)
                 kept = [line for line in lines if _keep(_jsonl_row(line), max_step, max_epoch)]
-                tmp.write_text("".join(kept), encoding="utf-8")
+                tmp.write_text("".join(kept), encoding="utf-8", errors=KEEP_BYTES)
                 continue
             # Records, not lines: a quoted field may hold a newline (a header written by an
             # older glassloop from a key with one), and each record is written back as read.
             reader = csv.DictReader(io.StringIO(text, newline=""))
             rows = [row for row in reader if _keep(row, max_step, max_epoch)]
             if reader.fieldnames:  # (an empty file stays empty)
-                with open_own(tmp, "w", encoding="utf-8", newline="") as handle:
+                with open_own(tmp, "w", encoding="utf-8", errors=KEEP_BYTES, newline="") as handle:
                     fields = reader.fieldnames
                     writer = csv.DictWriter(handle, fields, extrasaction="ignore")
                     writer.writeheader()
@@ -310,16 +317,18 @@ def _jsonl_row(line: str) -> dict[str, Any] | None:
 
 
 def _keep(row: dict[str, Any] | None, max_step: int, max_epoch: int) -> bool:
-    if row is None:
+    """A row to keep: one of a step up to ``max_step`` (an epoch's: of an epoch up to
+    ``max_epoch``); a line that is no row (cut short by a kill, damaged bytes) goes."""
+    if row is None or row.get("kind") not in ("step", "epoch", "val"):
         return False
-    number = _number(row, "step")
-    if row.get("kind") == "epoch":
-        return number <= max_step and _number(row, "epoch") <= max_epoch
-    return number <= max_step
+    step, epoch = _number(row, "step"), _number(row, "epoch")
+    if step is None or epoch is None:
+        return False
+    return step <= max_step and (row["kind"] != "epoch" or epoch <= max_epoch)
 
 
-def _number(row: dict[str, Any], key: str) -> int:
+def _number(row: dict[str, Any], key: str) -> int | None:
     try:
         return int(row[key])
     except (KeyError, TypeError, ValueError):
-        return 0
+        return None

@@ -51,3 +51,37 @@ def test_a_loss_edited_between_runs_is_one_line_on_resume(tmp_path: Path) -> Non
     again = run_python(script.replace("EPOCHS", "2"), tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resumed from" in again.stdout + again.stderr
+
+
+def test_metric_files_with_bytes_that_are_not_utf8_still_resume(tmp_path: Path) -> None:
+    """A disk error or an editor left bytes that are not UTF-8 in the run's metric files:
+    every resume failed with a UnicodeDecodeError (sinks.truncate_rows). Now what is not a
+    row is dropped and the rest kept, byte for byte."""
+    import json
+
+    import torch
+    from torch import nn
+
+    import glassloop
+
+    def fit(epochs: int) -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        x, y = torch.randn(40, 4), torch.randint(0, 3, (40,))
+        data = [(x[i : i + 20], y[i : i + 20]) for i in range(0, 40, 20)]
+        glassloop.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          nn.CrossEntropyLoss(), device="cpu", progress="none",
+                          run_dir=tmp_path / "run").fit(data, data, epochs=epochs, resume="auto")  # fmt: skip
+
+    fit(1)
+    for name in ("metrics.jsonl", "metrics.csv"):
+        with (tmp_path / "run" / name).open("ab") as handle:
+            handle.write(b'\xff\xfe{"kind": "epoch", \x80\n')
+    fit(2)
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["epoch"] for r in rows if r["kind"] == "epoch"] == [1, 2]
+    csv_rows = (tmp_path / "run" / "metrics.csv").read_bytes().splitlines()
+    assert b"\xff" not in b"".join(csv_rows)  # (the damaged record dropped)
+    assert [r.split(b",")[1] for r in csv_rows if r.startswith(b"epoch,")] == [b"1", b"2"]
