@@ -148,8 +148,10 @@ def _confusion_figure(confusion: list[list[int]], names: list[str], title: str) 
     if n <= NAMES_MAX:
         labels = [_label(name, 24) for name in names]
         axis.set(xticks=range(n), yticks=range(n))
-        axis.set_xticklabels(labels, rotation=45, ha="right", fontsize=8 if n <= 30 else 6)
-        axis.set_yticklabels(labels, fontsize=8 if n <= 30 else 6)
+        axis.set_xticklabels(
+            labels, rotation=45, ha="right", fontsize=8 if n <= CELL_NUMBERS_MAX else 6
+        )
+        axis.set_yticklabels(labels, fontsize=8 if n <= CELL_NUMBERS_MAX else 6)
     else:
         caption += " (too many to label: the class report has each)"
         figure.colorbar(image, ax=axis, shrink=0.8)
