@@ -25,7 +25,7 @@ from glassloop.data import Splits, load_splits, loaders_for_splits, make_loader,
 from glassloop.data.datasets import npz_validation_sets
 from glassloop.data.loaders import InMemoryLoader, ResumableLoader
 from glassloop.data.text import TextData, load_text
-from glassloop.errors import ConfigError
+from glassloop.errors import ConfigError, DataError, ModelError
 
 if TYPE_CHECKING:
     from glassloop.data.lazy import DiskData
@@ -121,9 +121,64 @@ def lazy_images(cfg: Config) -> DiskData | None:
     return image_folder_on_disk(cfg.data)
 
 
-def build_parts(cfg: Config, *, world: World = SINGLE) -> Parts:
-    """Seed, load the data, make the loaders, build the model and the loss."""
+# The data names that read each path key (data.root: never refused, a download makes it).
+PATH_KEYS = {
+    "path": ("npz", "csv", "image-folder", "parquet", "text-csv"),
+    "tokenizer": ("text-csv", "parquet"),
+    "val_sets": ("npz",),
+    "root": (),
+}
+
+
+def located(cfg: Config, folder: Path | None) -> Config:
+    """A copy of ``cfg`` whose relative paths (``data.path``, ``data.tokenizer``,
+    ``data.root``, ``data.val_sets``, a file ``model.target``) work from here for a run
+    recorded as started in ``folder``: each is kept when it exists from the current folder,
+    else made ``folder / path`` when it exists there; one that this run reads and neither has
+    is refused in one line. ``folder=None`` (a new run): the config as it is. (The config a
+    run records keeps its paths as written: a resume from its own folder compares equal.)
+
+    >>> cfg = located(Config(), Path("/elsewhere"))  # the demo reads no file of its own
+    >>> cfg.data.root
+    'data'
+    """
     cfg = copy.deepcopy(cfg)
+    if folder is None:
+        return cfg
+    d = cfg.data
+
+    def find(key: str, value: str, needed: bool, written: str = "PATH") -> str:
+        if not value or Path(value).is_absolute() or Path(value).exists():
+            return value
+        if (folder / value).exists():
+            return str(folder / value)
+        if not needed:
+            return value
+        error = ModelError if key == "model.target" else DataError
+        raise error(
+            f"run: {key} '{value}' is neither in the current folder ('{Path.cwd()}') nor in "
+            f"the one the run was started in ('{folder}'); put it back there, or give its "
+            f"new place (eval, train: --set {key}={written})"
+        )
+
+    d.path = find("data.path", d.path, d.name in PATH_KEYS["path"])
+    d.tokenizer = find("data.tokenizer", d.tokenizer, d.name in PATH_KEYS["tokenizer"])
+    d.root = find("data.root", d.root, needed=False)
+    d.val_sets = {
+        name: find(f"data.val_sets.{name}", file, d.name in PATH_KEYS["val_sets"])
+        for name, file in d.val_sets.items()
+    }
+    module, sep, name = cfg.model.target.rpartition(":")
+    if sep and module.endswith(".py"):
+        module = find("model.target", module, True, f"PATH.py:{name}")
+        cfg.model.target = f"{module}:{name}"
+    return cfg
+
+
+def build_parts(cfg: Config, *, world: World = SINGLE, files_from: Path | None = None) -> Parts:
+    """Seed, load the data, make the loaders, build the model and the loss; ``files_from``:
+    the folder a run being read again was started in (:func:`located`)."""
+    cfg = located(cfg, files_from)
     device = local_device(resolve_device(cfg.train.device), world)
     seed_everything(cfg.train.seed)  # before building the model: reproducible initial weights
     task = config_task(cfg)
@@ -269,13 +324,16 @@ def trainer_options(cfg: Config) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def build(cfg: Config, *, run_dir: str | Path | None = None) -> Run:
-    """Join torchrun's process group (if any), build the parts (:func:`build_parts`), the
-    optimizer and scheduler, and return a :class:`Run` with its Trainer."""
+def build(cfg: Config, *, run_dir: str | Path | None = None, files_from: Path | None = None) -> Run:
+    """Join torchrun's process group (if any), build the parts (:func:`build_parts`, with
+    ``files_from``), the optimizer and scheduler, and return a :class:`Run` with its
+    Trainer."""
     device = resolve_device(cfg.train.device)
     world = init_from_env(device, strategy=cfg.train.strategy, timeout_s=cfg.train.dist_timeout_s)
-    parts = build_parts(cfg, world=world)
-    cfg, data, model, device = parts.config, parts.data, parts.model, parts.device
+    parts = build_parts(cfg, world=world, files_from=files_from)
+    data, model, device = parts.data, parts.model, parts.device
+    # What the run records and a resume compares: the paths as written, not as located.
+    cfg = copy.deepcopy(cfg)
     train_loader, val_loader = parts.train_loader, parts.val_loader
     optimizer = build_optimizer(model, cfg.optim)
     # Optimizer steps per epoch: one per window of grad_accum_steps batches (the last may be

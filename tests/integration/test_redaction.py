@@ -138,3 +138,36 @@ def test_the_run_link_mlflow_prints_from_python_is_redacted_too(
     trainer(tmp_path / "run", TrackingConfig(backend="mlflow", uri=uri)).fit(batches(), epochs=1)
     out, err = capfd.readouterr()
     assert "View run run at: http://***@" in out and SECRET not in out + err, out + err
+
+
+# What the CLI prints about a value it refuses (a config or data error, an argparse error)
+# quotes the value: each form of a secret there leaves no trace in stdout or stderr.
+REFUSED = {
+    "backend": [f"tracking.backend=http://ann:{SECRET}@host"],
+    "tags": [f"tracking.tags=http://ann:{SECRET}@host"],
+    "uri-list": [f'tracking.uri=["http://ann:{SECRET}@host"]'],
+    "data-path": ["data.name=csv", f"data.path=http://ann:{SECRET}@host/x.csv"],
+}
+
+
+@pytest.mark.parametrize("form", REFUSED)
+def test_a_refused_value_is_printed_redacted(
+    form: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    done = run_glassloop("train", "--run-dir", "r", *sets(REFUSED[form]), cwd=tmp_path)
+    said = done.stdout + done.stderr + "".join(capfd.readouterr())
+    assert done.returncode == 2 and said.count("\n") == 1, said
+    assert SECRET not in said and "***" in said, said
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_an_unknown_argument_is_printed_redacted(tmp_path: Path) -> None:
+    done = run_glassloop("eval", "run", f"http://ann:{SECRET}@host", cwd=tmp_path)
+    assert done.returncode == 2 and SECRET not in done.stdout + done.stderr, done.stderr
+    assert "***" in done.stderr
+
+
+def test_glassloop_config_prints_the_uri_redacted(tmp_path: Path) -> None:
+    done = run_glassloop("config", *sets([f"tracking.uri=http://ann:{SECRET}@host"]))
+    assert done.returncode == 0, done.stderr
+    assert SECRET not in done.stdout + done.stderr and 'uri = "http://***@host"' in done.stdout

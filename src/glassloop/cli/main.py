@@ -24,6 +24,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+# (No torch: `glassloop --help` stays fast.) Every line the CLI prints that can quote a
+# config value, a path or a command line goes through it: a URI's password prints as ***.
+from glassloop.redaction import redact, redacted
+
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_WRITE_FAILED, EXIT_DIVERGED = 0, 1, 2, 3, 4
 EXIT_NOT_EXACT = 5  # verify-resume: the killed and resumed run ended elsewhere
 EXIT_INTERRUPTED = 130
@@ -51,6 +55,7 @@ class Parser(argparse.ArgumentParser):
     """argparse that reports a usage error in one line (and exit code 2)."""
 
     def error(self, message: str) -> NoReturn:
+        message = redact(message)  # (an unknown argument may hold a URI)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -294,6 +299,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from glassloop.config import load_config
     from glassloop.distributed import shutdown
     from glassloop.errors import GlassloopError
+    from glassloop.provenance import paths_from
 
     if args.nproc and "WORLD_SIZE" not in os.environ:
         return launch_torchrun(args.nproc)
@@ -314,20 +320,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     if not args.run_dir and "WORLD_SIZE" in os.environ:
         raise GlassloopError("with several processes, pass --run-dir: every process must agree")
-    run = build(cfg, run_dir=run_dir)
+    files_from = started_in(args)
+    run = build(cfg, run_dir=run_dir, files_from=files_from)
     run.trainer.profile = args.profile or 0
     if args.kill_at_step:
         from glassloop.verify_resume import KillAfterStep
 
         run.trainer.callbacks.append(KillAfterStep(args.kill_at_step))
     try:
-        history = run.trainer.fit(
-            run.train_loader,
-            run.validation,  # (and data.val_sets, by name)
-            epochs=cfg.train.epochs,
-            resume=args.resume,
-            allow_config_change=args.allow_config_change,
-        )
+        with paths_from(files_from):  # (its run.json keeps naming where its paths point)
+            history = run.trainer.fit(
+                run.train_loader,
+                run.validation,  # (and data.val_sets, by name)
+                epochs=cfg.train.epochs,
+                resume=args.resume,
+                allow_config_change=args.allow_config_change,
+            )
     finally:
         shutdown()
     if not run.trainer.world.is_main:
@@ -336,6 +344,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     if "val_accuracy" in last:  # the demo's last line (the README quotes it)
         print(f"final validation accuracy: {100 * last['val_accuracy']:.2f}%")
     return EXIT_OK
+
+
+def started_in(args: argparse.Namespace) -> Path | None:
+    """The folder a run this train command reads again (the run it resumes, or the run
+    whose config.json it trains from) was started in: where its relative paths point
+    (:func:`glassloop.assemble.located`); ``None`` for a new config."""
+    from glassloop.provenance import recorded_folder
+
+    if args.resume and args.run_dir and (folder := recorded_folder(Path(args.run_dir))):
+        return folder
+    if args.config and Path(args.config).name == "config.json":
+        return recorded_folder(Path(args.config).parent)
+    return None
 
 
 def cmd_verify_resume(args: argparse.Namespace) -> int:
@@ -506,7 +527,7 @@ class StderrRelay:
                 continue
             else:
                 self.seen.add(line)
-                sys.stderr.write(line)
+                sys.stderr.write(redact(line))  # (torchrun's lines quote the command line)
                 sys.stderr.flush()
 
     def join(self) -> None:
@@ -518,7 +539,7 @@ class StderrRelay:
         return any(int(code) < 0 and int(code) != -signal.SIGTERM for code in codes)
 
     def print_held(self) -> None:
-        sys.stderr.write("".join(self.held))
+        sys.stderr.write(redact("".join(self.held)))
         sys.stderr.flush()
 
 
@@ -534,6 +555,7 @@ def evaluate_weights(
     from glassloop.evaluation import evaluate
     from glassloop.export import read_weights, require_trust
     from glassloop.precision import autocast
+    from glassloop.provenance import recorded_folder
     from glassloop.weights import load_checked
 
     weights = read_weights(source)
@@ -552,7 +574,8 @@ def evaluate_weights(
     require_trust(config, source, trust_code)
     for item in overrides:
         apply_override(config, item)
-    parts = build_parts(from_dict(config))
+    # (Its relative paths, from here or from where the run was started.)
+    parts = build_parts(from_dict(config), files_from=recorded_folder(weights.path))
     load_checked(parts.model, weights.tensors, weights.path)
     model = parts.model.to(parts.device)
     with autocast(parts.config.train.precision, parts.device):  # as training evaluated
@@ -580,12 +603,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
+    from glassloop.assemble import located
+    from glassloop.config import Config
     from glassloop.errors import GlassloopError
+    from glassloop.export import model_description, model_from, read_weights
     from glassloop.prediction import Predictor, format_predictions, write_predictions
+    from glassloop.provenance import recorded_folder
 
     if args.top_k < 1:
         raise GlassloopError("predict: --top-k must be >= 1")
-    predictor = Predictor.from_path(args.source, trust_code=args.trust_code)
+    # Predictor.from_path, with a model.target file found from here or from where the run
+    # was started.
+    weights = read_weights(args.source)
+    spec = model_description(weights)
+    spec["model"] = located(Config(model=spec["model"]), recorded_folder(weights.path)).model
+    predictor = Predictor(model_from(weights, spec, None, args.trust_code), spec)
     sources, probs = predictor.predict_files(args.inputs)
     for warning in predictor.warnings:
         print(warning, file=sys.stderr)
@@ -607,7 +639,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else default_run_dir("doctor-")
     checks, seconds = timed_doctor(cfg, output=output)
     for check in checks:
-        print(check.line())
+        print(redact(check.line()))  # (a check may quote data.path)
     failed = sum(c.status == "FAIL" for c in checks)
     warned = sum(c.status == "WARN" for c in checks)
     print(f"{len(checks)} checks, {failed} failed, {warned} warnings, {seconds:.1f}s")
@@ -660,7 +692,9 @@ def cmd_config(args: argparse.Namespace) -> int:
 
     from glassloop.config import load_config, to_dict
 
-    print(tomli_w.dumps(to_dict(load_config(args.config, args.overrides))), end="")
+    # A password in tracking.uri prints as ***: credentials belong in the environment
+    # (MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD), not in a config file.
+    print(tomli_w.dumps(redacted(to_dict(load_config(args.config, args.overrides)))), end="")
     return EXIT_OK
 
 
@@ -717,14 +751,15 @@ def run_command(argv: Sequence[str] | None = None) -> int:
     }  # fmt: skip
     try:
         return commands[args.command](args)
+    # A config or data error quotes the value it refuses: a tracking URI's password too.
     except CheckpointWriteError as err:
-        print(f"glassloop: error: {err}", file=sys.stderr)
+        print(f"glassloop: error: {redact(str(err))}", file=sys.stderr)
         return EXIT_WRITE_FAILED
     except NonFiniteError as err:
-        print(f"glassloop: error: {err}", file=sys.stderr)
+        print(f"glassloop: error: {redact(str(err))}", file=sys.stderr)
         return EXIT_DIVERGED
     except GlassloopError as err:
-        print(f"glassloop: error: {err}", file=sys.stderr)
+        print(f"glassloop: error: {redact(str(err))}", file=sys.stderr)
         return EXIT_USAGE
     except Preempted as stop:
         print(f"glassloop: {stop}; continue with --resume", file=sys.stderr)
