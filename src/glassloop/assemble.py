@@ -36,8 +36,8 @@ from glassloop.loop import Trainer
 from glassloop.losses import build_loss
 from glassloop.models import build_model, target_scale_of
 from glassloop.optimizers import build_optimizer, build_scheduler, schedule_span
+from glassloop.options import OPTIONS, RunInfo
 from glassloop.rng import seed_everything
-from glassloop.run_log import RunInfo
 from glassloop.validator import Validation
 
 
@@ -303,25 +303,26 @@ def fmt_values(values: torch.Tensor) -> str:
 
 
 def trainer_options(cfg: Config) -> dict[str, Any]:
-    """The Trainer's arguments that a config sets as they are: each key of ``[train]`` that
-    is a Trainer argument of the same name (the config's 0 for "off" becomes ``None``), the
-    scheduler's interval, tracking and checkpointing. (A test compares these names with
-    the Trainer's signature: a key added to one and not the other fails it.)"""
+    """The Trainer's arguments a config sets: every option of the table
+    (:class:`glassloop.options.TrainOptions`) read from ``[train]``, but for the three
+    ``build()`` passes itself (the seed, before the model is built; the device, resolved;
+    the task, with the loss), with the ``[train]`` keys that fold into one argument folded
+    (``nonfinite`` + ``max_nonfinite_skips``, ``compile`` + ``compile_mode`` +
+    ``compile_dynamic``), and the scheduler's interval, tracking and checkpointing."""
     t = cfg.train
-    return {
-        "metrics": t.metrics, "validate_every_n_steps": t.validate_every_n_steps,
-        "limit_batches": t.limit_batches, "progress": t.progress, "log_every": t.log_every,
-        "precision": t.precision, "grad_accum_steps": t.grad_accum_steps,
-        "loss_weighting": t.loss_weighting, "ignore_index": t.ignore_index,
-        "clip_grad_norm": t.clip_grad_norm or None, "clip_grad_value": t.clip_grad_value or None,
-        "nonfinite": NonFinitePolicy(t.nonfinite, t.max_nonfinite_skips),
-        "ema_decay": t.ema_decay or None, "strategy": t.strategy,
-        "compile": {"mode": t.compile_mode, "dynamic": t.compile_dynamic} if t.compile else False,
-        "tensorboard": t.tensorboard, "tracking": cfg.tracking, "checkpoint": cfg.checkpoint,
-        "scheduler_interval": cfg.scheduler.interval, "deterministic": t.deterministic,
-        "activation_checkpointing": t.activation_checkpointing, "loss_spike": t.loss_spike,
-        "outputs": t.outputs,
-    }  # fmt: skip
+    options = {name: getattr(t, name) for name in sorted(OPTIONS - BUILT_HERE)}
+    options.update(
+        nonfinite=NonFinitePolicy(t.nonfinite, t.max_nonfinite_skips),
+        compile={"mode": t.compile_mode, "dynamic": t.compile_dynamic} if t.compile else False,
+        scheduler_interval=cfg.scheduler.interval,
+        tracking=cfg.tracking,
+        checkpoint=cfg.checkpoint,
+    )
+    return options
+
+
+# The options build() passes to the Trainer itself, not as [train] holds them.
+BUILT_HERE = frozenset({"seed", "device", "task"})
 
 
 def build(cfg: Config, *, run_dir: str | Path | None = None, files_from: Path | None = None) -> Run:

@@ -69,3 +69,8 @@ def shown(name: str, value: float) -> str:
     ('95.10%', '0.1735')
     """
     return f"{100 * value:.2f}%" if name.endswith("accuracy") else f"{value:.4g}"
+
+
+def is_number(value: Any) -> bool:
+    """A metric value: an int or float, not a bool (a row also holds strings and lists)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,6 @@ from glassloop.serialization import (
     stable_repr,
     unflatten,
 )
-from glassloop.state import check_training_state
 from glassloop.weights import (
     read_safetensors,
     weights_dict,
@@ -121,6 +121,21 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return [p for p in step_dirs(run_dir) if _ours(p)]
+
+
+# A resuming side's test of the state it reads back (meta.json's and state.json's trees):
+# raises ValueError/TypeError/KeyError for numbers that cannot be right.
+StateCheck = Callable[[Any, Any], None]
+
+
+def require_run_dir(run_dir: Path) -> None:
+    """Refuse to write into a run directory that disappeared during the run (never recreate
+    it half-empty, without its config and metrics)."""
+    if not run_dir.is_dir():
+        raise CheckpointWriteError(
+            f"checkpoint: the run directory '{run_dir}' disappeared during the run "
+            "(deleted or unmounted?); not recreating it without its config and metrics"
+        )
 
 
 def step_dirs(run_dir: Path) -> list[Path]:
@@ -381,11 +396,13 @@ def prune(run_dir: Path, keep_last: int) -> list[Path]:
     return removed
 
 
-def read_checkpoint(path: Path) -> Checkpoint:
+def read_checkpoint(path: Path, check: StateCheck | None = None) -> Checkpoint:
     """Verify every file against the manifest (size, SHA-256), then read and check it: strict
     JSON, well-formed safetensors, finite tensors, and a training state whose numbers and RNG
-    states make sense. Any problem is one :class:`CheckpointError` naming the path and the
-    reason, raised before anything is loaded into a model or optimizer."""
+    states make sense (``check(meta, state)``: the resuming side's test of its own state, e.g.
+    :func:`glassloop.checkpointer.check_training_state`; storage knows no state's layout).
+    Any problem is one :class:`CheckpointError` naming the path and the reason, raised
+    before anything is loaded into a model or optimizer."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint: '{path}' is not a checkpoint directory")
@@ -436,7 +453,8 @@ def read_checkpoint(path: Path) -> Checkpoint:
             )
     try:
         state = unflatten(tree, state_tensors)
-        check_training_state(meta, state)
+        if check is not None:
+            check(meta, state)
     except (KeyError, IndexError, ValueError, TypeError, OverflowError, RuntimeError) as err:
         raise CheckpointError(
             f"checkpoint: '{path}': the training state is malformed ({type(err).__name__}: {err})"
@@ -485,16 +503,19 @@ def _read_json(file: Path, checkpoint: Path) -> Any:
         raise CheckpointError(f"checkpoint: cannot read '{file}': {err.strerror}") from err
 
 
-def find_resumable(run_dir: Path) -> tuple[Checkpoint | None, list[str]]:
+def find_resumable(
+    run_dir: Path, check: StateCheck | None = None
+) -> tuple[Checkpoint | None, list[str]]:
     """The newest checkpoint that verifies, and what is wrong with each newer one (every
-    ``step-`` folder counts, also one whose manifest is unreadable)."""
+    ``step-`` folder counts, also one whose manifest is unreadable, or whose state fails
+    ``check``)."""
     problems: list[str] = []
     # Newest first. A committed directory is complete (renamed into place only after its
     # manifest was written), so one newer than `latest` (a crash between the rename and the
     # pointer move) is as good as the one `latest` names.
     for path in reversed(step_dirs(run_dir)):
         try:
-            return read_checkpoint(path), problems
+            return read_checkpoint(path, check), problems
         except CheckpointError as err:
             problems.append(str(err))
     return None, problems

@@ -2,13 +2,15 @@
 with the checks that keep a resume honest. Storage (atomic files, verification, pruning)
 is :mod:`glassloop.checkpoint`; this module decides, that one writes.
 
-The Trainer hands it the model and one dict of every stateful part's ``state_dict()``
-(:func:`state_of`, :meth:`glassloop.Trainer.state_dict`) and saves in one line; a resume is
-one call too (:meth:`Checkpointer.restore`)::
+The Trainer hands it the model, the record and the guard when it is built and the stateful
+parts once per ``fit`` (:meth:`Checkpointer.attach`, as torchtitan's ``states=``); the loop
+then saves with one call and resumes with one::
 
-    checkpointer = Checkpointer(run_dir, CheckpointConfig(every_n_steps=100, monitor="val_loss"))
+    checkpointer = Checkpointer(run_dir, CheckpointConfig(every_n_steps=100), model=model)
+    checkpointer.attach({"loop": state, "optimizer": optimizer}, loader=train_loader)
+    checkpointer.resume("auto", epochs=10)
     if checkpointer.due_after_step(step):
-        checkpointer.save(model, trainer.state_dict(), checkpointer.meta(state, history, info))
+        checkpointer.save()
 """
 
 from __future__ import annotations
@@ -17,23 +19,20 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 import glassloop.fsdp as fsdp
-from glassloop.best import improves, monitor_mode
+from glassloop.best import improves, is_number, monitor_mode
 from glassloop.checkpoint import (
     BEST,
     FORMAT_VERSION,
     SHARDS,
     Checkpoint,
-    CheckpointError,
-    CheckpointWriteError,
     begin_staging,
     checkpoints_dir,
     find_resumable,
@@ -42,84 +41,40 @@ from glassloop.checkpoint import (
     prune,
     read_checkpoint,
     remove_marked,
+    require_run_dir,
     save_best,
     save_checkpoint,
     staging_dir,
     step_dir_name,
     step_dirs,
 )
+from glassloop.data.options import DataConfig
 from glassloop.distributed import SINGLE, World, all_reduce, gather_objects
-from glassloop.errors import ConfigError, GlassloopError, write_failure
+from glassloop.errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    ConfigError,
+    GlassloopError,
+    write_failure,
+)
 from glassloop.fsdp import ShardedState
-from glassloop.guards import NonFiniteWatch
-from glassloop.metrics import is_number
-from glassloop.rng import capture_rng_state, replay_caveat, restore_rng_state
-from glassloop.run_log import RunInfo
+from glassloop.options import CheckpointConfig as CheckpointConfig  # (re-exported: its old home)
+from glassloop.options import RunInfo, TrainConfig, resume_safe
+from glassloop.rng import capture_rng_state, check_rng_state, replay_caveat, restore_rng_state
 from glassloop.serialization import dotted, stable_repr
 from glassloop.state import EpochRecord, TrainState
 from glassloop.weights import load_checked
 
 
-def state_of(
-    parts: Mapping[str, Any], record: EpochRecord, callbacks: Sequence[Any], loader: Any,
-    world: World, watch: NonFiniteWatch | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    """Everything but the weights that an exact resume needs: each part's ``state_dict()``
-    (``None``: not part of this run), the epoch's losses so far (every process's: a
-    collective), the callbacks' states, the RNG, the loader's generators included (every
-    process's: dropout masks differ per process; a collective), and with a loss-spike guard
-    the losses its next steps are measured against (every process's own)."""
-    rng = capture_rng_state(loader)
-    state = {
-        **{name: part.state_dict() if part is not None else None for name, part in parts.items()},
-        **record.state_dict(world),
-        "callbacks": [cb.state_dict() if hasattr(cb, "state_dict") else None for cb in callbacks],
-        "rng": rng,
-        "rng_per_rank": gather_objects(rng) if world.distributed else None,
-    }
-    if watch is not None and watch.spike:  # (absent otherwise: the format is unchanged)
-        window = watch.state_dict()
-        state["loss_spike"] = gather_objects(window) if world.distributed else [window]
-    return state
+class Watch(Protocol):
+    """What a checkpoint needs of the non-finite guard (:class:`glassloop.guards.
+    NonFiniteWatch`): its verdict before a save, and the loss-spike window it keeps."""
 
+    spike: float
 
-def restore_state(
-    state: dict[str, Any], parts: Mapping[str, Any], record: EpochRecord,
-    callbacks: Sequence[Any], loader: Any, world: World, device: torch.device,
-    watch: NonFiniteWatch | None = None,
-) -> None:  # fmt: skip
-    """:func:`state_of` back into the parts; the global RNGs last, right before training goes
-    on. A part the state lacks is a ``KeyError`` (reported as "does not fit")."""
-    for name, part in parts.items():
-        saved = state[name]
-        if part is not None and saved is not None:
-            part.load_state_dict(saved)
-    record.load_state_dict(state, device, world)
-    # The loss-spike windows, each process its own. None: written without the guard or
-    # before it; written by another number of processes (a resharded FSDP resume): the new
-    # processes start fresh windows, as every resume did before.
-    windows = state.get("loss_spike") or []
-    if watch is not None and watch.spike and len(windows) == world.size:
-        watch.load_state_dict(windows[world.rank])
-    for callback, saved in zip(callbacks, state["callbacks"], strict=False):
-        if saved is not None and hasattr(callback, "load_state_dict"):
-            callback.load_state_dict(saved)
-    per_rank = state.get("rng_per_rank") or []
-    # (A resharded FSDP resume has another number of processes: rank 0's RNG for all.)
-    same_world = len(per_rank) == world.size
-    restore_rng_state(per_rank[world.rank] if same_world else state["rng"], loader)
-
-
-@dataclass
-class CheckpointConfig:
-    """When to save (``every_n_steps``, ``every_n_epochs``; always at the end), how many to
-    keep, and which validation metric picks ``RUN_DIR/best/`` (``""``: no best tracking)."""
-
-    every_n_steps: int = 0  # 0: off
-    every_n_epochs: int = 1  # 0: off
-    keep_last: int = 3
-    monitor: str = ""  # e.g. "val_loss" or "val_accuracy"
-    mode: str = "auto"  # "min", "max", or "auto" (max for accuracy/F1, else min)
+    def check(self, state: TrainState, world: World) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class Checkpointer:
@@ -130,11 +85,55 @@ class Checkpointer:
     """
 
     def __init__(
-        self, run_dir: Path | None, policy: CheckpointConfig | None = None, *, world: World = SINGLE
+        self,
+        run_dir: Path | None,
+        policy: CheckpointConfig | None = None,
+        *,
+        world: World = SINGLE,
+        model: nn.Module | None = None,
+        record: EpochRecord | None = None,
+        callbacks: Sequence[Any] = (),
+        info: RunInfo | None = None,
+        watch: Watch | None = None,
+        shards: ShardedState | None = None,
+        device: torch.device | None = None,
     ) -> None:
+        """Handed once what every checkpoint holds beyond :meth:`attach`'s: the ``model``
+        whose weights it saves (an FSDP run's: ``shards``), the epoch's ``record``, the
+        callbacks (their states), what the run records (``info``), the non-finite ``watch``
+        (never a save after a NaN step; its loss-spike window) and the ``device`` the state
+        loads onto."""
         self.run_dir = run_dir
         self.policy = policy if policy is not None else CheckpointConfig()
         self.world = world
+        self.model = model if model is not None else nn.Module()
+        self.record = record if record is not None else EpochRecord()
+        self.callbacks, self.watch, self.shards = callbacks, watch, shards
+        self.info = info if info is not None else RunInfo()
+        self.device = device if device is not None else torch.device("cpu")
+        self.parts: dict[str, Any] = {"loop": TrainState()}
+        self.loader: Any = None
+
+    def attach(self, parts: dict[str, Any], *, loader: Any = None) -> None:
+        """Hand it the stateful parts, once per ``fit``: the objects by name
+        (``state_dict()``/``load_state_dict()``; ``None``: not part of this run; the loop's
+        :class:`~glassloop.state.TrainState` as ``"loop"``) and the training ``loader``
+        (its generators join the RNG state). One without both methods is refused here, not
+        at the first save."""
+        for name, part in parts.items():
+            if part is not None and not (
+                hasattr(part, "state_dict") and hasattr(part, "load_state_dict")
+            ):
+                raise GlassloopError(
+                    f"stateful()[{name!r}] is a {type(part).__name__}, which has no "
+                    "state_dict()/load_state_dict(); give it both, or leave it out"
+                )
+        self.parts, self.loader = parts, loader
+
+    @property
+    def state(self) -> TrainState:
+        loop: TrainState = self.parts["loop"]
+        return loop
 
     # ------------------------------------------------------------------------------ when
     def due_after_step(self, step: int) -> bool:
@@ -162,47 +161,85 @@ class Checkpointer:
         return value if improves(value, best, mode) else None
 
     # ------------------------------------------------------------------------------ save
-    def save(
-        self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any],
-        shards: ShardedState | None = None,
-    ) -> Path | None:  # fmt: skip
-        """Commit ``checkpoints/step-<step>/`` and prune to ``keep_last``; the path (None
-        without a run directory). ``shards``: an FSDP run's weights and optimizer state,
-        written by every process into the checkpoint before rank 0 commits it."""
+    def save(self, *, finished: bool = False, best: bool = False) -> Path | None:
+        """Commit ``checkpoints/step-<step>/`` of where the run stands and prune to
+        ``keep_last`` (``best``: ``RUN_DIR/best/`` instead); the path, or ``None`` without a
+        run directory. Every process calls it: the state is gathered from all (a
+        collective), an FSDP run's shards are written by each, rank 0 commits."""
+        if self.watch is not None:
+            self.watch.check(self.state, self.world)  # never a checkpoint after a NaN step
         if self.run_dir is None:
             return None
-        path = checkpoints_dir(self.run_dir) / step_dir_name(int(meta["step"]))
-        staged = self._stage(path, shards, int(meta["step"])) if shards is not None else None
+        state, meta = self.state_dict(), self.meta(finished=finished)
+        step = self.state.step
+        target = (
+            self.run_dir / BEST if best else checkpoints_dir(self.run_dir) / step_dir_name(step)
+        )
+        shards = self.shards
+        staged = self._stage(target, shards, step) if shards is not None else None
+        weights = self.model if shards is None else None
         failure: Exception | None = None
         if self.world.is_main:  # one writer; the others wait for its verdict below
             try:
-                weights = model if shards is None else None
-                path = save_checkpoint(self.run_dir, weights, state, meta, staged=staged)
-                prune(self.run_dir, self.policy.keep_last)
-            except GlassloopError as err:
-                failure = err
-        self._agree(failure, path)
-        return path
-
-    def save_best(
-        self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any],
-        shards: ShardedState | None = None,
-    ) -> None:  # fmt: skip
-        """``RUN_DIR/best/`` (rank 0 commits; the state was gathered by every process, and
-        every process writes its shards of an FSDP run)."""
-        if self.run_dir is None:
-            return
-        target = self.run_dir / BEST
-        staged = self._stage(target, shards, int(meta["step"])) if shards is not None else None
-        failure: Exception | None = None
-        if self.world.is_main:
-            try:
-                save_best(
-                    self.run_dir, model if shards is None else None, state, meta, staged=staged
-                )
+                require_run_dir(self.run_dir)  # never recreated half-empty
+                if best:
+                    save_best(self.run_dir, weights, state, meta, staged=staged)
+                else:
+                    target = save_checkpoint(self.run_dir, weights, state, meta, staged=staged)
+                    prune(self.run_dir, self.policy.keep_last)
             except GlassloopError as err:
                 failure = err
         self._agree(failure, target)
+        return target
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the weights that an exact resume needs: each part's
+        ``state_dict()``, the epoch's losses so far (every process's: a collective), the
+        callbacks' states, the RNG, the loader's generators included (every process's:
+        dropout masks differ per process; a collective), and with a loss-spike guard the
+        losses its next steps are measured against (every process's own)."""
+        parts, world = self.parts, self.world
+        rng = capture_rng_state(self.loader)
+        state = {
+            **{
+                name: part.state_dict() if part is not None else None
+                for name, part in parts.items()
+            },
+            **self.record.state_dict(world),
+            "callbacks": [
+                cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.callbacks
+            ],
+            "rng": rng,
+            "rng_per_rank": gather_objects(rng) if world.distributed else None,
+        }
+        if self.watch is not None and self.watch.spike:  # (absent otherwise: as before it)
+            window = self.watch.state_dict()
+            state["loss_spike"] = gather_objects(window) if world.distributed else [window]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """:meth:`state_dict` back into the parts; the global RNGs last, right before
+        training goes on. A part the state lacks is a ``KeyError`` (reported as "does not
+        fit")."""
+        world = self.world
+        for name, part in self.parts.items():
+            saved = state[name]
+            if part is not None and saved is not None:
+                part.load_state_dict(saved)
+        self.record.load_state_dict(state, self.device, world)
+        # The loss-spike windows, each process its own. None: written without the guard or
+        # before it; written by another number of processes (a resharded FSDP resume): the
+        # new processes start fresh windows, as every resume did before.
+        windows = state.get("loss_spike") or []
+        if self.watch is not None and self.watch.spike and len(windows) == world.size:
+            self.watch.load_state_dict(windows[world.rank])
+        for callback, saved in zip(self.callbacks, state["callbacks"], strict=False):
+            if saved is not None and hasattr(callback, "load_state_dict"):
+                callback.load_state_dict(saved)
+        per_rank = state.get("rng_per_rank") or []
+        # (A resharded FSDP resume has another number of processes: rank 0's RNG for all.)
+        same_world = len(per_rank) == world.size
+        restore_rng_state(per_rank[world.rank] if same_world else state["rng"], self.loader)
 
     def _stage(self, target: Path, shards: ShardedState, step: int) -> Path:
         """Every process writes its part of the weights and optimizer state into the staging
@@ -242,45 +279,67 @@ class Checkpointer:
         if failure is not None:
             raise failure
 
-    def meta(
-        self, state: TrainState, history: list[dict[str, Any]], info: RunInfo, *,
-        finished: bool = False,
-    ) -> dict[str, Any]:  # fmt: skip
+    def meta(self, *, finished: bool = False) -> dict[str, Any]:
         """meta.json of a checkpoint: where the run stands, its config, what ran it."""
+        state, history, info = self.state, self.record.history, self.info
         return {
-            "format": FORMAT_VERSION, "world_size": self.world.size, "step": state.step,
-            "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
-            "finished": finished, "metrics": history[-1] if history else None,
-            "config": info.config, "model_spec": info.model_spec, "versions": info.versions,
+            "format": FORMAT_VERSION,
+            "world_size": self.world.size,
+            "step": state.step,
+            "epoch": state.epoch,
+            "batch_in_epoch": state.batch_in_epoch,
+            "finished": finished,
+            "metrics": history[-1] if history else None,
+            "config": info.config,
+            "model_spec": info.model_spec,
+            "versions": info.versions,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }  # fmt: skip
+        }
 
-    # --------------------------------------------------------------------------- restore
-    def restore(
-        self, resume: str | Path, model: nn.Module, load_state: Callable[[dict[str, Any]], None],
-        *, config: Any, allow_config_change: bool, warn: Callable[[str], None],
-        shards: ShardedState | None = None,
-    ) -> Checkpoint | None:  # fmt: skip
-        """Resume: find the checkpoint (:meth:`find`), check it fits (:meth:`check_compatible`),
-        load the weights into ``model`` (an FSDP run: ``shards`` read them from the
-        checkpoint's shards/ when the optimizer state loads), then ``load_state`` the rest
-        (:func:`restore_state`). The checkpoint, or ``None`` when there is none to resume."""
+    # --------------------------------------------------------------------------- resume
+    def resume(
+        self,
+        resume: str | Path | None,
+        *,
+        epochs: int,
+        allow_config_change: bool = False,
+        warn: Callable[[str], None] = print,
+    ) -> Checkpoint | None:
+        """Resume (``resume``: ``"auto"``, the newest valid checkpoint, or a path): find the
+        checkpoint (:meth:`find`), check it fits (:meth:`check_compatible`), load the
+        weights into the model (an FSDP run: its shards read them from the checkpoint's
+        shards/ when the optimizer state loads), then the rest (:meth:`load_state_dict`),
+        and say where the run goes on when it has ``epochs`` left. Without ``resume``, make
+        sure a fresh run overwrites none. The checkpoint, or ``None``."""
+        if resume is None:
+            self.refuse_overwrite()
+            return None
         checkpoint = self.find(resume, warn)
         if checkpoint is None:
             return None
-        sharded = shards is not None
+        sharded = self.shards is not None
+        config = self.info.config
         self.check_compatible(checkpoint, config, allow_config_change, warn, sharded=sharded)
-        if shards is not None:  # weights and optimizer come from shards/ with the state
-            shards.source = checkpoint.path / SHARDS
+        if self.shards is not None:  # weights and optimizer come from shards/ with the state
+            self.shards.source = checkpoint.path / SHARDS
         else:
-            load_checked(model, checkpoint.model_tensors, checkpoint.weights)  # read once
+            load_checked(self.model, checkpoint.model_tensors, checkpoint.weights)  # read once
         try:
-            load_state(checkpoint.state)
+            self.load_state_dict(checkpoint.state)
         except (KeyError, ValueError, TypeError, RuntimeError) as err:
             raise CheckpointError(
                 f"checkpoint: '{checkpoint.path}' does not fit this trainer: "
                 f"{type(err).__name__}: {err}"
             ) from err
+        state = self.state
+        if state.epoch < epochs and not state.stopped:
+            caveat = replay_caveat(self.loader, state.batch_in_epoch)
+            for line in [caveat] if caveat else []:
+                warn(line)
+            warn(
+                f"resumed from '{checkpoint.path}' at step {state.step} (epoch "
+                f"{state.epoch + 1}, batch {state.batch_in_epoch})"
+            )
         return checkpoint
 
     def refuse_overwrite(self) -> None:
@@ -296,10 +355,10 @@ class Checkpointer:
         (``None`` when there is none; an error when there are some and none is valid, so
         nothing a user may want to repair is overwritten); a path is read as is."""
         if str(resume) != "auto":
-            return read_checkpoint(Path(resume))  # named explicitly: no fallback
+            return read_checkpoint(Path(resume), check_training_state)  # no fallback
         if self.run_dir is None:
             raise GlassloopError("resume='auto' needs a run_dir to look for checkpoints in")
-        found, problems = find_resumable(self.run_dir)
+        found, problems = find_resumable(self.run_dir, check_training_state)
         if found is None and problems:
             raise CheckpointError(
                 f"checkpoint: no valid checkpoint to resume in '{self.run_dir}' (nothing "
@@ -367,20 +426,12 @@ class Checkpointer:
             )
 
 
-# Keys a resumed run may change without changing what it computes.
+# Keys a resumed run may change without changing what it computes: the options marked so
+# (glassloop.options), by their config key and, for a run built in Python, by their name.
 RESUME_SAFE_KEYS = (
-    "train.epochs",
-    "train.log_every",
-    "train.progress",
-    "train.device",
-    "data.num_workers",
-    "data.eval_batch_size",
-    "train.compile",
-    "train.compile_mode",
-    "train.compile_dynamic",
-    # the same, in the description of a run built in Python
-    "compile",
-    "device",
+    *(f"train.{name}" for name in resume_safe(TrainConfig)),
+    *(f"data.{name}" for name in resume_safe(DataConfig)),
+    *resume_safe(TrainConfig),
 )
 # Keys that build() fills in from train.epochs when the user leaves them out: a change of
 # epochs shows up as a change of these, and the message names the key the user changed.
@@ -411,12 +462,44 @@ def config_differences(saved: Any, current: Any) -> list[str]:
     return changes
 
 
-def resumed_messages(checkpoint: Checkpoint, state: TrainState, loader: Any) -> list[str]:
-    """What a resume says: where it goes on and, for a loader whose position is replayed,
-    what that replay cannot promise (:func:`glassloop.rng.replay_caveat`)."""
-    caveat = replay_caveat(loader, state.batch_in_epoch)
-    where = (
-        f"resumed from '{checkpoint.path}' at step {state.step} (epoch {state.epoch + 1}, "
-        f"batch {state.batch_in_epoch})"
-    )
-    return [caveat, where] if caveat else [where]
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class MalformedState(ValueError):
+    """A field of meta.json or the training state that cannot be right."""
+
+
+def check_training_state(meta: Any, state: Any) -> None:
+    """Refuse numbers that cannot be right before any of them is used (storage calls it on
+    each checkpoint it reads for a resume): counters that are not non-negative integers, a
+    world size that is not a positive integer, RNG states that the generators would reject
+    (tried on throwaway generators)."""
+    if not isinstance(meta, dict) or not isinstance(state, dict):
+        raise MalformedState("meta.json and state.json must hold tables")
+    for key in ("step", "epoch", "batch_in_epoch", "world_size"):
+        if key in meta or key in ("step", "epoch"):
+            minimum = 1 if key == "world_size" else 0
+            if not _count(meta.get(key)) or meta[key] < minimum:
+                raise MalformedState(f"meta.json {key} = {meta.get(key)!r}")
+    if not isinstance(meta.get("finished", False), bool):
+        raise MalformedState(f"meta.json finished = {meta['finished']!r}")
+    loop = state["loop"]
+    for key in ("step", "epoch", "batch_in_epoch", "samples_seen"):
+        if not _count(loop[key]):
+            raise MalformedState(f"loop.{key} = {loop[key]!r}")
+    if loop["step"] != meta["step"]:
+        raise MalformedState(f"loop.step {loop['step']} != meta.json step {meta['step']}")
+    best = loop.get("best_metric")
+    if best is not None and not isinstance(best, (int, float)):
+        raise MalformedState(f"loop.best_metric = {best!r}")
+    ranks = state.get("rng_per_rank")
+    for rng in [state["rng"], *(ranks or [])]:
+        check_rng_state(rng)
+    if ranks is not None and len(ranks) != meta.get("world_size", 1):
+        raise MalformedState(f"{len(ranks)} RNG states for world_size {meta.get('world_size')}")
+    data = state.get("data")
+    if data is not None and not isinstance(data, dict):
+        raise MalformedState("data position is not a table")
+    if not isinstance(state.get("history", []), list):
+        raise MalformedState("history is not a list")

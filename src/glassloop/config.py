@@ -30,76 +30,27 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from glassloop.checkpointer import CheckpointConfig
 from glassloop.data.options import DataConfig as DataConfig
 from glassloop.errors import ConfigError
-from glassloop.guards import check_loss_spike
-from glassloop.losses import LossConfig as LossConfig
+from glassloop.loss_options import LOSS_TASKS
+from glassloop.loss_options import LossConfig as LossConfig
 from glassloop.metric_names import check_metric_name
-from glassloop.models import BUILT_IN_KEYS
-from glassloop.models import ModelConfig as ModelConfig
-from glassloop.optimizers import OptimConfig as OptimConfig
-from glassloop.optimizers import SchedulerConfig as SchedulerConfig
-from glassloop.optimizers import optimizer_kwargs, scheduler_kwargs
-from glassloop.tracking import TrackingConfig
-from glassloop.validation import (
-    AT_LEAST_0,
-    AT_LEAST_1,
-    FRACTION,
-    TRAINER_RULES,
-    Range,
-    check_choice,
-    check_range,
-    check_type,
-    unknown_key,
-)
+from glassloop.model_options import BUILT_IN_KEYS
+from glassloop.model_options import ModelConfig as ModelConfig
+from glassloop.optim_options import DEFAULT_OPTIM_KWARGS
+from glassloop.optim_options import OptimConfig as OptimConfig
+from glassloop.optim_options import SchedulerConfig as SchedulerConfig
+from glassloop.options import CheckpointConfig as CheckpointConfig
+from glassloop.options import EarlyStoppingConfig as EarlyStoppingConfig
+from glassloop.options import TrackingConfig as TrackingConfig
+from glassloop.options import TrainConfig as TrainConfig
+from glassloop.options import rules
+from glassloop.validation import Range, check_choice, check_range, check_type, unknown_key
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
-
-
-@dataclass
-class TrainConfig:
-    epochs: int = 10
-    seed: int = 0
-    device: str = "auto"
-    log_every: int = 100
-    progress: str = "auto"
-    precision: str = "32"  # "32", "bf16" (autocast) or "fp16" (autocast + GradScaler)
-    grad_accum_steps: int = 1
-    loss_weighting: str = "samples"  # or "tokens": weight micro-batches by non-ignored labels
-    ignore_index: int = -100  # the label that "tokens" weighting does not count
-    clip_grad_norm: float = 0.0  # 0: off
-    clip_grad_value: float = 0.0  # 0: off
-    nonfinite: str = "raise"  # "strict": checked before each step; "skip": dropped
-    max_nonfinite_skips: int = 10  # "skip": stop after this many in a row
-    loss_spike: float = 0.0  # 0: off; e.g. 10: stop at a loss 10x the median of the 20 before
-    ema_decay: float = 0.0  # 0: off; e.g. 0.999: evaluate and export an EMA of the weights
-    compile: bool = False  # torch.compile the model (checkpoints load with or without it)
-    compile_mode: str = "default"  # torch.compile mode: "reduce-overhead", "max-autotune", ...
-    compile_dynamic: bool = False  # false: static shapes (a resumed run compiles the same)
-    strategy: str = "auto"  # several processes (torchrun): "auto"/"ddp" = DDP; "fsdp" = FSDP2
-    dist_timeout_s: float = 300.0  # a collective waiting longer (a dead process) fails the job
-    tensorboard: bool = False  # also write RUN_DIR/tensorboard/ (glassloop[tensorboard])
-    task: str = "auto"  # auto: from loss.name; classification, multilabel, regression, ...
-    outputs: str = "auto"  # "probabilities": the model ends in a sigmoid/softmax; or "logits"
-    metrics: list[str] = field(default_factory=list)  # by name, e.g. ["top5_accuracy", "auroc"]
-    validate_every_n_steps: int = 0  # 0: validate at epoch ends only
-    limit_batches: int = 0  # 0: all; N: at most N training and N validation batches an epoch
-    deterministic: bool | str = False  # true: torch's deterministic algorithms; "warn": warn only
-    activation_checkpointing: list[str] = field(default_factory=list)  # module class names
-
-
-@dataclass
-class EarlyStoppingConfig:
-    """Stop when ``monitor`` has not improved by ``min_delta`` for ``patience`` epochs."""
-
-    monitor: str = ""  # "": off; "val_loss", "val_accuracy" or "train_loss"
-    patience: int = 3
-    min_delta: float = 0.0
-    mode: str = "auto"  # "min", "max"; auto: max for accuracy, else min
 
 
 @dataclass
@@ -128,82 +79,21 @@ SECTIONS: dict[str, type] = {
 }
 # Sections whose unknown keys are keyword arguments of the class they name.
 OPEN_SECTIONS = {"optim", "scheduler"}
-CHOICES: dict[tuple[str, str], tuple[Any, ...]] = {
-    ("train", "progress"): ("auto", "bar", "lines", "none"),
-    ("data", "name"): (
-        "mnist-5k",
-        "digits",
-        "synthetic",
-        "npz",
-        "csv",
-        "image-folder",
-        "mnist",
-        "fashion-mnist",
-        "cifar10",
-        "text-csv",
-        "parquet",
-    ),
-    ("data", "channels"): (0, 1, 3),
-    ("model", "encoder"): ("gru", "transformer"),
-    ("model", "name"): ("mlp", "cnn", "text-classifier"),
-    ("train", "strategy"): ("auto", "ddp", "fsdp", "dp"),
-    ("checkpoint", "mode"): ("auto", "min", "max"),
-    ("loss", "name"): (
-        "cross_entropy", "nll", "bce_with_logits", "mse", "l1", "huber", "smooth_l1",
-    ),
-    ("train", "task"): ("auto", "classification", "multilabel", "regression", "language-model"),
-    ("train", "outputs"): ("auto", "logits", "probabilities"),
-    ("early_stopping", "mode"): ("auto", "min", "max"),
-    ("tracking", "backend"): ("", "mlflow", "wandb"),
-    ("train", "nonfinite"): ("raise", "strict", "skip"),
-    ("train", "deterministic"): (False, True, "warn"),
-    ("train", "compile_mode"): (
-        "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs",
-    ),
-}  # fmt: skip
-# The [train] keys the Trainer checks too: one table for both (validation.TRAINER_RULES).
-_TRAINER_KEYS = {
-    ("scheduler", "interval") if name == "scheduler_interval" else ("train", name): rule
-    for name, rule in TRAINER_RULES.items()
+# Each key's accepted values, declared on its section's dataclass with
+# glassloop.options.option ([train] is the Trainer's table of options: the Trainer checks its
+# arguments by the same) and checked once, where the config is read. A value outside them
+# would crash later with a traceback (num_workers = -1), allocate without bound
+# (hidden = [10**12]) or train silently wrong (hidden = [0]).
+_RULES = {
+    (section, name): rule for section, cls in SECTIONS.items() for name, rule in rules(cls).items()
 }
-CHOICES.update({key: rule for key, rule in _TRAINER_KEYS.items() if isinstance(rule, tuple)})
-
-
-# Every numeric key's accepted values, checked once, where the config is read. A value
-# outside them would crash later with a traceback (num_workers = -1, T_max = 0), allocate
-# without bound (hidden = [10**12]) or train silently wrong (hidden = [0]).
+CHOICES: dict[tuple[str, str], tuple[Any, ...]] = {
+    **{key: rule for key, rule in _RULES.items() if isinstance(rule, tuple)},
+    # (the Trainer takes "custom" and a task per head too; a config names one of these)
+    ("train", "task"): ("auto", "classification", "multilabel", "regression", "language-model"),
+}
 RANGES: dict[tuple[str, str], Range] = {
-    ("model", "hidden"): Range(1, 2**20),
-    ("model", "dropout"): FRACTION,
-    ("model", "embed_dim"): Range(1, 2**16),
-    ("model", "num_layers"): Range(1, 1024),
-    ("model", "num_heads"): Range(1, 1024),
-    ("data", "batch_size"): Range(1, 2**31),
-    ("data", "eval_batch_size"): Range(0, 2**31),
-    ("data", "num_workers"): Range(0, 256),
-    ("data", "in_memory_mb"): AT_LEAST_0,
-    ("data", "val_fraction"): Range(0.0, 1.0, open_low=True, open_high=True),
-    ("data", "num_samples"): Range(1, 2**40),
-    ("data", "num_features"): Range(1, 2**24),
-    ("data", "num_classes"): Range(2, 2**24),
-    ("data", "image_size"): Range(0, 2**15),
-    ("data", "vocab_size"): Range(2, 2**24),
-    ("data", "max_length"): Range(1, 2**24),
-    ("data", "seed"): Range(0, 2**32 - 1),
-    ("optim", "lr"): Range(0, open_low=True),  # lr = 0 trains nothing, silently
-    ("train", "epochs"): AT_LEAST_1,
-    ("train", "seed"): Range(0, 2**63 - 1),
-    ("train", "dist_timeout_s"): Range(0, open_low=True),
-    ("checkpoint", "every_n_steps"): AT_LEAST_0,
-    ("checkpoint", "every_n_epochs"): AT_LEAST_0,
-    ("checkpoint", "keep_last"): AT_LEAST_0,
-    ("early_stopping", "patience"): AT_LEAST_1,
-    ("early_stopping", "min_delta"): AT_LEAST_0,
-    ("loss", "label_smoothing"): FRACTION,
-    ("loss", "pos_weight"): Range(0.0, open_low=True),
-    ("loss", "delta"): Range(0.0, open_low=True),
-    ("loss", "beta"): Range(0.0, open_low=True),
-    **{key: rule for key, rule in _TRAINER_KEYS.items() if isinstance(rule, Range)},
+    key: rule for key, rule in _RULES.items() if isinstance(rule, Range)
 }
 
 
@@ -325,10 +215,8 @@ def from_dict(raw: dict[str, Any]) -> Config:
             if (section, key) in RANGES:
                 check_range(f"{section}.{key}", value, RANGES[section, key])
         obj = cls(**typed)
-        if section == "optim":
-            obj.kwargs = optimizer_kwargs(obj.name, kwargs)
-        elif section == "scheduler":
-            obj.kwargs = scheduler_kwargs(obj.name, kwargs)
+        if section in OPEN_SECTIONS:
+            obj.kwargs = class_kwargs(section, obj.name, kwargs)
         built[section] = obj
     cfg = Config(**built)
     for section in ("checkpoint", "early_stopping"):
@@ -338,7 +226,6 @@ def from_dict(raw: dict[str, Any]) -> Config:
                 f"config: {section}.monitor must be 'train_loss' or a validation metric "
                 f"('val_loss', 'val_accuracy', 'val_r2', ...), got {monitor!r}"
             )
-    check_loss_spike(cfg.train.loss_spike)  # 0 or over 1 (a Range cannot say "or")
     if cfg.model.kwargs and not cfg.model.target:  # (it would be ignored)
         keys = ", ".join(f"model.{key}" for key in BUILT_IN_KEYS.get(cfg.model.name, ()))
         raise ConfigError(
@@ -359,12 +246,17 @@ def from_dict(raw: dict[str, Any]) -> Config:
     return cfg
 
 
-# The task each loss implies when train.task is "auto".
-LOSS_TASKS = {
-    "cross_entropy": "classification", "nll": "classification",
-    "bce_with_logits": "multilabel",
-    "mse": "regression", "l1": "regression", "huber": "regression", "smooth_l1": "regression",
-}  # fmt: skip
+def class_kwargs(section: str, name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``[optim]``'s or ``[scheduler]``'s keyword arguments, checked against the torch class
+    ``name`` names (:mod:`glassloop.optimizers`). The default class without arguments is
+    answered without importing torch (~1.7 s), so ``glassloop config`` starts at once."""
+    default = SECTIONS[section]().name
+    if name == default and not kwargs:
+        return dict(DEFAULT_OPTIM_KWARGS) if section == "optim" else {}
+    from glassloop.optimizers import optimizer_kwargs, scheduler_kwargs
+
+    check = optimizer_kwargs if section == "optim" else scheduler_kwargs
+    return check(name, kwargs)
 
 
 def config_task(cfg: Config) -> str:

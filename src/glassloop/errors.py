@@ -7,7 +7,9 @@ the library raises it. Internal invariants use ``assert``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -58,3 +60,29 @@ def write_failure(
     return CheckpointWriteError(
         f"checkpoint: could not write '{path}': {reason} ({code}); {safe}{tail}"
     )
+
+
+@contextlib.contextmanager
+def writing(command: str, folder: Path, safe: str) -> Iterator[None]:
+    """An ``OSError`` while ``command`` writes into ``folder`` (read-only, full, over quota)
+    as one :class:`CheckpointWriteError` line (exit code 3 in the CLI, as a failed checkpoint
+    write): never a traceback. One about a file elsewhere (an input being read) is not a
+    write failure and goes on as it is.
+
+    >>> try:
+    ...     with writing("export", Path("out"), "nothing was written"):
+    ...         raise OSError(28, "No space left on device", "out/m.pt")
+    ... except CheckpointWriteError as err:
+    ...     print(err)
+    export: could not write 'out/m.pt': No space left on device (ENOSPC); nothing was written
+    """
+    try:
+        yield
+    except OSError as err:
+        where = Path(err.filename) if isinstance(err.filename, str) else folder
+        if where.resolve().parent != folder.resolve() and where.resolve() != folder.resolve():
+            raise
+        code = errno.errorcode.get(err.errno or 0, type(err).__name__)
+        raise CheckpointWriteError(
+            f"{command}: could not write '{where}': {err.strerror or err} ({code}); {safe}"
+        ) from err

@@ -243,7 +243,6 @@ class NonFiniteWatch:
     for who wants a non-finite step never taken."""
 
     def __init__(self, spike: float = 0.0) -> None:
-        check_loss_spike(spike, "Trainer")
         self.pending: list[tuple[torch.Tensor, ...]] = []  # each step's values since `base`
         self.base = 0  # the step before the first pending one
         # train.loss_spike: a finite loss over `spike` times the median of the steps before
@@ -338,24 +337,6 @@ class NonFiniteWatch:
             )
 
 
-def check_loss_spike(spike: float, where: str = "config") -> None:
-    """``loss_spike`` is 0 (off) or over 1: at 1 or below, any loss above the recent median
-    would stop the run, a falling loss included (the Trainer's check and the config's).
-
-    >>> check_loss_spike(0.5, "Trainer")
-    Traceback (most recent call last):
-    ...
-    glassloop.errors.ConfigError: Trainer: loss_spike must be 0 (off) or over 1 (e.g. 10: ...
-    """
-    if spike != 0 and not spike > 1:  # (nan fails both)
-        key = "train.loss_spike" if where == "config" else "loss_spike"
-        raise ConfigError(
-            f"{where}: {key} must be 0 (off) or over 1 (e.g. 10: stop at a loss over 10 times "
-            f"the median of the {SPIKE_WINDOW} steps before), got {spike!r}: any loss above "
-            "the median would stop the run"
-        )
-
-
 def _place(step: int, epoch: int, first: int, last: int) -> str:
     batches = f"batch {last}" if first == last else f"batches {first}-{last}"
     return f"step {step} (epoch {epoch}, {batches})"
@@ -374,6 +355,9 @@ class NonFinitePolicy:
             )
         self.policy = policy
         self.max_skips = max_skips
+
+    def __repr__(self) -> str:  # (what a run built in Python records, compared on resume)
+        return f"NonFinitePolicy({self.policy!r}, max_skips={self.max_skips})"
 
     def __call__(
         self, model: nn.Module, loss: torch.Tensor, state: TrainState, num_batches: int

@@ -1,12 +1,9 @@
-"""The training loop: ``Trainer.fit`` runs epochs; ``Trainer.train_step`` is one optimizer step.
-
-The Trainer is handed its parts, each with one job: a :class:`~glassloop.checkpointer.
-Checkpointer` (when to save, what is best, how to resume), a :class:`~glassloop.run_log.RunLog`
-(the run directory's files), a :class:`~glassloop.validator.Validator` and the guards of
-:mod:`glassloop.guards`; the constructor that builds them and the methods around the loop
-(checkpoint state, ``evaluate``, ``predict``) are :class:`glassloop.parts.TrainerParts`, its
-base. What is here is the loop itself, in the order it runs: ``fit`` → ``_train`` →
-``_run_epoch`` → ``_step_window`` → ``train_step`` → ``_end_epoch``.
+"""The training loop, one class: :class:`Trainer`. ``Trainer.fit`` runs epochs and
+``Trainer.train_step`` is one optimizer step. Its parts each have one job (a ``Checkpointer``,
+a ``RunLog``, a ``Validator``, the guards); its options are one table
+(:class:`glassloop.options.TrainOptions`). The constructor comes first, then the loop in the
+order it runs (``fit`` → ``_train`` → ``_run_epoch`` → ``_step_window`` → ``train_step`` →
+``_end_epoch``), then what is around it (checkpoint state, ``evaluate``, ``predict``).
 """
 
 from __future__ import annotations
@@ -14,42 +11,67 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import torch
+from torch import nn
 
 import glassloop.evaluation as evaluation
 import glassloop.fsdp as fsdp
 import glassloop.guards as guards
 import glassloop.optimizers as optimizers
-from glassloop.arguments import described
+import glassloop.tasks as tasks
 from glassloop.batch import Inputs, Window, batch_size_of, loss_weights, split_batch, token_counts
-from glassloop.device import move_to_device
-from glassloop.distributed import agreed_counts, all_reduce, barrier
-from glassloop.distributed import unwrap_model as unwrap_model  # (re-exported: its old home)
+from glassloop.callbacks import Callback
+from glassloop.checkpointer import Checkpointer
+from glassloop.deprecated import fold_replaced
+from glassloop.device import move_to_device, resolve_device
+from glassloop.distributed import (
+    World,
+    agreed_counts,
+    all_reduce,
+    barrier,
+    init_from_env,
+    local_device,
+    unwrap_model,
+)
 from glassloop.errors import GlassloopError
+from glassloop.evaluation import LossFn, Metric
 from glassloop.fsdp import gradient_sync
-from glassloop.optimizers import optimizer_parameters
-from glassloop.parts import TrainerParts
-from glassloop.precision import autocast
+from glassloop.guards import NonFinitePolicy, NonFiniteWatch
+from glassloop.optimizers import Schedulers, optimizer_parameters
+from glassloop.options import (
+    OPTIONS,
+    SCHEDULER_INTERVALS,
+    CheckpointConfig,
+    RunInfo,
+    TrackingConfig,
+    check_options,
+    described,
+)
+from glassloop.parallelize import averaged, evaluated, prepare_model
+from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import Preempted, StopSignals
-from glassloop.profiling import fit_profiler
+from glassloop.profiling import StepProfiler, fit_profiler
 from glassloop.provenance import environment
-from glassloop.rng import epoch_batches
-from glassloop.run_log import python_config
-from glassloop.state import step_loss
+from glassloop.redaction import redacted
+from glassloop.rng import epoch_batches, seed_everything, use_deterministic
+from glassloop.run_log import RunLog, python_config
+from glassloop.sinks import ProgressReporter
+from glassloop.state import EpochRecord, TrainState, step_loss
 from glassloop.summary import end_summary, samples_in, start_header
 from glassloop.tasks import model_loss
 from glassloop.throughput import Throughput, peak_flops
+from glassloop.validation import check_choice
 from glassloop.validator import Validation, Validator
 
 # What a train_step returns: the step's loss, named losses, or None (skipped).
 StepLoss = torch.Tensor | Mapping[str, torch.Tensor] | None
 
 
-class Trainer(TrainerParts):
+class Trainer:
     """Trains ``model`` with ``optimizer`` on ``loss_fn`` and evaluates it.
 
     What ``fit`` does, in order (the code below reads the same way)::
@@ -78,14 +100,183 @@ class Trainer(TrainerParts):
         history = trainer.fit(train_loader, val_loader, epochs=10)
         probs = trainer.predict(x_new)
 
-    Every argument is described below (from :mod:`glassloop.arguments`, which ``help``
-    shows here); a config sets each under ``[train]``.
+    Every argument is described below (:mod:`glassloop.options`: each option's text is in
+    its table, where an editor shows it).
     """
 
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | Mapping[str, Any],
+        loss_fn: LossFn | None,
+        *,
+        # the model, its loss and what it is for
+        task: str | Mapping[str, str] = "auto",
+        outputs: str = "auto",
+        metrics: Sequence[str] | Mapping[str, Metric | str] | None = None,
+        # the step
+        precision: str = "32",
+        grad_accum_steps: int = 1,
+        loss_weighting: str = "samples",
+        loss_reduction: str = "auto",
+        ignore_index: int = -100,
+        clip_grad_norm: float | None = None,
+        clip_grad_value: float | None = None,
+        nonfinite: str | NonFinitePolicy = "raise",
+        loss_spike: float = 0.0,
+        ema_decay: float | None = None,
+        compile: bool | Mapping[str, Any] = False,
+        activation_checkpointing: Sequence[str] = (),
+        scheduler: Any = None,  # (or a dict of them)
+        scheduler_interval: str = "epoch",
+        # the epoch
+        validate_every_n_steps: int = 0,
+        limit_batches: int = 0,
+        seed: int | None = None,
+        deterministic: bool | str = False,
+        callbacks: Sequence[Callback] = (),
+        # where it runs
+        device: str | torch.device = "auto",
+        world: World | None = None,
+        strategy: str = "auto",
+        # the run directory
+        run_dir: str | Path | None = None,
+        checkpoint: CheckpointConfig | None = None,
+        run_info: RunInfo | None = None,
+        tensorboard: bool = False,
+        tracking: TrackingConfig | None = None,
+        progress: str = "auto",
+        log_every: int = 100,
+        stop_signals: Sequence[str] = ("TERM", "INT"),
+        profile: int = 0,
+        **replaced: Any,  # names replaced in 0.2 (glassloop.deprecated), with a warning
+    ) -> None:
+        # Every option against its rule in glassloop.options (the config reader's too); the
+        # arguments by name, before any other local is set. What a run records: the same.
+        self.options = {name: value for name, value in locals().items() if name in OPTIONS}
+        check_options(self.options)
+        check_choice("scheduler_interval", scheduler_interval, SCHEDULER_INTERVALS, where="Trainer")
+        policy, compiled, run_info = fold_replaced(replaced, nonfinite, compile, run_info)
+        check_options({"max_nonfinite_skips": policy.max_skips})
+        guards.check_model(model)  # its own train()/eval() in place of nn.Module's, no weights
+        optimizer = optimizers.one_optimizer(optimizer)  # several by name (a GAN's): one
+        scheduler = Schedulers(scheduler) if isinstance(scheduler, Mapping) else scheduler
+        # What the model is trained to do (glassloop.tasks): decides what predict returns,
+        # the metrics and the checks; loss_fn=None: the model computes its own loss.
+        # A model with several heads: a task each ({"kind": "classification", ...}).
+        task, self.heads = tasks.resolve_heads(task)
+        self.task = tasks.resolve_task(task, loss_fn)
+        # (BCELoss, a final nn.Sigmoid: probabilities already, never through a second one)
+        self.probabilities = tasks.outputs_are_probabilities(outputs, model, loss_fn)
+        # "sum": the loss adds up over a batch (reported per sample; micro-batches add up)
+        self.loss_reduction = tasks.reduction_of(loss_fn, loss_reduction)
+        self.summed = self.loss_reduction == "sum"  # (read every step: an attribute)
+        self.metrics = evaluation.metric_table(metrics, self.task, self.heads)
+        self.validate_every_n_steps = validate_every_n_steps
+        self.limit_batches = limit_batches
+        if seed is not None:
+            seed_everything(seed)
+        self.deterministic = use_deterministic(deterministic)  # "on", "warn" or "off"
+        # Several processes (torchrun): join their process group (a no-op in one process),
+        # this process's rank, and its own device.
+        resolved = resolve_device(device)
+        self.world = world if world is not None else init_from_env(resolved, strategy=strategy)
+        self.device = local_device(resolved, self.world)
+        self.distributed = self.world.distributed  # (read every step: an attribute)
+        self.precision_note = check_precision(precision, self.device)
+        # Compiled, then under DDP or FSDP2 with several processes (glassloop.parallelize);
+        # sharded: an FSDP run's weights and optimizer state, which checkpoints save.
+        self.model, self.sharded = prepare_model(
+            model,
+            optimizer,
+            self.world,
+            self.device,
+            strategy=strategy,
+            precision=precision,
+            compile=compiled,
+            ema=bool(ema_decay),
+            checkpointed=activation_checkpointing,
+        )
+        self._parameters = list(self.model.parameters())
+        optimizers.check_kernels(optimizer)  # on the device: capturable=True needs a GPU
+        self.optimizer, self.loss_fn = optimizer, loss_fn
+        self.scheduler, self.scheduler_interval = scheduler, scheduler_interval
+        self.precision = precision
+        self.scaler = make_scaler(precision, self.device)
+        self.grad_accum_steps = grad_accum_steps
+        self.loss_weighting = loss_weighting
+        self.ignore_index = ignore_index
+        self.clip_grad_norm = clip_grad_norm or None
+        self.clip_grad_value = clip_grad_value or None
+        self.nonfinite = policy
+        # LBFGS & co.: step(closure) evaluates forward, loss and backward itself.
+        self.closure_step = optimizers.closure_step(
+            optimizer,
+            precision=precision,
+            clipping=bool(clip_grad_norm or clip_grad_value),
+            nonfinite=policy.policy,
+            processes=self.world.size,
+        )
+        # The default: NaN/inf noticed on the device, read where the loop reads anyway (no
+        # host sync per step); "strict", "skip" and fp16 (its scaler reads) check each step.
+        self.watch = NonFiniteWatch(spike=loss_spike)  # (and finite spikes, when asked)
+        self.deferred_check = policy.policy == "raise" and not self.scaler.is_enabled()
+        # An exponential moving average of the weights (torch's AveragedModel): evaluated
+        # and exported instead of the raw weights when enabled.
+        self.ema_decay = ema_decay or None
+        self.ema = averaged(self.model, ema_decay) if ema_decay else None
+        self.log_every = log_every
+        self.stop_signals = stop_signals  # each stops the run after a step, with a checkpoint
+        self.profile = profile  # steps to profile (0: none): glassloop.profiling
+        self.profiler: StepProfiler | None = None
+        self.callbacks = list(callbacks)
+        self.state, self.record = TrainState(), EpochRecord()  # where the loop is, what it saw
+        # What the run records and compares on resume (secrets in URIs replaced by ***).
+        self.config = redacted(dict(run_info.config)) if run_info.config is not None else None
+        self.model_spec = dict(run_info.model_spec) if run_info.model_spec is not None else None
+        self.info = RunInfo(self.config, self.model_spec)  # (and fit's versions)
+        # The run directory's two writers, each handed its parts once.
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.checkpointer = Checkpointer(
+            self.run_dir,
+            checkpoint,
+            world=self.world,
+            model=self.model,
+            shards=self.sharded,
+            record=self.record,
+            callbacks=self.callbacks,
+            watch=self.watch,
+            info=self.info,
+            device=self.device,
+        )
+        self.run_log = RunLog(
+            self.run_dir,
+            world=self.world,
+            tensorboard=tensorboard,
+            tracking=tracking,
+            state=self.state,
+            info=self.info,
+        )
+        # Only rank 0 talks: the other processes print nothing at all.
+        self.console = ProgressReporter(progress, silent=not self.world.is_main)
+        self.last_grad_norm: torch.Tensor | None = None
+        self.should_stop = False  # callbacks set it to end the run after this epoch
+        self._signals = StopSignals()
+        self._train_loader: Iterable[Any] = ()
+        self.validator = Validator(None)  # fit's validation sets (glassloop.validator)
+        self._checked_first_batch = False
+        self._label_shift: int | None = None  # tokens a model's own loss counts: from t+shift
+        self._failure: str | None = None  # the error a failed fit ended with, for run.json
+
     def fit(
-        self, train_loader: Iterable[Any], val_loader: Validation | None = None, *,
-        epochs: int, resume: str | Path | None = None, allow_config_change: bool = False,
-    ) -> list[dict[str, Any]]:  # fmt: skip
+        self,
+        train_loader: Iterable[Any],
+        val_loader: Validation | None = None,
+        *,
+        epochs: int,
+        resume: str | Path | None = None,
+        allow_config_change: bool = False,
+    ) -> list[dict[str, Any]]:
         """Train until ``epochs`` epochs are done; return the history, one dict per epoch.
 
         ``train_loader``: any iterable of batches, iterated exactly as given; ``val_loader``:
@@ -96,37 +287,44 @@ class Trainer(TrainerParts):
         """
         if not isinstance(epochs, int) or epochs < 1:
             raise GlassloopError(f"train.epochs must be a positive integer, got {epochs!r}")
-        self.should_stop = self._checked_first_batch = False  # (a Trainer may fit again)
+        self.should_stop = self._checked_first_batch = False  # a Trainer may fit again
         self._train_loader = train_loader
         # samples/s, tokens/s (a language model's), MFU where the GPU's peak is known
         lm, peak = self.task == "language-model", peak_flops(self.device, self.precision)
         self.throughput = Throughput(tokens=lm, peak=peak, world=self.world)
         self.validator = Validator(
-            val_loader, limit=self.limit_batches, counted=self.sharded is not None,
+            val_loader,
+            limit=self.limit_batches,
+            counted=self.sharded is not None,
             every=self.validate_every_n_steps,
-            sinks=(self.run_log.write, self.console.validation_row),  # (mid-epoch rows)
-        )  # fmt: skip
-        # The config a resume compares (without a config file: the Trainer's arguments), the
+            sinks=(self.run_log.write, self.console.validation_row),  # mid-epoch rows
+        )
+        # The config a resume compares (without a config file: the Trainer's options), the
         # versions and git SHA (a git subprocess: only worth it when something is written).
-        self.info.config = self.config or python_config(self)
+        self.info.config = self.config or self.python_config()
         self.info.versions = environment(self.deterministic) if self.run_dir else {}
+        self.checkpointer.attach(self.stateful(), loader=train_loader)  # what a save holds
         with self.run_log.hold():  # the run directory's lock, for the whole fit
             barrier()  # nobody reads the run dir while rank 0 tidies it
-            self._start_from(resume, allow_config_change, epochs)  # (or refuse to overwrite)
+            self.checkpointer.resume(  # or, without resume, refuse to overwrite a run
+                resume,
+                epochs=epochs,
+                allow_config_change=allow_config_change,
+                warn=self.console.message,
+            )
             if self.state.epoch >= epochs or self.state.stopped:
                 # resuming a finished run: complete any final file a kill left unwritten
-                info, model = self.info, self.eval_model
-                self.console.message(self.run_log.finish_again(self.state, model, info, epochs))
+                self.console.message(self.run_log.finish_again(self.eval_model, epochs))
             else:
                 self._train(train_loader, epochs)
         return self.history
 
     def _train(self, train_loader: Iterable[Any], epochs: int) -> None:
         """The epochs, between opening and closing the run directory's files."""
-        if self.precision_note:  # (fp16 on a CPU)
+        if self.precision_note:  # fp16 on a CPU
             self.console.message(self.precision_note)
         first_val = self.validator.first
-        self.run_log.start(self.state, has_val=first_val is not None, info=self.info)
+        self.run_log.start(has_val=first_val is not None)
         self.console.info(start_header(self, train_loader, first_val, epochs))
         self.watch.check(self.state, self.world)  # counts from here (a resumed run's step)
         start = time.perf_counter()
@@ -134,7 +332,10 @@ class Trainer(TrainerParts):
         pairs = None  # a regression's validation outputs and targets, for the report's plot
         self.profiler = fit_profiler(self.profile, self.world, self.run_dir, self.console.message)
         try:
-            with StopSignals() as self._signals, self.profiler or contextlib.nullcontext():
+            with (
+                StopSignals(self.stop_signals) as self._signals,
+                self.profiler or contextlib.nullcontext(),
+            ):
                 for callback in self.callbacks:
                     callback.on_fit_start(self)
                 while self.state.epoch < epochs and not self.should_stop:
@@ -142,9 +343,9 @@ class Trainer(TrainerParts):
                     self._end_epoch(row, epochs)
                 for callback in self.callbacks:
                     callback.on_fit_end(self)
-                self.save_checkpoint(finished=True)  # always at the end
+                self.checkpointer.save(finished=True)  # always at the end
             status = "finished"
-            if self.task == "regression" and self.run_dir:  # (every process: its shard)
+            if self.task == "regression" and self.run_dir:  # every process: its shard
                 pairs = self.validator.outputs(self)
         except (KeyboardInterrupt, Preempted):
             status = "interrupted"
@@ -155,10 +356,8 @@ class Trainer(TrainerParts):
         finally:
             self.console.close()
             # The final weights and run.json, then the final report, which shows the end.
-            report = self.run_log.finish(
-                status, self.state, self.eval_model, self.info, error=self._failure,
-                evaluation=self.last_eval, predicted_vs_true=pairs,
-            )  # fmt: skip
+            evaluated: dict[str, Any] = {"evaluation": self.last_eval, "predicted_vs_true": pairs}
+            report = self.run_log.finish(status, self.eval_model, error=self._failure, **evaluated)
         self.console.info(end_summary(self, time.perf_counter() - start, report))
 
     def _run_epoch(self, train_loader: Iterable[Any], epochs: int) -> dict[str, Any]:
@@ -194,8 +393,11 @@ class Trainer(TrainerParts):
         self.watch.check(state, self.world)  # before anything of the epoch is recorded
         guards.check_batches(state.batch_in_epoch)  # (an empty loader: one clear line)
         row: dict[str, Any] = {
-            "kind": "epoch", "epoch": epoch, "step": state.step, "samples": state.samples_seen,
-        }  # fmt: skip
+            "kind": "epoch",
+            "epoch": epoch,
+            "step": state.step,
+            "samples": state.samples_seen,
+        }
         # train_loss (and a train_step's named losses: train_<name>), over every process
         row.update(self.record.train_loss(self.world, self.device))
         row.update(self.validator.row(self))  # val_* (nothing without a validation set)
@@ -246,7 +448,7 @@ class Trainer(TrainerParts):
             if self.validator.every and state.step % self.validator.every == 0:
                 self.validator.mid_epoch(self, state)  # (validate_every_n_steps)
             if self.checkpointer.due_after_step(state.step):
-                self.save_checkpoint()
+                self.checkpointer.save()
         self._stop_if_signalled(signum)
 
     def _window(
@@ -395,10 +597,10 @@ class Trainer(TrainerParts):
             self.state.best_metric = best
             # best/ before the epoch's checkpoint: a kill in between resumes before this
             # epoch, which then writes both again, so they never disagree for good.
-            self.save_checkpoint(best=True)
+            self.checkpointer.save(best=True)
         if self.checkpointer.due_after_epoch(self.state.epoch):
-            self.save_checkpoint()
-        self.run_log.report(self.last_eval, self.info)  # when due: a long run's live view
+            self.checkpointer.save()
+        self.run_log.report(self.last_eval)  # when due: a long run's live view
         self._stop_if_signalled()
 
     def _stop_if_signalled(self, agreed: int | None = None) -> None:
@@ -410,7 +612,7 @@ class Trainer(TrainerParts):
                 agreed if agreed is not None else int(all_reduce(torch.tensor([signum]), "max"))
             )
         if signum:
-            path = self.save_checkpoint()
+            path = self.checkpointer.save()
             raise Preempted(signum, self.state.step, str(path) if path is not None else None)
 
     def _log_step(self, loss: torch.Tensor) -> None:
@@ -418,10 +620,120 @@ class Trainer(TrainerParts):
         value = step_loss(loss, self.world)  # a host sync, only every log_every steps
         self.console.log_step(value, sum(self.record.sizes))
         norm = None if self.last_grad_norm is None else float(self.last_grad_norm)
-        self.run_log.write_step(
-            epoch=self.state.epoch + 1, step=self.state.step, samples=self.state.samples_seen,
-            loss=value, lr=self.optimizer.param_groups[0]["lr"], grad_norm=norm,
-        )  # fmt: skip
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.run_log.write_step(loss=value, lr=lr, grad_norm=norm)
+
+    # ------------------------------------------------------------ around the loop: hooks
+    def check_first_batch(self, inputs: Inputs, target: Any) -> None:
+        """The first-batch guard (:func:`glassloop.guards.check_first_batch`): NaN/inf
+        inputs, labels within the model's outputs. Override it to replace it, or with
+        ``pass`` to switch it off (e.g. for a model that keeps state between steps)."""
+        guards.check_first_batch(
+            unwrap_model(self.model),
+            inputs,
+            target,
+            precision=self.precision,
+            device=self.device,
+            ignore_index=self.ignore_index,
+            task=self.task,
+            own_loss=self.loss_fn is None,
+        )
+
+    # ----------------------------------------------------------------------- checkpoints
+    def stateful(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the weights, by name: objects with ``state_dict()``
+        and ``load_state_dict()`` (``None``: not part of this run). A subclass that keeps
+        state across steps (an RNN's hidden state, a curriculum) adds its own and it is saved
+        and resumed with the rest: ``return {**super().stateful(), "carry": self.carry}``."""
+        loader = self._train_loader
+        return {
+            "loop": self.state,
+            # (FSDP: the weights' and the optimizer's shards, see glassloop.fsdp.ShardedState)
+            "optimizer": self.sharded if self.sharded is not None else self.optimizer,
+            "scheduler": self.scheduler,
+            "scaler": self.scaler if self.scaler.is_enabled() else None,
+            "ema": self.ema,
+            "data": loader if hasattr(loader, "state_dict") else None,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the weights that an exact resume needs (a collective with several
+        processes): :meth:`stateful`, the epoch's losses, callbacks, RNG, the loss-spike
+        guard's window (:meth:`glassloop.checkpointer.Checkpointer.state_dict`)."""
+        self.checkpointer.attach(self.stateful(), loader=self._train_loader)
+        return self.checkpointer.state_dict()
+
+    def python_config(self) -> dict[str, Any]:
+        """What a run built in Python (no config file) records and a resume compares: what
+        it was given (:func:`glassloop.run_log.python_config`) and every option as this
+        Trainer resolved it (its attribute of the same name, where it keeps one)."""
+        options = {name: getattr(self, name, value) for name, value in self.options.items()}
+        options["task"] = self.heads or self.task  # (a task per head: the heads')
+        given = (self.model, self.optimizer, self.loss_fn, self.scheduler, self.scheduler_interval)
+        return python_config(*given, options)
+
+    @property
+    def last_eval(self) -> dict[str, Any] | None:
+        """The last validation's metrics of the first set (what the report shows)."""
+        return self.validator.last
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """One dict per finished epoch (what ``fit`` returns)."""
+        return self.record.history
+
+    # ------------------------------------------------------------------ evaluate, predict
+    @property
+    def eval_model(self) -> nn.Module:
+        """What is evaluated and exported: the EMA of the weights when enabled, else the model."""
+        return evaluated(self.model, self.ema)
+
+    def evaluate(self, loader: Iterable[Any]) -> dict[str, Any]:
+        """The loss (mean over samples) and the task's metrics (:func:`glassloop.evaluate`),
+        plus ``metrics``. Override it to add your own: returned numbers become ``val_*``.
+        In a multi-process FSDP job every process calls it with its shard (a loader with a
+        ``len()``: shards may differ by a batch)."""
+        with autocast(self.precision, self.device):
+            return evaluation.evaluate(
+                self.eval_model,
+                self.console.validation(loader),
+                self.loss_fn,
+                task=self.task,
+                device=self.device,
+                loss_reduction=self.loss_reduction,
+                ignore_index=self.ignore_index,
+                metrics=self.metrics,
+                heads=self.heads,
+                outputs="probabilities" if self.probabilities else "logits",
+            )
+
+    def predict(
+        self,
+        data: torch.Tensor | Iterable[Any],
+        *,
+        batch_size: int = 256,
+        classes: int | None = None,
+    ) -> Any:
+        """What the task means by a prediction (softmax or sigmoid probabilities, or the
+        outputs as they are; :func:`glassloop.predict`), a tensor on the CPU, under inference
+        mode; with a task per head every head's, in a dict by name (a tuple for a model that
+        returns one: :func:`~glassloop.evaluation.predict_heads`; hence ``Any``).
+        In a multi-process FSDP job every process calls it, each with its own data."""
+        with autocast(self.precision, self.device):
+            if self.heads:
+                model, size, device = self.eval_model, batch_size, self.device
+                return evaluation.predict_heads(
+                    model, data, self.heads, batch_size=size, device=device
+                )
+            return evaluation.predict(  # a loss of the user's says nothing: as they are
+                self.eval_model,
+                data,
+                task=tasks.predicted_task(self.task, self.loss_fn, self.last_eval),
+                batch_size=batch_size,
+                device=self.device,
+                classes=classes,
+                probabilities=self.probabilities,
+            )
 
 
-Trainer.__doc__ = (Trainer.__doc__ or "") + described()  # the arguments, one line each
+Trainer.__doc__ = (Trainer.__doc__ or "") + described()  # the options, one entry each

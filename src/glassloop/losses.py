@@ -6,24 +6,11 @@ HuberLoss()
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
 from glassloop.errors import ConfigError
-
-
-@dataclass
-class LossConfig:
-    """The loss by name (``"mean"`` reduction); its options apply where the loss has them.
-    ``train.ignore_index`` is the label cross_entropy and nll leave out."""
-
-    name: str = "cross_entropy"  # nll, bce_with_logits, mse, l1, huber, smooth_l1
-    label_smoothing: float = 0.0  # cross_entropy
-    pos_weight: list[float] = field(default_factory=list)  # bce_with_logits: one per label
-    delta: float = 1.0  # huber
-    beta: float = 1.0  # smooth_l1
+from glassloop.loss_options import LossConfig as LossConfig  # (re-exported: its old home)
 
 
 def build_loss(cfg: LossConfig, *, num_outputs: int, ignore_index: int = -100) -> nn.Module:

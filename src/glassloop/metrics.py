@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from glassloop.best import is_number as is_number  # (used here and by the CLI)
 from glassloop.errors import DataError
 
 # Above this many classes (a language model's vocabulary) no C x C confusion matrix is kept
@@ -265,8 +266,3 @@ def format_report(
     lines += ["", f"{'accuracy':>{width}} {'':>9} {'':>9} {accuracy:>9.4f} {total:>9d}"]
     lines += [row("macro avg", report["macro avg"]), row("weighted avg", report["weighted avg"])]
     return "\n".join(lines)
-
-
-def is_number(value: Any) -> bool:
-    """A metric value: an int or float, not a bool (a row also holds strings and lists)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

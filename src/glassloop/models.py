@@ -7,7 +7,6 @@ import importlib.util
 import inspect
 import math
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,31 +15,9 @@ from torch import nn
 
 from glassloop.errors import ModelError
 
-
-@dataclass
-class ModelConfig:
-    """``name="mlp"`` (``hidden``, ``dropout``), ``name="text-classifier"`` (``embed_dim``,
-    ``encoder``, ``num_layers``, ``num_heads``, ``dropout``), or ``target="pkg.module:Class"``
-    / ``"path/to/file.py:Class"`` with ``kwargs`` for your own model."""
-
-    name: str = "mlp"
-    hidden: list[int] = field(default_factory=lambda: [512, 512])
-    dropout: float = 0.0
-    target: str = ""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    # text-classifier: embedding + encoder ("gru" or "transformer") + masked mean pooling
-    embed_dim: int = 64
-    encoder: str = "gru"
-    num_layers: int = 1
-    num_heads: int = 4
-
-
-# The [model] keys each built-in model reads (model.kwargs is for a model.target class).
-BUILT_IN_KEYS = {
-    "mlp": ("hidden", "dropout"),
-    "cnn": ("dropout",),
-    "text-classifier": ("embed_dim", "encoder", "num_layers", "num_heads", "dropout"),
-}
+# (BUILT_IN_KEYS and ModelConfig re-exported: their old home)
+from glassloop.model_options import BUILT_IN_KEYS as BUILT_IN_KEYS
+from glassloop.model_options import ModelConfig as ModelConfig
 
 
 def mlp(
@@ -75,10 +52,18 @@ def cnn(input_shape: tuple[int, ...], num_classes: int, dropout: float = 0.25) -
     channels, height, width = input_shape
     flat = 64 * ((height - 4) // 2) * ((width - 4) // 2)
     return nn.Sequential(
-        nn.Conv2d(channels, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Dropout(dropout), nn.Flatten(), nn.Linear(flat, 128), nn.ReLU(),
-        nn.Dropout(2 * dropout), nn.Linear(128, num_classes),
-    )  # fmt: skip
+        nn.Conv2d(channels, 32, 3),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Dropout(dropout),
+        nn.Flatten(),
+        nn.Linear(flat, 128),
+        nn.ReLU(),
+        nn.Dropout(2 * dropout),
+        nn.Linear(128, num_classes),
+    )
 
 
 class TextClassifier(nn.Module):
@@ -112,9 +97,12 @@ class TextClassifier(nn.Module):
             self.encoder = nn.GRU(embed_dim, embed_dim, num_layers=num_layers, batch_first=True)
         else:
             layer = nn.TransformerEncoderLayer(
-                embed_dim, num_heads, dim_feedforward=4 * embed_dim, dropout=dropout,
+                embed_dim,
+                num_heads,
+                dim_feedforward=4 * embed_dim,
+                dropout=dropout,
                 batch_first=True,
-            )  # fmt: skip
+            )
             self.encoder = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(embed_dim, num_classes)
@@ -275,10 +263,15 @@ def _build(
                     "model: 'text-classifier' needs text data (data.name = 'text-csv')"
                 )
             return TextClassifier(
-                vocab_size, num_classes, embed_dim=cfg.embed_dim, encoder=cfg.encoder,
-                num_layers=cfg.num_layers, num_heads=cfg.num_heads, dropout=cfg.dropout,
+                vocab_size,
+                num_classes,
+                embed_dim=cfg.embed_dim,
+                encoder=cfg.encoder,
+                num_layers=cfg.num_layers,
+                num_heads=cfg.num_heads,
+                dropout=cfg.dropout,
                 pad_id=pad_id,
-            )  # fmt: skip
+            )
     except (RuntimeError, MemoryError, AssertionError) as err:  # torch's checks, memory
         raise ModelError(
             f"model: '{cfg.name}' could not be built for inputs {input_shape} and "

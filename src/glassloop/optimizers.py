@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 from torch import nn
 
 from glassloop.errors import ConfigError
+
+# (OptimConfig and SchedulerConfig re-exported: their old home)
+from glassloop.optim_options import OptimConfig as OptimConfig
+from glassloop.optim_options import SchedulerConfig as SchedulerConfig
 from glassloop.schedules import warmup_cosine
 from glassloop.validation import (
     AT_LEAST_0,
@@ -23,29 +26,6 @@ from glassloop.validation import (
     suggest,
     unknown_key,
 )
-
-
-@dataclass
-class OptimConfig:
-    """Any ``torch.optim`` class by name; other keys are its keyword arguments."""
-
-    name: str = "AdamW"
-    lr: float = 1e-3
-    no_decay_bias_norm: bool = False  # biases and norm weights (1-D params) get weight_decay 0
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class SchedulerConfig:
-    """Any ``torch.optim.lr_scheduler`` class by name (``"none"`` for none); other keys are
-    its keyword arguments. ``CosineAnnealingLR`` without ``T_max`` spans the whole run.
-    ``"warmup_cosine"`` (built in, per optimizer step): linear warmup over ``warmup_steps``,
-    then cosine down to ``min_lr_ratio`` x lr at the end of the run."""
-
-    name: str = "CosineAnnealingLR"
-    interval: str = "epoch"
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
 
 # Optimizer arguments that choose a kernel, not the mathematics; not recorded as defaults.
 IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
@@ -270,7 +250,7 @@ def needs_closure(optimizer: Any) -> bool:
 
 def closure_step(
     optimizer: Any, *, precision: str, clipping: bool, nonfinite: str, processes: int
-) -> bool:  # fmt: skip
+) -> bool:
     """Whether ``optimizer`` steps with a closure (:func:`needs_closure`), checked against
     what such a step (LBFGS: it calls forward, loss and backward itself, several times)
     supports, each refusal in one line. Gradient accumulation is defined: each evaluation
@@ -278,15 +258,27 @@ def closure_step(
     if not needs_closure(optimizer):
         return False
     refused = [
-        (precision == "fp16", "train.precision = 'fp16' (GradScaler cannot scale a closure's "
-         "losses; use 'bf16' or '32')"),
-        (clipping, "gradient clipping (it would change the gradients the optimizer's own line "
-         "search and curvature estimates rely on)"),
-        (nonfinite != "raise", f"train.nonfinite = {nonfinite!r} (the optimizer steps inside "
-         "its own iterations; 'raise' notices a NaN from the losses it returns)"),
-        (processes > 1, "several processes (each would decide its iterations on its own loss "
-         "and wait for the others in a different place)"),
-    ]  # fmt: skip
+        (
+            precision == "fp16",
+            "train.precision = 'fp16' (GradScaler cannot scale a closure's losses; use 'bf16' "
+            "or '32')",
+        ),
+        (
+            clipping,
+            "gradient clipping (it would change the gradients the optimizer's own line search "
+            "and curvature estimates rely on)",
+        ),
+        (
+            nonfinite != "raise",
+            f"train.nonfinite = {nonfinite!r} (the optimizer steps inside its own iterations; "
+            "'raise' notices a NaN from the losses it returns)",
+        ),
+        (
+            processes > 1,
+            "several processes (each would decide its iterations on its own loss and wait for "
+            "the others in a different place)",
+        ),
+    ]
     for refuse, what in refused:
         if refuse:
             raise ConfigError(

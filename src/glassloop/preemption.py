@@ -11,10 +11,14 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Every signal a run may be told to stop on (``train.stop_signals``): what loader workers
+# ignore, so that one sent to the whole process group reaches the main process alone.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+DEFAULT = ("TERM", "INT")
 
 
 class Preempted(Exception):
@@ -34,12 +38,14 @@ class Preempted(Exception):
 
 
 class StopSignals:
-    """Context manager that turns the first SIGTERM/SIGINT into ``self.received``.
+    """Context manager that turns the first of ``names`` (default SIGTERM, SIGINT) into
+    ``self.received``.
 
     Outside the main thread (where handlers cannot be installed) it does nothing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, names: Sequence[str] = DEFAULT) -> None:
+        self.signals = [signal.Signals[f"SIG{name}"] for name in names]
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
@@ -50,7 +56,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
+            for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

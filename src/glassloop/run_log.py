@@ -13,9 +13,8 @@ import contextlib
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,19 +26,20 @@ from glassloop.checkpoint import (
     CHECKPOINTS,
     LATEST,
     STEP_DIR,
-    CheckpointError,
-    CheckpointWriteError,
     clean_temporaries,
+    require_run_dir,
 )
 from glassloop.distributed import SINGLE, World, unwrap_model
-from glassloop.errors import GlassloopError, write_failure
+from glassloop.errors import CheckpointError, GlassloopError, write_failure
 from glassloop.file_names import check_key
+from glassloop.options import RunInfo as RunInfo  # (re-exported: its old home)
+from glassloop.options import TrackingConfig
 from glassloop.run_lock import RunLock
 from glassloop.runs import read_json_object
 from glassloop.serialization import behaviour_digest, stable_repr, write_json
 from glassloop.sinks import CSVSink, JSONLSink, TensorBoardSink, truncate_rows
 from glassloop.state import TrainState
-from glassloop.tracking import Tracker, TrackingConfig, make_tracker
+from glassloop.tracking import Tracker, make_tracker
 from glassloop.weights import save_weights, weights_metadata
 
 CSV_FIELDS = [
@@ -48,19 +48,6 @@ CSV_FIELDS = [
 ]  # fmt: skip
 Sink = CSVSink | JSONLSink | TensorBoardSink
 REPORT_EVERY_S = 60.0  # how often a running run's report/ is refreshed (plots take ~0.5 s)
-
-
-@dataclass
-class RunInfo:
-    """What a run records about itself in run.json and every checkpoint's meta.json: its
-    ``config`` (compared on resume; ``None``: the Trainer's own arguments are recorded, see
-    :func:`python_config`), the ``model_spec`` that rebuilds the model from its weights file
-    alone (:func:`glassloop.load_model`), and the versions that ran it (filled in by
-    ``fit``)."""
-
-    config: dict[str, Any] | None = None
-    model_spec: dict[str, Any] | None = None
-    versions: dict[str, Any] = field(default_factory=dict)
 
 
 class RunLog:
@@ -73,8 +60,13 @@ class RunLog:
         world: World = SINGLE,
         tensorboard: bool = False,
         tracking: TrackingConfig | None = None,
+        state: TrainState | None = None,
+        info: RunInfo | None = None,
     ) -> None:
         self.run_dir = run_dir
+        # Handed once: where the loop stands and what the run records (filled in by fit).
+        self.state = state if state is not None else TrainState()
+        self.info = info if info is not None else RunInfo()
         self.active = run_dir is not None and world.is_main
         self.tensorboard = tensorboard
         self.tracking = tracking
@@ -107,13 +99,14 @@ class RunLog:
         finally:
             lock.release()
 
-    def start(self, state: TrainState, *, has_val: bool, info: RunInfo) -> None:
+    def start(self, *, has_val: bool) -> None:
         """Write config.json and run.json ("running") and open the metric files; a resumed
         run (``state.step`` > 0) keeps its rows up to that step (epoch rows up to the epochs
         it finished) and appends."""
         if not self.active:
             return
         assert self.run_dir is not None
+        state, info = self.state, self.info
         step, epoch, config = state.step, state.epoch, info.config or {}
         fields = list(CSV_FIELDS)
         if has_val:
@@ -167,17 +160,11 @@ class RunLog:
             where = where.with_name(ours.group(1))
         return write_failure(where, err, safe="the checkpoints written so far are intact")
 
-    def write_step(
-        self,
-        *,
-        epoch: int,
-        step: int,
-        samples: int,
-        loss: float,
-        lr: float,
-        grad_norm: float | None,
-    ) -> None:
-        """A ``"kind": "step"`` row, with the samples per second since the previous one."""
+    def write_step(self, *, loss: float, lr: float, grad_norm: float | None) -> None:
+        """A ``"kind": "step"`` row of where the run stands, with the samples per second
+        since the previous one."""
+        state = self.state
+        epoch, step, samples = state.epoch + 1, state.step, state.samples_seen
         now = time.perf_counter()
         last_time, last_samples = self._last_step
         self._last_step = (now, samples)
@@ -191,7 +178,7 @@ class RunLog:
         return time.monotonic() - self._last_report >= REPORT_EVERY_S
 
     def report(
-        self, evaluation: dict[str, Any] | None, info: RunInfo, *, predicted_vs_true: Any = None,
+        self, evaluation: dict[str, Any] | None, *, predicted_vs_true: Any = None,
         final: bool = False,
     ) -> Path | None:  # fmt: skip
         """``RUN_DIR/report/`` (:func:`glassloop.report.write_report`) from the metrics and
@@ -202,7 +189,7 @@ class RunLog:
         the global RNG, which must not depend on when a refresh fell due)."""
         if not self.active or (not final and not self.report_due()):
             return None
-        class_names = (info.model_spec or {}).get("class_names")
+        class_names = (self.info.model_spec or {}).get("class_names")
         self._last_report = time.monotonic()
         from glassloop.report import write_report
 
@@ -215,17 +202,8 @@ class RunLog:
         except OSError as err:
             raise self.failure(err) from err
 
-    def check_exists(self) -> None:
-        """Refuse to write into a run directory that disappeared during the run (never
-        recreate it half-empty, without its config and metrics)."""
-        if self.active and self.run_dir is not None and not self.run_dir.is_dir():
-            raise CheckpointWriteError(
-                f"checkpoint: the run directory '{self.run_dir}' disappeared during the run "
-                "(deleted or unmounted?); not recreating it without its config and metrics"
-            )
-
     def finish(
-        self, status: str, state: TrainState, model: nn.Module, info: RunInfo, *,
+        self, status: str, model: nn.Module, *,
         error: str | None = None, evaluation: dict[str, Any] | None = None,
         predicted_vs_true: Any = None,
     ) -> Path | None:  # fmt: skip
@@ -246,18 +224,17 @@ class RunLog:
         if not self.active:
             return None
         written = None
-        status_info = _status_info(state, info)
+        status_info = self._status_info()
         if error is not None and status == "failed":
             status_info["error"] = error
+        assert self.run_dir is not None  # (active: it has one)
         try:
-            self.check_exists()
+            require_run_dir(self.run_dir)
             if status == "finished":
-                self.write_weights(weights, info.model_spec)
+                self.write_weights(weights, self.info.model_spec)
             self.write_status(status, status_info)
             if status == "finished":
-                written = self.report(
-                    evaluation, info, predicted_vs_true=predicted_vs_true, final=True
-                )
+                written = self.report(evaluation, predicted_vs_true=predicted_vs_true, final=True)
             if self._tracker is not None:
                 assert self.run_dir is not None  # a tracker exists only with a run directory
                 files = sorted((self.run_dir / "report").glob("*"))
@@ -271,6 +248,10 @@ class RunLog:
             print(f"warning: {failure}")
         return written
 
+    def _status_info(self) -> dict[str, Any]:
+        """What run.json says besides the status: where the run stands, what ran it."""
+        return {"step": self.state.step, "epoch": self.state.epoch, **self.info.versions}
+
     def write_weights(
         self, model: nn.Module | dict[str, torch.Tensor], model_spec: dict[str, Any] | None
     ) -> None:
@@ -282,36 +263,30 @@ class RunLog:
         times = {"started": self._started, "ended": _now()} if self._started else {}
         write_json(self.run_dir / "run.json", {"status": status, **times, **info})
 
-    def finish_again(self, state: TrainState, model: nn.Module, info: RunInfo, epochs: int) -> str:
+    def finish_again(self, model: nn.Module, epochs: int) -> str:
         """Resuming a finished run: write the final files a kill left out (finishing is
         idempotent); what to say about it. ``model`` as for :meth:`finish` (a collective when
         sharded)."""
         weights = final_weights(model)
-        missing = self._write_missing(state, weights, info) if self.active else []
+        state = self.state
+        missing = self._write_missing(weights) if self.active else []
         why = "stopped early" if state.stopped else "already finished"
         done = f"; wrote what its end left out: {', '.join(missing)}" if missing else ""
         return f"run {why} at step {state.step} (epoch {state.epoch}/{epochs}); nothing to do{done}"
 
-    def _write_missing(
-        self, state: TrainState, weights: nn.Module | dict[str, torch.Tensor], info: RunInfo
-    ) -> list[str]:
+    def _write_missing(self, weights: nn.Module | dict[str, torch.Tensor]) -> list[str]:
         assert self.run_dir is not None
         missing = []
         try:
             if not (self.run_dir / "model.safetensors").is_file():
-                self.write_weights(weights, info.model_spec)
+                self.write_weights(weights, self.info.model_spec)
                 missing.append("model.safetensors")
             if _status(self.run_dir) != "finished":
-                self.write_status("finished", _status_info(state, info))
+                self.write_status("finished", self._status_info())
                 missing.append("run.json")
         except OSError as err:
             raise self.failure(err) from err
         return missing
-
-
-def _status_info(state: TrainState, info: RunInfo) -> dict[str, Any]:
-    """What run.json says besides the status: where the run stands, what ran it."""
-    return {"step": state.step, "epoch": state.epoch, **info.versions}
 
 
 def final_weights(model: nn.Module) -> nn.Module | dict[str, torch.Tensor]:
@@ -360,55 +335,32 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-class Configured(Protocol):
-    """What :func:`python_config` reads of a trainer."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    loss_fn: Any
-    task: str
-    heads: dict[str, str] | None
-    scheduler: Any
-    scheduler_interval: str
-    precision: str
-    grad_accum_steps: int
-    limit_batches: int
-    loss_weighting: str
-    loss_reduction: str
-    clip_grad_norm: float | None
-    clip_grad_value: float | None
-    ema_decay: float | None
-    device: torch.device
-
-
-def python_config(trainer: Configured) -> dict[str, Any]:
-    """The configuration of a run built in Python (no config file): what a resume compares."""
-    return {
-        "model": fsdp.class_name(unwrap_model(trainer.model)),
-        "num_parameters": sum(p.numel() for p in trainer.model.parameters()),
-        "optimizer": type(trainer.optimizer).__name__,
-        "optimizer_defaults": {
-            k: _jsonable(v) for k, v in sorted(trainer.optimizer.defaults.items())
-        },
-        "loss_fn": stable_repr(trainer.loss_fn),
+def python_config(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Any,
+    scheduler: Any,
+    scheduler_interval: str,
+    options: dict[str, Any],
+) -> dict[str, Any]:
+    """The configuration of a run built in Python (no config file), what a resume compares:
+    the model, optimizer, loss and scheduler it was given, described, and its ``options``
+    (every option of :class:`glassloop.options.TrainOptions`, as the Trainer resolved it)."""
+    recorded = {
+        "model": fsdp.class_name(unwrap_model(model)),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "optimizer": type(optimizer).__name__,
+        "optimizer_defaults": {k: _jsonable(v) for k, v in sorted(optimizer.defaults.items())},
+        "loss_fn": stable_repr(loss_fn),
         # (a loss of the user's, edited between runs under the same name: its source's
         # digest differs, and a resume says so as for any config change)
-        **_digest("loss_fn_source_sha256", trainer.loss_fn),
-        "task": trainer.heads or trainer.task,  # (a task per head: the heads')
-        "scheduler": type(trainer.scheduler).__name__ if trainer.scheduler is not None else None,
-        "scheduler_interval": trainer.scheduler_interval,
-        "precision": trainer.precision,
-        "grad_accum_steps": trainer.grad_accum_steps,
-        "limit_batches": trainer.limit_batches,
-        "loss_weighting": trainer.loss_weighting,
-        # (only when it sums: runs written before the setting existed compare unchanged)
-        **({"loss_reduction": "sum"} if trainer.loss_reduction == "sum" else {}),
-        "clip_grad_norm": trainer.clip_grad_norm,
-        "clip_grad_value": trainer.clip_grad_value,
-        "ema_decay": trainer.ema_decay,
-        "compile": trainer.model is not unwrap_model(trainer.model),
-        "device": str(trainer.device),
+        **_digest("loss_fn_source_sha256", loss_fn),
+        "scheduler": type(scheduler).__name__ if scheduler is not None else None,
+        "scheduler_interval": scheduler_interval,
+        # whether the model runs compiled (the option itself may change on a resume)
+        "compile": model is not unwrap_model(model),
     }
+    return {**{name: _jsonable(value) for name, value in options.items()}, **recorded}
 
 
 def _digest(key: str, value: Any) -> dict[str, str]:
@@ -423,4 +375,8 @@ def _jsonable(value: Any) -> Any:
         return value
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, torch.device):
+        return str(value)
     return stable_repr(value)

@@ -11,7 +11,6 @@ import torch
 
 from glassloop.distributed import World, all_reduce
 from glassloop.errors import GlassloopError
-from glassloop.rng import check_rng_state
 
 
 @dataclass
@@ -166,45 +165,3 @@ def step_loss(loss: torch.Tensor, world: World) -> float:
     if not world.distributed:
         return loss.item()
     return float(all_reduce(loss.detach().float().cpu().reshape(1))) / world.size
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-class MalformedState(ValueError):
-    """A field of meta.json or the training state that cannot be right."""
-
-
-def check_training_state(meta: Any, state: Any) -> None:
-    """Refuse numbers that cannot be right before any of them is used: counters that are not
-    non-negative integers, a world size that is not a positive integer, RNG states that the
-    generators would reject (tried on throwaway generators)."""
-    if not isinstance(meta, dict) or not isinstance(state, dict):
-        raise MalformedState("meta.json and state.json must hold tables")
-    for key in ("step", "epoch", "batch_in_epoch", "world_size"):
-        if key in meta or key in ("step", "epoch"):
-            minimum = 1 if key == "world_size" else 0
-            if not _count(meta.get(key)) or meta[key] < minimum:
-                raise MalformedState(f"meta.json {key} = {meta.get(key)!r}")
-    if not isinstance(meta.get("finished", False), bool):
-        raise MalformedState(f"meta.json finished = {meta['finished']!r}")
-    loop = state["loop"]
-    for key in ("step", "epoch", "batch_in_epoch", "samples_seen"):
-        if not _count(loop[key]):
-            raise MalformedState(f"loop.{key} = {loop[key]!r}")
-    if loop["step"] != meta["step"]:
-        raise MalformedState(f"loop.step {loop['step']} != meta.json step {meta['step']}")
-    best = loop.get("best_metric")
-    if best is not None and not isinstance(best, (int, float)):
-        raise MalformedState(f"loop.best_metric = {best!r}")
-    ranks = state.get("rng_per_rank")
-    for rng in [state["rng"], *(ranks or [])]:
-        check_rng_state(rng)
-    if ranks is not None and len(ranks) != meta.get("world_size", 1):
-        raise MalformedState(f"{len(ranks)} RNG states for world_size {meta.get('world_size')}")
-    data = state.get("data")
-    if data is not None and not isinstance(data, dict):
-        raise MalformedState("data position is not a table")
-    if not isinstance(state.get("history", []), list):
-        raise MalformedState("history is not a list")

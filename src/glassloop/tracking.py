@@ -30,26 +30,15 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from glassloop.atomic import atomic_path
 from glassloop.errors import ConfigError
+from glassloop.options import TrackingConfig as TrackingConfig  # (re-exported: its old home)
 from glassloop.redaction import redact, redacted_output
 from glassloop.runs import read_json_object
 from glassloop.serialization import dotted
-
-
-@dataclass
-class TrackingConfig:
-    """Where a run is tracked (``[tracking]`` in a config; ``backend = ""``: nowhere)."""
-
-    backend: str = ""  # "" (off), "mlflow" or "wandb"
-    uri: str = ""  # MLflow: the tracking URI ("": sqlite:///mlflow.db here); W&B: the server
-    experiment: str = "glassloop"  # the MLflow experiment, the W&B project
-    run_name: str = ""  # "": the run directory's name
-    tags: dict[str, Any] = field(default_factory=dict)
 
 
 class Tracker:

@@ -66,22 +66,16 @@ AT_LEAST_0, AT_LEAST_1 = Range(0), Range(1)
 FRACTION = Range(0.0, 1.0, open_high=True)
 
 
-# The Trainer's options with a rule beyond their type. Trainer checks its arguments and the
-# config reader its [train] keys (and scheduler.interval) against this one table.
-TRAINER_RULES: dict[str, Range | tuple[str, ...]] = {
-    "log_every": AT_LEAST_1,
-    "grad_accum_steps": AT_LEAST_1,
-    "clip_grad_norm": AT_LEAST_0,
-    "clip_grad_value": AT_LEAST_0,
-    "max_nonfinite_skips": AT_LEAST_1,
-    "loss_spike": AT_LEAST_0,
-    "ema_decay": FRACTION,
-    "validate_every_n_steps": AT_LEAST_0,
-    "limit_batches": AT_LEAST_0,
-    "scheduler_interval": ("epoch", "step"),
-    "loss_weighting": ("samples", "tokens"),
-    "precision": ("32", "bf16", "fp16"),
-}
+@dataclass(frozen=True)
+class OffOr(Range):
+    """0 (off), or a value in the range (``loss_spike``: at 1 or below, any loss above the
+    recent median would stop a run, a falling one included)."""
+
+    def __contains__(self, value: float) -> bool:
+        return value == 0 or super().__contains__(value)
+
+    def __str__(self) -> str:
+        return f"0 (off) or {'over' if self.open_low else 'at least'} {_shown(self.low)}"
 
 
 def check_range(key: str, value: Any, accepted: Range, *, where: str = "config") -> None:
@@ -93,23 +87,13 @@ def check_range(key: str, value: Any, accepted: Range, *, where: str = "config")
 
 
 def check_choice(key: str, value: Any, choices: tuple[Any, ...], *, where: str = "config") -> None:
-    """Raise ConfigError unless ``value`` is one of ``choices``."""
-    if value not in choices:
-        raise ConfigError(
-            f"{where}: {key} must be one of {', '.join(map(str, choices))}; got {value!r}"
-        )
-
-
-def check_trainer_options(options: dict[str, Any]) -> None:
-    """Check the Trainer's arguments (``None``: unset) against :data:`TRAINER_RULES`."""
-    for name, value in options.items():
-        rule = TRAINER_RULES[name]
-        if value is None:
-            continue
-        if isinstance(rule, Range):
-            check_range(name, value, rule, where="Trainer")
-        else:
-            check_choice(name, value, rule, where="Trainer")
+    """Raise ConfigError unless ``value`` (or each item of a list) is one of ``choices``."""
+    for i, item in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+        if item not in choices:
+            name = f"{key}[{i}]" if isinstance(value, (list, tuple)) else key
+            raise ConfigError(
+                f"{where}: {name} must be one of {', '.join(map(str, choices))}; got {item!r}"
+            )
 
 
 def check_type(key: str, value: Any, hint: Any) -> Any:

@@ -15,11 +15,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from glassloop.best import is_number
 from glassloop.callbacks import Callback
 from glassloop.distributed import World
 from glassloop.evaluation import first_batches, gathered_outputs
 from glassloop.file_names import check_name
-from glassloop.metrics import is_number
 from glassloop.state import TrainState
 
 # What fit validates on: one loader, or several by name ({"in": a, "ood": b}).

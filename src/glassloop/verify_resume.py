@@ -27,7 +27,7 @@ import torch
 from glassloop.callbacks import AnyTrainer, Callback
 from glassloop.checkpoint import latest_pointer, read_checkpoint
 from glassloop.errors import CheckpointError
-from glassloop.preemption import STOP_SIGNALS, die_with_parent
+from glassloop.preemption import die_with_parent
 from glassloop.serialization import flatten
 from glassloop.throughput import TIMING
 from glassloop.weights import read_safetensors
@@ -104,7 +104,7 @@ class TrainingRuns:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> TrainingRuns:
-        for sig in STOP_SIGNALS:
+        for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._forward)
         return self
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from glassloop import Config, ConfigError, load_config
 from glassloop.config import from_dict, to_dict
+from glassloop.optim_options import DEFAULT_OPTIM_KWARGS
 
 
 def test_defaults_are_the_demo_run() -> None:
@@ -31,6 +34,35 @@ def test_toml_file_and_overrides(tmp_path: Path) -> None:
     assert cfg.scheduler.kwargs == {"step_size": 2}
     assert cfg.data.name == "digits"
     assert cfg.model.hidden == [16, 8]
+
+
+def test_the_default_optimizer_is_recorded_as_torch_declares_it() -> None:
+    """The default [optim] and [scheduler] are resolved without torch: to the arguments,
+    in the order, that torch's signatures give."""
+    from glassloop.optimizers import optimizer_kwargs, scheduler_kwargs
+
+    assert list(optimizer_kwargs("AdamW", {}).items()) == list(DEFAULT_OPTIM_KWARGS.items())
+    assert scheduler_kwargs("CosineAnnealingLR", {}) == {}
+    through_torch = load_config(None, ["optim.eps=1e-8", "scheduler.name=CosineAnnealingLR"])
+    assert list(to_dict(load_config(None))["optim"].items()) == list(
+        to_dict(through_torch)["optim"].items()
+    )
+
+
+def test_reading_a_config_imports_no_torch() -> None:
+    """``glassloop config`` answers at once: torch (~1.7 s to import) is imported only to check
+    an optimizer's or a scheduler's arguments."""
+    probe = (
+        "import sys\n"
+        "from glassloop.cli.main import main\n"
+        "main(['config'])\n"
+        "main(['config', '--set', 'data.name=digits', '--set', 'model.hidden=[8]'])\n"
+        "print('TORCH', 'torch' in sys.modules, file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "TORCH False" in done.stderr, done.stderr
 
 
 def test_resolved_config_round_trips() -> None:

@@ -1,63 +1,178 @@
-"""The Trainer's arguments: each one described in its docstring, the config's keys passed to
-it without drift, and the names replaced in 0.2 still working (with a warning)."""
+"""The Trainer's arguments and the one table of its options (glassloop.options): every keyword
+described, the signature and the table agreeing, the config's [train] keys passed without
+drift, every option compared on the resume of a run built in Python, and the names replaced
+in 0.2 still working (with a warning)."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
+import subprocess
+import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from glassloop import Trainer
-from glassloop.arguments import ARGUMENTS as TABLE
-from glassloop.assemble import trainer_options
+from glassloop.assemble import BUILT_HERE, trainer_options
 from glassloop.config import Config, TrainConfig
 from glassloop.guards import NonFinitePolicy
+from glassloop.options import ARGUMENTS, TrainOptions, docs, resume_safe
 from glassloop.run_log import RunInfo
 
-ARGUMENTS = [
-    name
+SIGNATURE = {
+    name: p
     for name, p in inspect.signature(Trainer.__init__).parameters.items()
     if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
-]
+}
+OPTIONS = {f.name: f for f in dataclasses.fields(TrainOptions)}
 # [train] keys that are not Trainer arguments of the same name, and where they go instead.
 NOT_ARGUMENTS = {
-    "epochs": "fit(epochs=)", "seed": "seeded before the model is built", "device": "build()",
-    "task": "build() (resolved with the loss)", "dist_timeout_s": "the process group",
-    "max_nonfinite_skips": "nonfinite's NonFinitePolicy", "compile_mode": "compile's mapping",
+    "epochs": "fit(epochs=)",
+    "dist_timeout_s": "the process group",
+    "max_nonfinite_skips": "nonfinite's NonFinitePolicy",
+    "compile_mode": "compile's mapping",
     "compile_dynamic": "compile's mapping",
-}  # fmt: skip
+}
 
 
-def test_every_argument_is_described_in_the_docstring() -> None:
-    """help(Trainer) is enough to use it: each argument is named (``name``) in the class
-    docstring."""
+def test_every_argument_is_an_option_of_the_table_or_an_object_described_beside_it() -> None:
+    """A keyword is either a field of TrainOptions (its description under it, in the source
+    where editors show it) or one of the objects glassloop.options.ARGUMENTS describes; help
+    (Trainer) shows every one of them."""
+    assert set(SIGNATURE) == set(OPTIONS) | set(ARGUMENTS), set(SIGNATURE) ^ (
+        set(OPTIONS) | set(ARGUMENTS)
+    )
+    assert not set(OPTIONS) & set(ARGUMENTS)
+    described = docs()
+    assert [name for name in OPTIONS if not described.get(name)] == []
     doc = Trainer.__doc__ or ""
-    assert [name for name in ARGUMENTS if f"``{name}``" not in doc] == []
-    # (the lines come from glassloop.arguments' table: one per argument, none left over)
-    table = [name for group in TABLE.values() for name in group]
-    assert sorted(table) == sorted(ARGUMENTS)
+    assert [name for name in SIGNATURE if f"``{name}``" not in doc] == []
 
 
-def test_the_config_passes_every_train_key_that_is_an_argument() -> None:
-    """trainer_options(cfg) and the Trainer's signature agree: a [train] key added to one
-    and not the other fails here."""
-    options = trainer_options(Config())
-    assert set(options) <= set(ARGUMENTS), set(options) - set(ARGUMENTS)
-    for field in dataclasses.fields(TrainConfig):
-        if field.name in NOT_ARGUMENTS:
-            assert field.name not in options
+def test_the_signature_and_the_table_agree_on_every_default() -> None:
+    """Python's ``None``/``()`` stand for the table's off value (0, an empty list); the one
+    difference in meaning is ``seed``: the Trainer seeds only when given one."""
+    for name, field in OPTIONS.items():
+        table = (
+            field.default
+            if field.default_factory is dataclasses.MISSING
+            else field.default_factory()
+        )  # type: ignore[misc]
+        default = SIGNATURE[name].default
+        if default is None or default == ():
+            assert not table or name == "seed", name
         else:
-            assert field.name in options, f"[train] {field.name} does not reach the Trainer"
+            assert default == table or list(default) == table, (name, default, table)
+
+
+def test_the_config_passes_every_option_and_reads_it_from_the_table() -> None:
+    """[train] is the table plus the keys build() reads itself; trainer_options(cfg) hands
+    the Trainer every option but those build() passes itself."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert names == set(OPTIONS) | set(NOT_ARGUMENTS)
+    options = trainer_options(Config())
+    assert set(options) <= set(SIGNATURE), set(options) - set(SIGNATURE)
+    assert set(OPTIONS) - BUILT_HERE <= set(options)
+    assert not set(NOT_ARGUMENTS) & set(options)
+
+
+def test_a_new_option_is_checked_and_recorded_from_the_table_alone() -> None:
+    """stop_signals was added in two places (the table and the signature): the Trainer checks
+    it, a config checks it, and a run built in Python records it."""
+    from glassloop.config import from_dict
+    from glassloop.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^Trainer: stop_signals\[1\] must be one of TERM, INT"):
+        make(stop_signals=["TERM", "KILL"])
+    with pytest.raises(ConfigError, match=r"^config: train.stop_signals\[0\] must be one of"):
+        from_dict({"train": {"stop_signals": ["STOP"]}})
+    assert from_dict({"train": {"stop_signals": ["USR1"]}}).train.stop_signals == ["USR1"]
+    recorded = make(stop_signals=["USR1"]).python_config()
+    assert recorded["stop_signals"] == ["USR1"]
+    assert set(OPTIONS) <= set(recorded)
+    assert "stop_signals" in resume_safe(TrainOptions)
 
 
 def make(**kwargs: object) -> Trainer:
     model = nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return Trainer(model, optimizer, nn.CrossEntropyLoss(), device="cpu", progress="none", **kwargs)  # type: ignore[arg-type]
+
+
+# A run built in Python, trained one epoch, then resumed in a new process with one option
+# changed: a config run compares these keys, and now a run built in Python does too.
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from torch import nn
+    from glassloop import Trainer
+    run, options = sys.argv[1], json.loads(sys.argv[2])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                      device="cpu", progress="none", run_dir=run, **options)
+    trainer.fit(loader, loader, epochs=int(sys.argv[3]), resume="auto")
+    """
+)
+
+CHANGED = {
+    "ignore_index": 3,
+    "nonfinite": "skip",
+    "validate_every_n_steps": 2,
+    "seed": 7,
+    "deterministic": "warn",
+    "metrics": ["top2_accuracy"],
+    "loss_spike": 10.0,
+    "activation_checkpointing": ["Linear"],
+    "strategy": "ddp",
+}
+
+
+def run_script(
+    run: Path, options: dict[str, object], epochs: int
+) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-c", SCRIPT, str(run), json.dumps(options), str(epochs)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def first_epoch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("python-run") / "run"
+    done = run_script(run, {}, 1)
+    assert done.returncode == 0, done.stderr
+    return run
+
+
+@pytest.mark.parametrize("name", list(CHANGED))
+def test_a_python_run_compares_every_option_on_resume(
+    first_epoch: Path, tmp_path: Path, name: str
+) -> None:
+    """The nine options a run built in Python used to leave out of its resume check."""
+    run = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(first_epoch), str(run)], check=True)
+    done = run_script(run, {name: CHANGED[name]}, 2)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert "was made with a different config" in last and f"{name}: " in last, last
+
+
+def test_a_python_run_resumes_with_a_resume_safe_option_changed(
+    first_epoch: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(first_epoch), str(run)], check=True)
+    done = run_script(run, {"log_every": 1, "stop_signals": ["TERM", "INT", "USR1"]}, 2)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((run / "run.json").read_text())["status"] == "finished"
 
 
 def test_replaced_names_still_work_with_a_warning() -> None:

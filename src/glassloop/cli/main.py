@@ -1,38 +1,32 @@
-"""``glassloop train``, ``eval`` and ``export``.
-
-Exit codes: 0 success (also: resuming a run that already finished); 1 an unexpected error
-(a bug: traceback printed); 2 a usage, config, data, model or checkpoint error (one line on
-stderr); 3 a checkpoint could not be written (disk full, quota; earlier checkpoints intact);
-4 training diverged (a NaN/inf loss with train.nonfinite = "raise", or too many skips);
-5 verify-resume found the killed and resumed run ending elsewhere than the straight one;
-128 + N stopped by signal N after saving a checkpoint (143 SIGTERM, 130 SIGINT/Ctrl-C).
+"""The ``glassloop`` command: its arguments (argparse) and one ``cmd_*`` function for each of
+its nine subcommands (train, verify-resume, eval, predict, doctor, report, config, runs,
+export), each a few calls into the library; ``main`` maps the library's errors to the exit
+codes listed once, in ``EPILOG`` (``glassloop --help`` prints them). Supervising torchrun for
+``train --nproc`` is :mod:`glassloop.cli.launch`.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
 import os
-import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-# (No torch: `glassloop --help` stays fast.) Every line the CLI prints that can quote a
-# config value, a path or a command line goes through it: a URI's password prints as ***.
+# (No torch in either: `glassloop --help` stays fast.)
+from glassloop.cli.launch import is_worker, launch_torchrun, worker_finished, worker_started
+
+# Every line the CLI prints that can quote a config value, a path or a command line goes
+# through it: a URI's password prints as ***.
 from glassloop.redaction import redact, redacted
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_WRITE_FAILED, EXIT_DIVERGED = 0, 1, 2, 3, 4
 EXIT_NOT_EXACT = 5  # verify-resume: the killed and resumed run ended elsewhere
 EXIT_INTERRUPTED = 130
-# Set by --nproc for its workers: where each records its exit code (see launch_torchrun).
-EXIT_DIR = "GLASSLOOP_EXIT_DIR"
 
 
 EPILOG = """examples:
@@ -45,9 +39,13 @@ EPILOG = """examples:
   glassloop doctor my.toml; glassloop report runs/lr3e-4; glassloop runs
 
 exit codes:
-  0 success   1 a bug (traceback)   2 a usage, config, data, model or checkpoint error
-  3 a checkpoint could not be written   4 training diverged (NaN/inf)
-  128+N stopped by signal N after a checkpoint (143 SIGTERM, 130 Ctrl-C)
+  0      success (also: resuming a run that already finished)
+  1      an unexpected error: a bug (traceback printed)
+  2      a usage, config, data, model or checkpoint error (one line on stderr)
+  3      a checkpoint could not be written (disk full, quota; earlier checkpoints intact)
+  4      training diverged (a NaN/inf loss with train.nonfinite = "raise", or too many skips)
+  5      verify-resume: the killed and resumed run ended elsewhere than the straight one
+  128+N  stopped by signal N after saving a checkpoint (143 SIGTERM, 130 SIGINT/Ctrl-C)
 """
 
 
@@ -177,9 +175,12 @@ def make_parser() -> Parser:
     )
     add_set_option(verify, "override a config key (repeatable), as for train")
     verify.add_argument(
-        "--kill-at", type=positive_int, required=True, metavar="K",
+        "--kill-at",
+        type=positive_int,
+        required=True,
+        metavar="K",
         help="the optimizer step after which the second run is killed",
-    )  # fmt: skip
+    )
     verify.add_argument(
         "--keep", metavar="DIR", help="keep both runs in DIR (default: a temporary directory)"
     )
@@ -285,13 +286,17 @@ def default_run_dir(prefix: str = "") -> Path:
     return path
 
 
-def quick_check_overrides(args: argparse.Namespace) -> list[str]:
-    """``--fast-dev-run`` and ``--limit-batches N`` as the config keys they set."""
+def flag_overrides(args: argparse.Namespace) -> list[str]:
+    """``--fast-dev-run``, ``--limit-batches N`` and ``--profile N`` as the config keys they
+    set (after the ``--set`` ones, so the flag wins), recorded in config.json as any key."""
+    overrides = []
     if args.fast_dev_run:
-        return ["train.limit_batches=1", "train.epochs=1"]
-    if args.limit_batches is not None:
-        return [f"train.limit_batches={args.limit_batches}"]
-    return []
+        overrides += ["train.limit_batches=1", "train.epochs=1"]
+    elif args.limit_batches is not None:
+        overrides.append(f"train.limit_batches={args.limit_batches}")
+    if args.profile:
+        overrides.append(f"train.profile={args.profile}")
+    return overrides
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -302,8 +307,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from glassloop.provenance import paths_from
 
     if args.nproc and "WORLD_SIZE" not in os.environ:
-        return launch_torchrun(args.nproc)
-    cfg = load_config(args.config, [*args.overrides, *quick_check_overrides(args)])
+        return launch_torchrun(args.nproc, args.argv)
+    cfg = load_config(args.config, [*args.overrides, *flag_overrides(args)])
     if args.fast_dev_run:
         if args.resume or args.run_dir:
             raise GlassloopError("--fast-dev-run writes nothing: drop --run-dir and --resume")
@@ -322,7 +327,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise GlassloopError("with several processes, pass --run-dir: every process must agree")
     files_from = started_in(args)
     run = build(cfg, run_dir=run_dir, files_from=files_from)
-    run.trainer.profile = args.profile or 0
     if args.kill_at_step:
         from glassloop.verify_resume import KillAfterStep
 
@@ -394,10 +398,12 @@ def verify_in(where: Path, args: argparse.Namespace, children: Any) -> tuple[dic
     train = [sys.executable, "-m", "glassloop", "train", *config, *sets]
     runs = [
         ("straight through", [*train, "--run-dir", str(straight)]),
-        (f"killed after step {args.kill_at}",
-         [*train, "--run-dir", str(killed), "--kill-at-step", str(args.kill_at)]),
+        (
+            f"killed after step {args.kill_at}",
+            [*train, "--run-dir", str(killed), "--kill-at-step", str(args.kill_at)],
+        ),
         ("resumed", [*train, "--run-dir", str(killed), "--resume"]),
-    ]  # fmt: skip
+    ]
     too_late = GlassloopError(
         f"verify-resume: the run ended before step {args.kill_at}; choose a smaller --kill-at"
     )
@@ -421,191 +427,17 @@ def verify_in(where: Path, args: argparse.Namespace, children: Any) -> tuple[dic
     return fingerprints(straight), fingerprints(killed)
 
 
-@contextlib.contextmanager
-def writing(command: str, folder: Path, safe: str) -> Iterator[None]:
-    """An ``OSError`` while ``command`` writes into ``folder`` (read-only, full, over quota)
-    as one line and exit code 3, as a failed checkpoint write: never a traceback. One about
-    a file elsewhere (an input being read) is not a write failure and goes on as it is."""
-    from glassloop.errors import CheckpointWriteError
-
-    try:
-        yield
-    except OSError as err:
-        where = Path(err.filename) if isinstance(err.filename, str) else folder
-        if where.resolve().parent != folder.resolve() and where.resolve() != folder.resolve():
-            raise
-        code = errno.errorcode.get(err.errno or 0, type(err).__name__)
-        raise CheckpointWriteError(
-            f"{command}: could not write '{where}': {err.strerror or err} ({code}); {safe}"
-        ) from err
-
-
-def launch_torchrun(nproc: int) -> int:
-    """Run torchrun with the same command minus ``--nproc`` and return the workers' own exit
-    code (torchrun itself says 1 for any failure: a preemption would read as a crash, a
-    config refusal as a bug). Each worker records its code in ``GLASSLOOP_EXIT_DIR``; rank 0's
-    code wins, then the first non-zero one; torchrun's code only when no worker recorded one
-    (a worker that died). SIGTERM/SIGINT to this process go on to torchrun, which forwards
-    them to the workers. torchrun, and each worker, die with the process that started them
-    (a parent-death signal): a ``kill -9`` of this command leaves nothing running headless,
-    holding the run directory's lock."""
-    from glassloop.preemption import die_with_parent
-
-    argv = sys.argv[1:]
-    kept: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--nproc":
-            skip = True
-        elif not arg.startswith("--nproc="):
-            kept.append(arg)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", "-m", "glassloop", *kept,
-    ]  # fmt: skip
-    sys.stdout.flush()
-    # (OMP_NUM_THREADS set: torchrun's banner about setting it is not printed.)
-    env = {"OMP_NUM_THREADS": "1", **os.environ}
-    with tempfile.TemporaryDirectory(prefix="glassloop-exit-") as exit_dir:
-        child = subprocess.Popen(
-            command, env={**env, EXIT_DIR: exit_dir}, preexec_fn=die_with_parent,
-            stderr=subprocess.PIPE, text=True, errors="replace",
-        )  # fmt: skip
-        relay = StderrRelay(child.stderr)
-
-        def forward(signum: int, frame: object) -> None:
-            child.send_signal(signum)
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, forward)
-        code = child.wait()
-        relay.join()
-        recorded = {}
-        for path in Path(exit_dir).glob("rank-*"):
-            with contextlib.suppress(OSError, ValueError):
-                recorded[int(path.name[5:])] = int(path.read_text())
-    # torchrun's own report of a failed job: noise when a process said why it stopped (its
-    # one line, its recorded code) and the others were only stopped by torchrun (SIGTERM);
-    # the only clue when one died on its own (a crash, the kernel's OOM killer).
-    if code != 0 and (not any(recorded.values()) or relay.died_on_their_own()):
-        relay.print_held()
-    if recorded.get(0):
-        return recorded[0]
-    failed = [recorded[rank] for rank in sorted(recorded) if recorded[rank]]
-    if failed:
-        return failed[0]
-    if len(recorded) == nproc:  # every worker finished its command and said 0
-        return EXIT_OK
-    return code if code >= 0 else 128 - code  # killed by a signal: 128 + N, as a shell says
-
-
-class StderrRelay:
-    """Copies torchrun's stderr (its workers' too) to ours as it comes, with two changes: an
-    error line every process prints (``glassloop: error: ...``) is shown once, and what
-    torchrun prints once a worker failed (its log lines, its traceback and report, 40 lines
-    that repeat the exit code) is held back for :meth:`print_held`."""
-
-    REPORT = re.compile(r"^[EWI]\d{4} [\d:.]+ \d+ .*torch/distributed/elastic/")
-
-    def __init__(self, stream: Any) -> None:
-        import threading
-
-        self.held: list[str] = []
-        self.seen: set[str] = set()
-        self.thread = threading.Thread(target=self._copy, args=(stream,), daemon=True)
-        self.thread.start()
-
-    def _copy(self, stream: Any) -> None:
-        reporting = False
-        for line in stream:
-            reporting = reporting or bool(self.REPORT.match(line))
-            if reporting:
-                self.held.append(line)
-            elif line.startswith("glassloop: error:") and line in self.seen:
-                continue
-            else:
-                self.seen.add(line)
-                sys.stderr.write(redact(line))  # (torchrun's lines quote the command line)
-                sys.stderr.flush()
-
-    def join(self) -> None:
-        self.thread.join(timeout=10)
-
-    def died_on_their_own(self) -> bool:
-        """Whether torchrun reports a worker killed by a signal other than its own SIGTERM."""
-        codes = re.findall(r"exitcode\s*:\s*(-?\d+)", "".join(self.held))
-        return any(int(code) < 0 and int(code) != -signal.SIGTERM for code in codes)
-
-    def print_held(self) -> None:
-        sys.stderr.write(redact("".join(self.held)))
-        sys.stderr.flush()
-
-
-def evaluate_weights(
-    source: Path, overrides: list[str], trust_code: bool
-) -> tuple[Any, Any, dict[str, Any]]:
-    """Rebuild the data and model of the run that made ``source`` from its recorded config
-    (no optimizer, no Trainer, no process group) and evaluate its weights (the EMA weights
-    for an EMA run) on its validation data; returns the parts, the weights and the result."""
-    from glassloop.assemble import build_parts
-    from glassloop.config import apply_override, from_dict
-    from glassloop.errors import GlassloopError
-    from glassloop.evaluation import evaluate
-    from glassloop.export import read_weights, require_trust
-    from glassloop.precision import autocast
-    from glassloop.provenance import recorded_folder
-    from glassloop.weights import load_checked
-
-    weights = read_weights(source)
-    config = weights.config
-    if config is None:
-        raise GlassloopError(
-            f"eval: '{source}' does not say which data it was trained on (no config)"
-        )
-    if made_in_python(config):
-        raise GlassloopError(
-            f"eval: '{source}' was trained from Python (Trainer(..., run_dir=...)): no file "
-            "says how to rebuild its model and data. Evaluate it in Python: "
-            "glassloop.load_weights(model, 'RUN_DIR/model.safetensors') and "
-            "glassloop.evaluate(model, loader, loss_fn)"
-        )
-    require_trust(config, source, trust_code)
-    for item in overrides:
-        apply_override(config, item)
-    # (Its relative paths, from here or from where the run was started.)
-    parts = build_parts(from_dict(config), files_from=recorded_folder(weights.path))
-    load_checked(parts.model, weights.tensors, weights.path)
-    model = parts.model.to(parts.device)
-    with autocast(parts.config.train.precision, parts.device):  # as training evaluated
-        result = evaluate(
-            model, parts.val_loader, parts.loss_fn, task=parts.task, device=parts.device,
-            ignore_index=parts.config.train.ignore_index, metrics=parts.config.train.metrics,
-        )  # fmt: skip
-    return parts, weights, result
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
-    from glassloop.metrics import format_report, is_number
+    from glassloop.run_evaluation import evaluate_run
 
-    parts, weights, result = evaluate_weights(Path(args.source), args.overrides, args.trust_code)
-    print(f"weights: {weights.path}")
-    print(f"validation samples: {len(parts.val_loader.dataset)}")
-    print(f"task: {parts.task}")
-    for name, value in result.items():
-        if is_number(value):
-            print(f"{name}: {100 * value:.2f}%" if name == "accuracy" else f"{name}: {value:.6g}")
-    if "report" in result:
-        print()
-        print(format_report(result["report"], result["accuracy"], parts.data.class_names))
+    print(evaluate_run(args.source, args.overrides, trust_code=args.trust_code))
     return EXIT_OK
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
     from glassloop.assemble import located
     from glassloop.config import Config
-    from glassloop.errors import GlassloopError
+    from glassloop.errors import GlassloopError, writing
     from glassloop.export import model_description, model_from, read_weights
     from glassloop.prediction import Predictor, format_predictions, write_predictions
     from glassloop.provenance import recorded_folder
@@ -647,44 +479,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    index = report_for(Path(args.run_dir), trust_code=args.trust_code)
+    from glassloop.run_evaluation import report_run
+
+    index = report_run(args.run_dir, trust_code=args.trust_code)
     print(f"report: {index}")
     return EXIT_OK
-
-
-def made_in_python(config: Any) -> bool:
-    """A run directory of a ``Trainer`` built in Python: its config.json describes the
-    trainer (``"model": "Sequential"``), not a glassloop config with a ``[model]`` table."""
-    return isinstance(config, dict) and not isinstance(config.get("model"), dict)
-
-
-def report_for(run_dir: Path, *, trust_code: bool = False) -> Path:
-    """Evaluate the run's final weights on its validation data and write its report."""
-    from glassloop.data.splits import Splits
-    from glassloop.errors import GlassloopError
-    from glassloop.report import write_report
-    from glassloop.runs import read_json_object
-
-    if not (run_dir / "config.json").is_file():
-        raise GlassloopError(f"report: '{run_dir}' is not a run directory (no config.json)")
-    written = writing("report", run_dir / "report", "the run's own files are unchanged")
-    if made_in_python(read_json_object(run_dir / "config.json")):
-        # Its model and data live in the user's code: the report of its files (curves,
-        # metrics), without a fresh evaluation.
-        with written:
-            return write_report(run_dir)
-    parts, _, evaluation = evaluate_weights(run_dir, [], trust_code)
-    pairs = None
-    if parts.task == "regression" and isinstance(parts.data, Splits):
-        from glassloop.evaluation import predict
-
-        prediction = predict(parts.model, parts.data.x_val, task="regression", device=parts.device)
-        pairs = (prediction, parts.data.y_val)
-    with written:  # (a read-only run directory: exit 3, as the README says)
-        return write_report(
-            run_dir, evaluation=evaluation, class_names=parts.data.class_names,
-            predicted_vs_true=pairs,
-        )  # fmt: skip
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -711,6 +510,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from glassloop.errors import writing
     from glassloop.export import export_model
 
     with writing("export", Path(args.output).parent, "nothing was written"):
@@ -720,35 +520,33 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    if EXIT_DIR in os.environ and "RANK" in os.environ:  # a worker of --nproc: it dies with
-        from glassloop.preemption import die_with_parent  # torchrun, which dies with us
-
-        die_with_parent()
+    if is_worker():  # of --nproc: it dies with torchrun, which dies with the launcher
+        worker_started()
     code = run_command(argv)
-    if EXIT_DIR in os.environ and "RANK" in os.environ:  # a worker of --nproc: tell the launcher
-        with contextlib.suppress(OSError):
-            Path(os.environ[EXIT_DIR], f"rank-{os.environ['RANK']}").write_text(str(code))
-        # Its work is done and recorded: leave without the interpreter's teardown, where the
-        # C++ destructors of a gloo process group that was already left can abort the
-        # process now and then ("terminate called without an active exception", SIGABRT),
-        # which torchrun would report as a failed job.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if is_worker():  # its code goes to the launcher, which exits with it
+        worker_finished(code)
     return code
 
 
 def run_command(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run the command, map errors to exit codes (module docstring)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = make_parser().parse_args(argv)
+    args.argv = argv  # (what a worker of --nproc runs, less --nproc)
     from glassloop.errors import CheckpointWriteError, GlassloopError, NonFiniteError
     from glassloop.preemption import Preempted
 
     commands = {
-        "train": cmd_train, "eval": cmd_eval, "predict": cmd_predict, "export": cmd_export,
-        "runs": cmd_runs, "doctor": cmd_doctor, "report": cmd_report, "config": cmd_config,
+        "train": cmd_train,
         "verify-resume": cmd_verify_resume,
-    }  # fmt: skip
+        "eval": cmd_eval,
+        "predict": cmd_predict,
+        "doctor": cmd_doctor,
+        "report": cmd_report,
+        "config": cmd_config,
+        "runs": cmd_runs,
+        "export": cmd_export,
+    }
     try:
         return commands[args.command](args)
     # A config or data error quotes the value it refuses: a tracking URI's password too.

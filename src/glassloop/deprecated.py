@@ -20,7 +20,7 @@ from typing import Any
 
 from glassloop.errors import GlassloopError
 from glassloop.guards import NonFinitePolicy
-from glassloop.run_log import RunInfo
+from glassloop.options import RunInfo
 
 REPLACED = {
     "max_nonfinite_skips": "nonfinite=NonFinitePolicy(policy, max_skips=N)",
