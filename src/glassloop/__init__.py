@@ -47,11 +47,31 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "Callback", "CheckpointError", "Config", "ConfigError", "DataError", "GlassloopError",
-    "ModelError", "Predictor", "Preempted", "Run", "TrainState", "Trainer", "__version__",
-    "build", "evaluate", "export_model", "format_report", "load_config", "load_model",
-    "load_weights", "lr_find", "predict", "save_weights", "seed_everything",
-]  # fmt: skip
+    "Callback",
+    "CheckpointError",
+    "Config",
+    "ConfigError",
+    "DataError",
+    "GlassloopError",
+    "ModelError",
+    "Predictor",
+    "Preempted",
+    "Run",
+    "TrainState",
+    "Trainer",
+    "__version__",
+    "build",
+    "evaluate",
+    "export_model",
+    "format_report",
+    "load_config",
+    "load_model",
+    "load_weights",
+    "lr_find",
+    "predict",
+    "save_weights",
+    "seed_everything",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -97,18 +97,29 @@ def parquet_data(cfg: Config) -> DiskData | TextData:
     from glassloop.data.parquet import input_kind, parquet_splits, parquet_texts
 
     d = cfg.data
-    kind = input_kind(d.path, label_column=d.label_column, image_column=d.image_column,
-                      text_column=d.text_column)  # fmt: skip
+    kind = input_kind(
+        d.path, label_column=d.label_column, image_column=d.image_column, text_column=d.text_column
+    )
     if kind == "text":
         return parquet_texts(
-            d.path, label_column=d.label_column, text_column=d.text_column,
-            tokenizer=d.tokenizer, vocab_size=d.vocab_size, max_length=d.max_length,
-            val_fraction=d.val_fraction, seed=d.seed,
-        )  # fmt: skip
+            d.path,
+            label_column=d.label_column,
+            text_column=d.text_column,
+            tokenizer=d.tokenizer,
+            vocab_size=d.vocab_size,
+            max_length=d.max_length,
+            val_fraction=d.val_fraction,
+            seed=d.seed,
+        )
     train, val, preprocessing, classes = parquet_splits(
-        d.path, label_column=d.label_column, image_column=d.image_column,
-        image_size=d.image_size, channels=d.channels, val_fraction=d.val_fraction, seed=d.seed,
-    )  # fmt: skip
+        d.path,
+        label_column=d.label_column,
+        image_column=d.image_column,
+        image_size=d.image_size,
+        channels=d.channels,
+        val_fraction=d.val_fraction,
+        seed=d.seed,
+    )
     shape = tuple(train.image_shape) if train.image_column else (len(train.features),)
     return DiskData(train, val, preprocessing, classes, shape)
 
@@ -196,25 +207,35 @@ def build_parts(cfg: Config, *, world: World = SINGLE, files_from: Path | None =
     if texts is not None:
         data = texts
         model = build_model(
-            cfg.model, data.input_shape, data.num_classes,
-            vocab_size=data.vocab_size, pad_id=data.pad_id,
-        )  # fmt: skip
+            cfg.model,
+            data.input_shape,
+            data.num_classes,
+            vocab_size=data.vocab_size,
+            pad_id=data.pad_id,
+        )
         collate = functools.partial(pad_collate, pad_value=data.pad_id)
         common: dict[str, Any] = {
-            "collate_fn": collate, "num_workers": cfg.data.num_workers, "seed": cfg.train.seed,
+            "collate_fn": collate,
+            "num_workers": cfg.data.num_workers,
+            "seed": cfg.train.seed,
             "world": world,
-        }  # fmt: skip
+        }
         buckets = cfg.data.bucket_by_length
         # (TextRows: a TextDataset in memory or ParquetTexts on disk, both Datasets)
         train_loader: InMemoryLoader | ResumableLoader = make_loader(
-            cast(Dataset[Any], data.train), batch_size=cfg.data.batch_size,
-            shuffle=cfg.data.shuffle, lengths=data.train.lengths if buckets else None, **common,
-        )  # fmt: skip
+            cast(Dataset[Any], data.train),
+            batch_size=cfg.data.batch_size,
+            shuffle=cfg.data.shuffle,
+            lengths=data.train.lengths if buckets else None,
+            **common,
+        )
         val_loader: InMemoryLoader | ResumableLoader = make_loader(
             cast(Dataset[Any], data.val),
             batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
-            lengths=data.val.lengths if buckets else None, shard="strided", **common,
-        )  # fmt: skip
+            lengths=data.val.lengths if buckets else None,
+            shard="strided",
+            **common,
+        )
     elif on_disk is not None:  # read row by row from disk, in the loader's workers
         if cfg.data.augment:
             raise ConfigError(
@@ -228,9 +249,11 @@ def build_parts(cfg: Config, *, world: World = SINGLE, files_from: Path | None =
             data.train, batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle, **common
         )
         val_loader = make_loader(
-            data.val, batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
-            shard="strided", **common,
-        )  # fmt: skip
+            data.val,
+            batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
+            shard="strided",
+            **common,
+        )
     else:
         data = load_splits(cfg.data, task)
         if cfg.data.standardize_targets:
@@ -254,11 +277,16 @@ def build_parts(cfg: Config, *, world: World = SINGLE, files_from: Path | None =
             world=world,
         )
         val_sets = {  # data.val_sets (npz): each further set's loader, as the validation's
-            name: make_loader(tensors, batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
-                              shard="strided", num_workers=cfg.data.num_workers,
-                              seed=cfg.train.seed, world=world)
+            name: make_loader(
+                tensors,
+                batch_size=cfg.data.eval_batch_size or cfg.data.batch_size,
+                shard="strided",
+                num_workers=cfg.data.num_workers,
+                seed=cfg.train.seed,
+                world=world,
+            )
             for name, tensors in npz_validation_sets(cfg.data, task, data).items()
-        }  # fmt: skip
+        }
     loss_fn = build_loss(
         cfg.loss, num_outputs=data.num_classes, ignore_index=cfg.train.ignore_index
     )
@@ -356,10 +384,18 @@ def build(cfg: Config, *, run_dir: str | Path | None = None, files_from: Path | 
         )
     t = cfg.train
     trainer = Trainer(
-        model, optimizer, parts.loss_fn, scheduler=scheduler, task=parts.task, device=device,
-        run_dir=run_dir, callbacks=callbacks, world=world,
-        run_info=RunInfo(to_dict(cfg), model_spec(cfg, data)), **trainer_options(cfg),
-    )  # fmt: skip
+        model,
+        optimizer,
+        parts.loss_fn,
+        scheduler=scheduler,
+        task=parts.task,
+        device=device,
+        run_dir=run_dir,
+        callbacks=callbacks,
+        world=world,
+        run_info=RunInfo(to_dict(cfg), model_spec(cfg, data)),
+        **trainer_options(cfg),
+    )
     if world.distributed or t.grad_accum_steps > 1:
         trainer.console.message(
             f"global batch {cfg.data.batch_size * world.size * t.grad_accum_steps} = "

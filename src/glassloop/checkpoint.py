@@ -242,9 +242,13 @@ def mark(folder: Path) -> None:
 
 
 def write_checkpoint_dir(
-    target: Path, weights: dict[str, torch.Tensor] | None, state: dict[str, Any],
-    meta: dict[str, Any], *, staged: Path | None = None,
-) -> None:  # fmt: skip
+    target: Path,
+    weights: dict[str, torch.Tensor] | None,
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    *,
+    staged: Path | None = None,
+) -> None:
     """Write a complete checkpoint into ``target`` atomically (see the module docstring).
 
     ``weights=None``: a sharded checkpoint, whose tensors the processes already wrote into
@@ -313,9 +317,13 @@ def commit_dir(tmp: Path, target: Path) -> None:
 
 
 def save_checkpoint(
-    run_dir: Path, model: nn.Module | None, state: dict[str, Any], meta: dict[str, Any],
-    *, staged: Path | None = None,
-) -> Path:  # fmt: skip
+    run_dir: Path,
+    model: nn.Module | None,
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    *,
+    staged: Path | None = None,
+) -> Path:
     """Commit ``checkpoints/step-<step>/`` and move ``latest`` to it; return its path.
 
     A checkpoint of the same step is replaced: the state after an epoch's end (evaluation,
@@ -353,9 +361,13 @@ def not_finite(step: int, last_good: str) -> CheckpointError:
 
 
 def save_best(
-    run_dir: Path, model: nn.Module | None, state: dict[str, Any], meta: dict[str, Any],
-    *, staged: Path | None = None,
-) -> Path:  # fmt: skip
+    run_dir: Path,
+    model: nn.Module | None,
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    *,
+    staged: Path | None = None,
+) -> Path:
     """Write (or replace) ``RUN_DIR/best/`` with a full checkpoint, atomically."""
     target = Path(run_dir) / BEST
     try:

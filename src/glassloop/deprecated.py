@@ -33,9 +33,11 @@ COMPILE_KEYS = ("mode", "dynamic")
 
 
 def fold_replaced(
-    replaced: dict[str, Any], nonfinite: str | NonFinitePolicy, compile: bool | Mapping[str, Any],
+    replaced: dict[str, Any],
+    nonfinite: str | NonFinitePolicy,
+    compile: bool | Mapping[str, Any],
     run_info: RunInfo | None,
-) -> tuple[NonFinitePolicy, dict[str, Any] | None, RunInfo]:  # fmt: skip
+) -> tuple[NonFinitePolicy, dict[str, Any] | None, RunInfo]:
     """``nonfinite`` as a policy, ``compile`` as ``torch.compile``'s options (``None``: not
     compiled) and the run's info, with the replaced names in ``replaced`` folded in (each
     with a warning); an unknown name is a ``TypeError``, as Python's own would be."""

@@ -211,9 +211,14 @@ def check_target_scale(run: Parts) -> Check:
     note = target_scale_note(run.data, run.task)
     if note is None:
         scaled = isinstance(run.data, Splits) and "target_mean" in run.data.preprocessing
-        return Check("target scale", "PASS", "the model learns standardised targets." if scaled
-                     else "targets are near a fresh model's outputs (mean within 3 std, "
-                     "std between 0.1 and 10).")  # fmt: skip
+        return Check(
+            "target scale",
+            "PASS",
+            "the model learns standardised targets."
+            if scaled
+            else "targets are near a fresh model's outputs (mean within 3 std, "
+            "std between 0.1 and 10).",
+        )
     return Check("target scale", "WARN", note.removeprefix("warning: ") + ".")
 
 

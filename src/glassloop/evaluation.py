@@ -174,9 +174,13 @@ def evaluate(
 
 
 def update_heads(
-    sums: dict[str, TaskSums | None], heads: Mapping[str, str], output: Any, target: Any,
-    device: torch.device, ignore_index: int,
-) -> None:  # fmt: skip
+    sums: dict[str, TaskSums | None],
+    heads: Mapping[str, str],
+    output: Any,
+    target: Any,
+    device: torch.device,
+    ignore_index: int,
+) -> None:
     """Add a batch to each head's task sums (sized from the first batch; ``None``: a head
     whose target does not have its task's shape reports nothing)."""
     for i, (name, task) in enumerate(heads.items()):
@@ -198,9 +202,12 @@ def own_shift(
     them and are not reported (comparing unshifted labels gave an accuracy that never moved
     while the loss fell). Per-sample predictions are taken as they are (``0``)."""
     per_token = (
-        isinstance(target, torch.Tensor) and not target.is_floating_point()
-        and target.ndim == 2 and prediction.ndim == 3 and prediction.shape[:2] == target.shape
-    )  # fmt: skip
+        isinstance(target, torch.Tensor)
+        and not target.is_floating_point()
+        and target.ndim == 2
+        and prediction.ndim == 3
+        and prediction.shape[:2] == target.shape
+    )
     if not per_token:
         return 0
     for shift in (0, 1):
@@ -219,9 +226,13 @@ def own_shift(
 
 
 def label_shift(
-    model: nn.Module, inputs: Any, target: Any, ignore_index: int, device: torch.device,
+    model: nn.Module,
+    inputs: Any,
+    target: Any,
+    ignore_index: int,
+    device: torch.device,
     precision: str = "32",
-) -> int:  # fmt: skip
+) -> int:
     """:func:`own_shift` of a model that computes its own loss, from one forward of a batch
     in eval mode without gradients (no dropout: no random number is drawn), under
     ``precision``'s autocast; ``0`` when it is not found. The loop's ``loss_weighting=
@@ -233,15 +244,17 @@ def label_shift(
             output = model(*inputs[0], **inputs[1])
     finally:
         model.train(was_training)
-    shift = own_shift(model_loss(output), prediction_of(output, with_loss=True), target,
-                      ignore_index)  # fmt: skip
+    shift = own_shift(
+        model_loss(output), prediction_of(output, with_loss=True), target, ignore_index
+    )
     return shift or 0
 
 
 def metric_table(
-    metrics: Mapping[str, Metric | str] | Sequence[str] | None, task: str,
+    metrics: Mapping[str, Metric | str] | Sequence[str] | None,
+    task: str,
     heads: Mapping[str, str] | None = None,
-) -> dict[str, Metric | str]:  # fmt: skip
+) -> dict[str, Metric | str]:
     """``{name: metric object or name}``; names are checked for ``task`` here, before any
     batch is evaluated. With a task per head (``heads``) each head's metrics are its task's:
     more would have no prediction to take, so they are refused, not ignored."""
@@ -411,9 +424,12 @@ def first_batches(loader: Iterable[Any], limit: int, *, counted: bool = False) -
 
 
 def gathered_outputs(
-    model: nn.Module, loader: Iterable[Any], device: torch.device, precision: str,
+    model: nn.Module,
+    loader: Iterable[Any],
+    device: torch.device,
+    precision: str,
     world: World,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A regression's outputs and targets of every process's shard of ``loader`` (a
     collective with several processes: gathered in rank order), for the report's
     predicted-vs-true plot."""
@@ -500,9 +516,13 @@ def heads_activated(output: Any, *, heads: Mapping[str, str]) -> tuple[bool, lis
 
 
 def predict_heads(
-    model: nn.Module, data: torch.Tensor | Iterable[Any], heads: Mapping[str, str], *,
-    batch_size: int = 256, device: torch.device | None = None,
-) -> dict[str, torch.Tensor] | tuple[torch.Tensor, ...]:  # fmt: skip
+    model: nn.Module,
+    data: torch.Tensor | Iterable[Any],
+    heads: Mapping[str, str],
+    *,
+    batch_size: int = 256,
+    device: torch.device | None = None,
+) -> dict[str, torch.Tensor] | tuple[torch.Tensor, ...]:
     """:func:`predict` for a model with several heads, a task each
     (:func:`glassloop.tasks.resolve_heads`): every head's prediction, each what its own task
     means, in a dict by head name (a tuple when the model returns one).
@@ -517,16 +537,21 @@ def predict_heads(
     """
     convert = functools.partial(heads_activated, heads=heads)
     batches = model_outputs(model, data, batch_size, device, convert)
-    joined = [torch.cat([found[i] for _, found in batches]) if batches else torch.empty(0)
-              for i in range(len(heads))]  # fmt: skip
+    joined = [
+        torch.cat([found[i] for _, found in batches]) if batches else torch.empty(0)
+        for i in range(len(heads))
+    ]
     as_tuple = bool(batches) and batches[0][0]
     return tuple(joined) if as_tuple else dict(zip(heads, joined, strict=True))
 
 
 def model_outputs(
-    model: nn.Module, data: torch.Tensor | Iterable[Any], batch_size: int,
-    device: torch.device | None, convert: Callable[[Any], T],
-) -> list[T]:  # fmt: skip
+    model: nn.Module,
+    data: torch.Tensor | Iterable[Any],
+    batch_size: int,
+    device: torch.device | None,
+    convert: Callable[[Any], T],
+) -> list[T]:
     """``convert`` of the model's output on each batch of ``data`` (see :func:`predict`), in
     eval mode under ``torch.inference_mode``; the model's mode is put back at the end."""
     device = device if device is not None else model_device(model)

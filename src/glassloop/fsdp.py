@@ -100,9 +100,12 @@ def _has_parameters(module: nn.Module) -> bool:
 
 
 def shard_model(
-    model: nn.Module, optimizer: torch.optim.Optimizer, world: World, device: torch.device,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    world: World,
+    device: torch.device,
     precision: str,
-) -> nn.Module:  # fmt: skip
+) -> nn.Module:
     """``fully_shard`` the units of ``model`` and then the model, over all processes; point
     ``optimizer`` at the sharded parameters.
 
@@ -315,9 +318,13 @@ def read_full_weights(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def evenly(
-    model: nn.Module, batches: Iterable[Any], device: torch.device, *, own_loss: bool = False,
+    model: nn.Module,
+    batches: Iterable[Any],
+    device: torch.device,
+    *,
+    own_loss: bool = False,
     predicting: bool = False,
-) -> Iterable[Any]:  # fmt: skip
+) -> Iterable[Any]:
     """``batches`` as they are, or, for a sharded model, through :func:`even_batches` (when
     they can be counted: ``limit_batches`` keeps the count, see
     :func:`glassloop.evaluation.first_batches`). What the evaluation and prediction
@@ -332,9 +339,14 @@ def evenly(
 
 
 def even_batches(
-    loader: Iterable[Any], count: int, model: nn.Module, device: torch.device, own_loss: bool,
-    *, predicting: bool = False,
-) -> Iterator[Any]:  # fmt: skip
+    loader: Iterable[Any],
+    count: int,
+    model: nn.Module,
+    device: torch.device,
+    own_loss: bool,
+    *,
+    predicting: bool = False,
+) -> Iterator[Any]:
     """The ``count`` batches of ``loader``, then forwards of the last one (results unused)
     until this process has run as many forwards as the process with the most batches.
 

@@ -398,7 +398,7 @@ class NonFinitePolicy:
 
 def all_finite(
     values: list[torch.Tensor], params: list[torch.Tensor], world: World, *, sharded: bool = False
-) -> bool:  # fmt: skip
+) -> bool:
     """Whether ``values`` (a step's loss, a clipped norm) and the gradients of ``params`` are
     all finite, decided alike in every process: one host read per step, the price of never
     stepping on a NaN (``nonfinite="strict"`` and ``"skip"``). ``sharded``: an FSDP run,

@@ -306,12 +306,8 @@ class Trainer:
         self.checkpointer.attach(self.stateful(), loader=train_loader)  # what a save holds
         with self.run_log.hold():  # the run directory's lock, for the whole fit
             barrier()  # nobody reads the run dir while rank 0 tidies it
-            self.checkpointer.resume(  # or, without resume, refuse to overwrite a run
-                resume,
-                epochs=epochs,
-                allow_config_change=allow_config_change,
-                warn=self.console.message,
-            )
+            allow, warn = allow_config_change, self.console.message
+            self.checkpointer.resume(resume, epochs=epochs, allow_config_change=allow, warn=warn)
             if self.state.epoch >= epochs or self.state.stopped:
                 # resuming a finished run: complete any final file a kill left unwritten
                 self.console.message(self.run_log.finish_again(self.eval_model, epochs))
@@ -328,14 +324,11 @@ class Trainer:
         self.console.info(start_header(self, train_loader, first_val, epochs))
         self.watch.check(self.state, self.world)  # counts from here (a resumed run's step)
         start = time.perf_counter()
-        status = "failed"
-        pairs = None  # a regression's validation outputs and targets, for the report's plot
+        status, pairs = "failed", None  # pairs: a regression's outputs and targets, plotted
         self.profiler = fit_profiler(self.profile, self.world, self.run_dir, self.console.message)
         try:
-            with (
-                StopSignals(self.stop_signals) as self._signals,
-                self.profiler or contextlib.nullcontext(),
-            ):
+            profiling = self.profiler or contextlib.nullcontext()
+            with StopSignals(self.stop_signals) as self._signals, profiling:
                 for callback in self.callbacks:
                     callback.on_fit_start(self)
                 while self.state.epoch < epochs and not self.should_stop:
@@ -392,12 +385,8 @@ class Trainer:
             raise explained from err
         self.watch.check(state, self.world)  # before anything of the epoch is recorded
         guards.check_batches(state.batch_in_epoch)  # (an empty loader: one clear line)
-        row: dict[str, Any] = {
-            "kind": "epoch",
-            "epoch": epoch,
-            "step": state.step,
-            "samples": state.samples_seen,
-        }
+        row: dict[str, Any] = {"kind": "epoch", "epoch": epoch, "step": state.step}
+        row["samples"] = state.samples_seen
         # train_loss (and a train_step's named losses: train_<name>), over every process
         row.update(self.record.train_loss(self.world, self.device))
         row.update(self.validator.row(self))  # val_* (nothing without a validation set)
@@ -454,10 +443,8 @@ class Trainer:
     def _window(
         self, micro: list[tuple[Inputs, Any]], sizes: list[int]
     ) -> tuple[Window, int | None]:
-        """The step's :class:`Window` (each micro-batch's loss weight: :func:`~glassloop.batch.
-        loss_weights`; ``None`` for a window of one in one process: the loss as is) and, under
-        DDP, the stop signal the processes agree on: one collective carries the counts and
-        "did any process get SIGTERM/SIGINT" (acted on after the step)."""
+        """The step's :class:`Window` (each micro-batch's loss weight, ``None`` alone in one
+        process) and under DDP the stop signal of any process, in one collective."""
         samples = sum(sizes)
         if len(micro) == 1 and not self.distributed:
             return Window(micro, [None], samples), None
@@ -517,9 +504,8 @@ class Trainer:
                         model_loss(output) if self.loss_fn is None else self.loss_fn(output, target)
                     )
                 if weight is not None:
-                    # This micro-batch's share of the window (its samples or tokens over the
-                    # window's), so the summed gradients equal those of one big batch, also
-                    # for the last, shorter window of an epoch.
+                    # Its share of the window's samples (tokens): the summed gradients are one
+                    # big batch's, also in an epoch's last, shorter window.
                     loss = loss * weight
                 detached = loss.detach()
                 window_loss = detached if window_loss is None else window_loss + detached
@@ -534,9 +520,8 @@ class Trainer:
 
     def step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor, batches: int = 1) -> bool:
         """``optimizer.step()`` as the loop takes it: unscale (fp16), clip, check ``loss`` and
-        the gradients (``nonfinite``), step, ``zero_grad``, then the EMA. ``False``: the step
-        was skipped (nothing changed). ``batches``: how many batches ``loss`` covers (named
-        when it is not finite)."""
+        the gradients (``nonfinite``; ``batches``: named when not finite), step,
+        ``zero_grad``, the EMA. ``False``: the step was skipped (nothing changed)."""
         if not self._clip_and_check(loss, optimizer):  # a NaN/inf loss or gradient: no step
             self.nonfinite(self.model, loss, self.state, batches)
             self.scaler.update()  # closes this step's unscale_() (fp16: lowers the scale)
@@ -556,9 +541,8 @@ class Trainer:
         return True
 
     def _clip_and_check(self, window_loss: torch.Tensor, optimizer: Any) -> bool:
-        """Unscale (fp16) and clip ``optimizer``'s gradients (the main optimizer: every
-        parameter's); whether the loss and gradients are finite, decided alike in every
-        process."""
+        """Unscale (fp16) and clip ``optimizer``'s gradients; whether the loss and gradients
+        are finite, decided alike in every process."""
         if self.deferred_check and not (self.clip_grad_norm or self.clip_grad_value):
             self.watch.observe(window_loss)  # read at the next step row, checkpoint, epoch end
             return True

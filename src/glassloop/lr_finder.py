@@ -52,9 +52,11 @@ class LRFind:
         axis.plot(self.lrs, self.losses)
         axis.axvline(self.suggestion, linestyle="--", color="gray")
         axis.set(
-            xscale="log", xlabel="learning rate", ylabel="loss (smoothed)",
+            xscale="log",
+            xlabel="learning rate",
+            ylabel="loss (smoothed)",
             title=f"LR range test: suggested {self.suggestion:.1e}",
-        )  # fmt: skip
+        )
         figure.tight_layout()
         with atomic_path(path) as tmp:
             figure.savefig(tmp, dpi=100, format="png")
@@ -76,9 +78,15 @@ def lr_find(
     cls: Any = type(trainer.optimizer)
     optimizer = cls(model.parameters(), lr=start, **settings)
     return range_test(
-        model, optimizer, trainer.loss_fn, loader, device=trainer.device,
-        start=start, end=end, steps=steps,
-    )  # fmt: skip
+        model,
+        optimizer,
+        trainer.loss_fn,
+        loader,
+        device=trainer.device,
+        start=start,
+        end=end,
+        steps=steps,
+    )
 
 
 def range_test(

@@ -25,15 +25,18 @@ from glassloop.errors import ConfigError
 AVERAGES = ("macro", "micro", "weighted")
 NAMES = {
     "classification": (
-        "top<k>_accuracy", "balanced_accuracy", "auroc",
+        "top<k>_accuracy",
+        "balanced_accuracy",
+        "auroc",
         *(f"{kind}_{avg}" for kind in ("f1", "precision", "recall") for avg in AVERAGES),
     ),
     "multilabel": (
-        "auroc", "f1_weighted",
+        "auroc",
+        "f1_weighted",
         *(f"{kind}_{avg}" for kind in ("precision", "recall") for avg in AVERAGES),
     ),
     "regression": ("mape", "explained_variance", "pearson"),
-}  # fmt: skip
+}
 NAMES["language-model"] = NAMES["auto"] = NAMES["classification"]
 
 

@@ -26,10 +26,17 @@ from glassloop.optimizers import Optimizers
 
 
 def prepare_model(
-    model: nn.Module, optimizer: torch.optim.Optimizer, world: World, device: torch.device, *,
-    strategy: str, precision: str, compile: Mapping[str, Any] | None, ema: bool,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    world: World,
+    device: torch.device,
+    *,
+    strategy: str,
+    precision: str,
+    compile: Mapping[str, Any] | None,
+    ema: bool,
     checkpointed: Sequence[str] = (),
-) -> tuple[nn.Module, ShardedState | None]:  # fmt: skip
+) -> tuple[nn.Module, ShardedState | None]:
     """``model`` on ``device``, compiled when asked, under DDP or FSDP2 in a multi-process
     job; with ``strategy="fsdp"`` also the :class:`~glassloop.fsdp.ShardedState` (weights
     and optimizer state by shard) that checkpoints save instead of the plain state dicts.

@@ -280,8 +280,11 @@ def write_predictions(predictions: list[Prediction], path: Path) -> None:
     values = bool(predictions) and predictions[0].values
     with atomic_path(path) as tmp, open_own(tmp, "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["input", "rank", "output", "value"] if values else
-                        ["input", "rank", "class", "probability"])  # fmt: skip
+        writer.writerow(
+            ["input", "rank", "output", "value"]
+            if values
+            else ["input", "rank", "class", "probability"]
+        )
         for p in predictions:
             for rank, (name, prob) in enumerate(zip(p.classes, p.probabilities, strict=True), 1):
                 writer.writerow([p.source, rank, name, prob])

@@ -27,9 +27,11 @@ class StepProfiler:
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
         self._profile = profile(
-            activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
-            on_trace_ready=self._ready, record_shapes=False,
-        )  # fmt: skip
+            activities=activities,
+            schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
+            on_trace_ready=self._ready,
+            record_shapes=False,
+        )
         self._done = False
 
     def __enter__(self) -> StepProfiler:

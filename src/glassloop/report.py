@@ -215,19 +215,21 @@ def _html(
     best = best_epoch(rows, str(policy.get("monitor") or ""), str(policy.get("mode") or "auto"))
     facts = {
         "status": summary.status if summary else info.get("status"),
-        "epochs": last.get("epoch"), "steps": last.get("step"),
+        "epochs": last.get("epoch"),
+        "steps": last.get("step"),
         "time": summary.duration if summary else "-",
         "best epoch": f"{best[2]}: {best[0]} {_fmt(best[1], best[0])}" if best else "-",
         "command": _command(info.get("argv")),
-    }  # fmt: skip
+    }
     overview = "".join(
         f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
         for k, v in facts.items()
     )
     metrics = "".join(
         f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(_fmt(v, k))}</td></tr>"
-        for k, v in last.items() if k != "kind"
-    )  # fmt: skip
+        for k, v in last.items()
+        if k != "kind"
+    )
     versions = "".join(
         f"<tr><td>{k}</td><td>{html.escape(str(info.get(k)))}</td></tr>"
         for k in ("glassloop", "torch", "python", "platform", "git_sha")

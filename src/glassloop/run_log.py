@@ -43,9 +43,17 @@ from glassloop.tracking import Tracker, make_tracker
 from glassloop.weights import save_weights, weights_metadata
 
 CSV_FIELDS = [
-    "kind", "epoch", "step", "samples", "train_loss", "loss", "lr", "grad_norm", "samples_per_s",
+    "kind",
+    "epoch",
+    "step",
+    "samples",
+    "train_loss",
+    "loss",
+    "lr",
+    "grad_norm",
+    "samples_per_s",
     "seconds",
-]  # fmt: skip
+]
 Sink = CSVSink | JSONLSink | TensorBoardSink
 REPORT_EVERY_S = 60.0  # how often a running run's report/ is refreshed (plots take ~0.5 s)
 
@@ -169,18 +177,29 @@ class RunLog:
         last_time, last_samples = self._last_step
         self._last_step = (now, samples)
         rate = (samples - last_samples) / (now - last_time) if last_samples else None
-        self.write({
-            "kind": "step", "epoch": epoch, "step": step, "samples": samples, "loss": loss,
-            "lr": lr, "grad_norm": grad_norm, "samples_per_s": rate,
-        })  # fmt: skip
+        self.write(
+            {
+                "kind": "step",
+                "epoch": epoch,
+                "step": step,
+                "samples": samples,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "samples_per_s": rate,
+            }
+        )
 
     def report_due(self) -> bool:
         return time.monotonic() - self._last_report >= REPORT_EVERY_S
 
     def report(
-        self, evaluation: dict[str, Any] | None, *, predicted_vs_true: Any = None,
+        self,
+        evaluation: dict[str, Any] | None,
+        *,
+        predicted_vs_true: Any = None,
         final: bool = False,
-    ) -> Path | None:  # fmt: skip
+    ) -> Path | None:
         """``RUN_DIR/report/`` (:func:`glassloop.report.write_report`) from the metrics and
         the last validation, at most every ``REPORT_EVERY_S`` seconds during the run (so a
         long run's report can be watched, at a cost of well under 1% of its time) and always
@@ -196,17 +215,23 @@ class RunLog:
         assert self.run_dir is not None
         try:
             return write_report(
-                self.run_dir, evaluation=evaluation, class_names=class_names,
+                self.run_dir,
+                evaluation=evaluation,
+                class_names=class_names,
                 predicted_vs_true=predicted_vs_true,
-            )  # fmt: skip
+            )
         except OSError as err:
             raise self.failure(err) from err
 
     def finish(
-        self, status: str, model: nn.Module, *,
-        error: str | None = None, evaluation: dict[str, Any] | None = None,
+        self,
+        status: str,
+        model: nn.Module,
+        *,
+        error: str | None = None,
+        evaluation: dict[str, Any] | None = None,
         predicted_vs_true: Any = None,
-    ) -> Path | None:  # fmt: skip
+    ) -> Path | None:
         """Close the metric files; write the final weights (``status == "finished"``: those
         of ``model``, a sharded one gathered into rank 0, a collective) and run.json, then
         (finished) the final report, which shows how the run ended; return its path. While
@@ -298,9 +323,20 @@ def final_weights(model: nn.Module) -> nn.Module | dict[str, torch.Tensor]:
 TEMPORARY = re.compile(r"\.(.+)\.tmp(?:-\d+)?")  # atomic_path's name for a file being written
 # What glassloop writes in a run directory (checkpoints/ and report/ are checked inside too).
 OWN_NAMES = (
-    ".lock", "config.json", "run.json", "metrics.csv", "metrics.jsonl", "model.safetensors",
-    CHECKPOINTS, BEST, "report", "tensorboard", "tracking.json", "wandb", "profile",
-)  # fmt: skip
+    ".lock",
+    "config.json",
+    "run.json",
+    "metrics.csv",
+    "metrics.jsonl",
+    "model.safetensors",
+    CHECKPOINTS,
+    BEST,
+    "report",
+    "tensorboard",
+    "tracking.json",
+    "wandb",
+    "profile",
+)
 
 
 def refuse_links(run_dir: Path) -> None:
@@ -308,14 +344,18 @@ def refuse_links(run_dir: Path) -> None:
     own files (a checkpoint or ``best/`` linked to another disk, a prepared run directory):
     glassloop never writes, replaces or deletes through one, so the run could not go on."""
     found = [run_dir / name for name in OWN_NAMES if (run_dir / name).is_symlink()]
-    owned_folders = ((run_dir / CHECKPOINTS, STEP_DIR.pattern), (run_dir / "report", ""),
-                     (run_dir / "profile", ""))  # fmt: skip
+    owned_folders = (
+        (run_dir / CHECKPOINTS, STEP_DIR.pattern),
+        (run_dir / "report", ""),
+        (run_dir / "profile", ""),
+    )
     for folder, owned in owned_folders:
         if folder.is_dir() and not folder.is_symlink():
             found += [
-                p for p in sorted(folder.iterdir())
+                p
+                for p in sorted(folder.iterdir())
                 if p.is_symlink() and (not owned or STEP_DIR.match(p.name) or p.name == LATEST)
-            ]  # fmt: skip
+            ]
     if found:
         names = ", ".join(f"'{p}'" for p in found)
         raise ForeignPathError(

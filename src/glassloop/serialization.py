@@ -139,10 +139,12 @@ def behaviour_digest(value: Any) -> str | None:
     parts: list[bytes] = []
     if isinstance(value, torch.nn.Module):
         settings = {
-            k: v for k, v in sorted(vars(value).items())
-            if not k.startswith("_") and k != "training"
+            k: v
+            for k, v in sorted(vars(value).items())
+            if not k.startswith("_")
+            and k != "training"
             and isinstance(v, (int, float, str, bool, type(None)))
-        }  # fmt: skip
+        }
         parts.append(repr(settings).encode())
         for name, buffer in value.named_buffers():
             tensor = buffer.detach().cpu().contiguous()

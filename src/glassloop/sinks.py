@@ -72,9 +72,14 @@ class ProgressReporter:
                 left = sum(self._epoch_seconds) / len(self._epoch_seconds)
                 desc += f" (run: ~{format_duration(left * (num_epochs - epoch + 1))} left)"
             self._bar = tqdm(
-                total=total_samples, initial=done, desc=desc,
-                unit="sample", unit_scale=True, leave=False, dynamic_ncols=True,
-            )  # fmt: skip
+                total=total_samples,
+                initial=done,
+                desc=desc,
+                unit="sample",
+                unit_scale=True,
+                leave=False,
+                dynamic_ncols=True,
+            )
 
     def advance(self, num_samples: int, record: Any = None) -> None:
         """``num_samples`` more trained; with ``record`` (an :class:`EpochRecord`) the bar's
@@ -148,9 +153,18 @@ def format_duration(seconds: float) -> str:
 
 # In the files, not on the summary line (which keeps the tutorial-like shape).
 SUMMARY_SKIPS = (
-    "kind", "epoch", "step", "samples", "lr", "seconds", "samples_per_s", "grad_norm",
-    "max_memory_mb", "tokens_per_s", "mfu",
-)  # fmt: skip
+    "kind",
+    "epoch",
+    "step",
+    "samples",
+    "lr",
+    "seconds",
+    "samples_per_s",
+    "grad_norm",
+    "max_memory_mb",
+    "tokens_per_s",
+    "mfu",
+)
 
 
 def format_epoch_summary(row: dict[str, Any], num_epochs: int) -> str:

@@ -66,9 +66,14 @@ class EpochRecord:
         self.history: list[dict[str, Any]] = []
 
     def add_step(
-        self, loss: torch.Tensor | Mapping[str, torch.Tensor], samples: int, step_samples: int,
-        processes: int, *, summed: bool = False,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        loss: torch.Tensor | Mapping[str, torch.Tensor],
+        samples: int,
+        step_samples: int,
+        processes: int,
+        *,
+        summed: bool = False,
+    ) -> torch.Tensor:
         """A step's loss (or named losses), this process's ``samples`` of the step's
         ``step_samples`` over ``processes``; ``summed``: the loss is a sum over the step's
         samples. Kept on the device (no host sync per step), weighted by the step's samples

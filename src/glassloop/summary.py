@@ -20,10 +20,17 @@ import torch
 from torch import nn
 
 from glassloop.best import best_epoch, shown
-from glassloop.checkpointer import Checkpointer
 from glassloop.distributed import World, unwrap_model
 from glassloop.fsdp import class_name
+from glassloop.options import CheckpointConfig
 from glassloop.state import TrainState
+
+
+class HasPolicy(Protocol):
+    """What the end summary reads of a checkpointer: its policy (what picks the best)."""
+
+    @property
+    def policy(self) -> CheckpointConfig: ...
 
 
 class Described(Protocol):
@@ -44,7 +51,9 @@ class Described(Protocol):
     loss_reduction: str
     run_dir: Path | None
     state: TrainState
-    checkpointer: Checkpointer
+
+    @property
+    def checkpointer(self) -> HasPolicy: ...
 
     @property
     def history(self) -> list[dict[str, Any]]: ...

@@ -29,9 +29,15 @@ TIMING = ("seconds", "samples_per_s", "tokens_per_s", "mfu", "max_memory_mb")
 # Peak dense bf16/fp16 tensor FLOP/s by the CUDA device's name (vendors' data sheets; SXM
 # parts where there are several). A name not here: no MFU (a wrong peak is worse than none).
 PEAK_FLOPS = {
-    "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
-    "A10": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
-}  # fmt: skip
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+}
 
 
 def peak_flops(device: torch.device, precision: str) -> float | None:

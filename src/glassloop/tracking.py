@@ -231,11 +231,16 @@ class WandbTracker(Tracker):
         if self.config.uri:
             settings.base_url = self.config.uri  # checked by W&B: a bad one fails here
         self.run = self.wandb.init(
-            project=self.config.experiment, name=self.config.run_name or run_dir.name,
-            tags=[f"{k}={v}" for k, v in self.config.tags.items()], config=params,
-            dir=str(run_dir), id=previous, resume="allow" if previous else None,
-            settings=settings, reinit="create_new",
-        )  # fmt: skip
+            project=self.config.experiment,
+            name=self.config.run_name or run_dir.name,
+            tags=[f"{k}={v}" for k, v in self.config.tags.items()],
+            config=params,
+            dir=str(run_dir),
+            id=previous,
+            resume="allow" if previous else None,
+            settings=settings,
+            reinit="create_new",
+        )
         return str(self.run.id)
 
     def _log(self, numbers: dict[str, float], step: int) -> None:

@@ -50,9 +50,14 @@ class Validator:
     such row handed to ``sinks``."""
 
     def __init__(
-        self, sets: Validation | None, *, limit: int = 0, counted: bool = False, every: int = 0,
+        self,
+        sets: Validation | None,
+        *,
+        limit: int = 0,
+        counted: bool = False,
+        every: int = 0,
         sinks: Sequence[Callable[[dict[str, Any]], None]] = (),
-    ) -> None:  # fmt: skip
+    ) -> None:
         if sets is None:
             self.sets: dict[str, Iterable[Any]] = {}
         else:

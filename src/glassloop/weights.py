@@ -191,10 +191,17 @@ def load_checked(model: nn.Module, tensors: dict[str, torch.Tensor], source: Pat
 
 def safetensors_dtype(dtype: torch.dtype) -> str:
     names = {
-        torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-        torch.uint8: "U8", torch.bool: "BOOL",
-    }  # fmt: skip
+        torch.float32: "F32",
+        torch.float16: "F16",
+        torch.bfloat16: "BF16",
+        torch.float64: "F64",
+        torch.int64: "I64",
+        torch.int32: "I32",
+        torch.int16: "I16",
+        torch.int8: "I8",
+        torch.uint8: "U8",
+        torch.bool: "BOOL",
+    }
     return names.get(dtype, str(dtype))
 
 

@@ -189,7 +189,10 @@ def test_run_dir_files(tmp_path: Path) -> None:
             "Trainer: scheduler_interval must be one of epoch, step; got 'batch'",
         ),
         ({"ema_decay": 1.0}, "Trainer: ema_decay must be in [0, 1), got 1.0"),
-        ({"loss_reduction": "avg"}, "Trainer: loss_reduction must be one of auto, mean, sum; got 'avg'"),
+        (
+            {"loss_reduction": "avg"},
+            "Trainer: loss_reduction must be one of auto, mean, sum; got 'avg'",
+        ),
         ({"profile": -1}, "Trainer: profile must be >= 0, got -1"),
         (
             {"nonfinite": "ignore"},

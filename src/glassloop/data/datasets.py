@@ -96,9 +96,12 @@ def mnist_5k(normalize: bool = True) -> Splits:
         return ((x.astype(np.float32) / 255.0 - mean) / std).reshape(-1, 1, 28, 28)
 
     splits = from_arrays(
-        images(split["x_train"]), split["y_train"], images(split["x_val"]), split["y_val"],
+        images(split["x_train"]),
+        split["y_train"],
+        images(split["x_val"]),
+        split["y_val"],
         10,
-    )  # fmt: skip
+    )
     splits.preprocessing = {"scale": 1 / 255, "mean": [mean], "std": [std]}
     return splits
 
@@ -122,9 +125,13 @@ def digits(cfg: DataConfig) -> Splits:
     # pixels are 0-255.
     preprocessing = {"scale": 1 / 16, "image_to_raw": 16 / 255}
     return from_arrays(
-        arrays["x_train"], arrays["y_train"], arrays["x_val"], arrays["y_val"], 10,
+        arrays["x_train"],
+        arrays["y_train"],
+        arrays["x_val"],
+        arrays["y_val"],
+        10,
         preprocessing,
-    )  # fmt: skip
+    )
 
 
 def synthetic(cfg: DataConfig) -> Splits:
@@ -203,7 +210,7 @@ def npz(cfg: DataConfig, task: str = "classification") -> Splits:
 
 def npz_validation_sets(
     cfg: DataConfig, task: str, splits: Splits
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``data.val_sets``: each further validation set as ``(inputs, targets)``, read from an
     npz file like ``data.path`` (``x``/``y``, every row, or ``x_val``/``y_val``), checked as
     it is, its labels within the training set's classes and its inputs of the training

@@ -265,9 +265,12 @@ def image_folder_on_disk(cfg: DataConfig) -> DiskData | None:
         mean, std = [0.0] * channels, [1.0] * channels
     preprocessing = {"scale": 1 / 255, "mean": mean, "std": std, "image_shape": list(shape)}
     return DiskData(
-        ImageFiles(train, y_tr, shape, mean, std), ImageFiles(val, y_va, shape, mean, std),
-        preprocessing, names, shape,
-    )  # fmt: skip
+        ImageFiles(train, y_tr, shape, mean, std),
+        ImageFiles(val, y_va, shape, mean, std),
+        preprocessing,
+        names,
+        shape,
+    )
 
 
 def _unit(x: np.ndarray) -> tuple[list[float], list[float]]:
@@ -276,9 +279,13 @@ def _unit(x: np.ndarray) -> tuple[list[float], list[float]]:
 
 
 def _normalised(
-    x_tr: np.ndarray, y_tr: np.ndarray, x_va: np.ndarray, y_va: np.ndarray, names: list[str],
+    x_tr: np.ndarray,
+    y_tr: np.ndarray,
+    x_va: np.ndarray,
+    y_va: np.ndarray,
+    names: list[str],
     stats: tuple[list[float], list[float]] | None = None,
-) -> Splits:  # fmt: skip
+) -> Splits:
     """Pixels to [0, 1], then per-channel standardisation (given, or from the train split)."""
     train = x_tr.astype(np.float32) / 255.0
     val = x_va.astype(np.float32) / 255.0
@@ -289,8 +296,12 @@ def _normalised(
         stats = (mean.tolist(), std.tolist())
     m = np.array(stats[0], dtype=np.float32)[None, :, None, None]
     s = np.array(stats[1], dtype=np.float32)[None, :, None, None]
-    preprocessing = {"scale": 1 / 255, "mean": list(stats[0]), "std": list(stats[1]),
-                     "image_shape": list(x_tr.shape[1:])}  # fmt: skip
+    preprocessing = {
+        "scale": 1 / 255,
+        "mean": list(stats[0]),
+        "std": list(stats[1]),
+        "image_shape": list(x_tr.shape[1:]),
+    }
     return from_arrays((train - m) / s, y_tr, (val - m) / s, y_va, names, preprocessing)
 
 
@@ -300,10 +311,30 @@ IDX_FILES = {
 }
 FOLDERS = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}
 CIFAR_FILES = [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
-CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
-                 "ship", "truck"]  # fmt: skip
-FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
-                   "Sneaker", "Bag", "Ankle boot"]  # fmt: skip
+CIFAR_CLASSES = [
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
+]
+FASHION_CLASSES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
 
 
 def read_idx(path: Path) -> np.ndarray:

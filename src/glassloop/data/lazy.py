@@ -29,9 +29,13 @@ class DiskData:
     preprocessing saved with the weights (so ``predict`` reads raw inputs the same way)."""
 
     def __init__(
-        self, train: Any, val: Any, preprocessing: dict[str, Any], class_names: list[str],
+        self,
+        train: Any,
+        val: Any,
+        preprocessing: dict[str, Any],
+        class_names: list[str],
         input_shape: tuple[int, ...],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.train, self.val = train, val
         self.preprocessing = preprocessing
         self.class_names = class_names
@@ -44,9 +48,13 @@ class ImageFiles(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     standardised per channel with ``mean``/``std``."""
 
     def __init__(
-        self, files: list[Path], labels: np.ndarray, shape: tuple[int, int, int],
-        mean: list[float], std: list[float],
-    ) -> None:  # fmt: skip
+        self,
+        files: list[Path],
+        labels: np.ndarray,
+        shape: tuple[int, int, int],
+        mean: list[float],
+        std: list[float],
+    ) -> None:
         self.files = list(files)
         self.labels = torch.as_tensor(labels, dtype=torch.int64)
         self.shape = shape
@@ -93,9 +101,16 @@ def open_image(path: Path | io.BytesIO, who: str) -> Iterator[Any]:
             with Image.open(path) as opened:
                 yield opened
     except (
-        OSError, ValueError, SyntaxError, EOFError, IndexError, struct.error, zlib.error,
-        Image.DecompressionBombError, Image.DecompressionBombWarning,
-    ) as err:  # fmt: skip
+        OSError,
+        ValueError,
+        SyntaxError,
+        EOFError,
+        IndexError,
+        struct.error,
+        zlib.error,
+        Image.DecompressionBombError,
+        Image.DecompressionBombWarning,
+    ) as err:
         name = "image bytes" if isinstance(path, io.BytesIO) else f"image '{path}'"
         raise DataError(f"{who}: cannot read {name}: {err}") from err
 

@@ -174,8 +174,12 @@ class ResumableLoader(LoaderPosition):
         self.drop_last = drop_last
         self.sampler = EpochSampler(
             len(dataset),  # type: ignore[arg-type]
-            shuffle=shuffle, seed=seed, world=world, batch_size=batch_size, shard=shard,
-        )  # fmt: skip
+            shuffle=shuffle,
+            seed=seed,
+            world=world,
+            batch_size=batch_size,
+            shard=shard,
+        )
         # With lengths: batches of similar length (less padding), still resumable by count.
         self.buckets = (
             BucketBatchSampler(
@@ -359,9 +363,13 @@ class InMemoryLoader(LoaderPosition):
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.sampler = EpochSampler(
-            len(self.dataset), shuffle=shuffle, seed=seed, world=world, batch_size=batch_size,
+            len(self.dataset),
+            shuffle=shuffle,
+            seed=seed,
+            world=world,
+            batch_size=batch_size,
             shard=shard,
-        )  # fmt: skip
+        )
         self.augment = augment  # applied to the first tensor (the inputs) of each batch
         self.epoch = 0
         self.batches_consumed = 0
@@ -436,9 +444,15 @@ def make_loader(
         and collate_fn is None
     ):
         return InMemoryLoader(
-            tensors, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
-            device=device, world=world, shard=shard,
-        )  # fmt: skip
+            tensors,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            device=device,
+            world=world,
+            shard=shard,
+        )
     if tensors is not None:
         dataset = TensorDataset(*tensors)
     if num_workers == "auto":
@@ -483,8 +497,11 @@ def loaders_for_splits(
     """
     pin = device is not None and torch.device(device).type == "cuda"
     common: dict[str, Any] = {
-        "num_workers": num_workers, "pin_memory": pin, "seed": seed, "world": world,
-    }  # fmt: skip
+        "num_workers": num_workers,
+        "pin_memory": pin,
+        "seed": seed,
+        "world": world,
+    }
     train = make_loader(
         (splits.x_train, splits.y_train), batch_size=batch_size, shuffle=shuffle, **common
     )
@@ -495,7 +512,9 @@ def loaders_for_splits(
             )
         train.augment = BatchAugment(augment, seed=seed)
     val = make_loader(
-        (splits.x_val, splits.y_val), batch_size=eval_batch_size or batch_size,
-        shard="strided", **common,
-    )  # fmt: skip
+        (splits.x_val, splits.y_val),
+        batch_size=eval_batch_size or batch_size,
+        shard="strided",
+        **common,
+    )
     return train, val

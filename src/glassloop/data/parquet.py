@@ -113,9 +113,17 @@ class ParquetTexts(ArrowRows):
     labels; opened and tokenized lazily per process (the tokenizer travels as its JSON)."""
 
     def __init__(
-        self, path: Path, indices: np.ndarray, labels: np.ndarray, *, column: str,
-        tokenizer_json: str, max_length: int, pad_id: int, lengths: list[int],
-    ) -> None:  # fmt: skip
+        self,
+        path: Path,
+        indices: np.ndarray,
+        labels: np.ndarray,
+        *,
+        column: str,
+        tokenizer_json: str,
+        max_length: int,
+        pad_id: int,
+        lengths: list[int],
+    ) -> None:
         super().__init__(path, indices, labels)
         self.column = column
         self.tokenizer_json = tokenizer_json
@@ -229,9 +237,15 @@ def open_arrow(path: Path) -> Any:
 
 
 def parquet_splits(
-    path: str, *, label_column: str, image_column: str, image_size: int, channels: int,
-    val_fraction: float, seed: int,
-) -> tuple[ParquetRows, ParquetRows, dict[str, Any], list[str]]:  # fmt: skip
+    path: str,
+    *,
+    label_column: str,
+    image_column: str,
+    image_size: int,
+    channels: int,
+    val_fraction: float,
+    seed: int,
+) -> tuple[ParquetRows, ParquetRows, dict[str, Any], list[str]]:
     """Training and validation rows of one Parquet file (a seeded random split), the
     preprocessing to save with the weights, and the class names. Only the label column (and,
     for numeric features, their columns) is read here, column by column."""
@@ -257,9 +271,12 @@ def parquet_splits(
         features, shape = numeric, (1, 0, 0)
         preprocessing = {"feature_columns": numeric, "mean": mean, "std": std}
     common: dict[str, Any] = {
-        "features": features, "image_column": image_column, "image_shape": shape,
-        "mean": mean, "std": std,
-    }  # fmt: skip
+        "features": features,
+        "image_column": image_column,
+        "image_shape": shape,
+        "mean": mean,
+        "std": std,
+    }
     return (
         ParquetRows(arrow, train_idx, labels, **common),
         ParquetRows(arrow, val_idx, labels, **common),
@@ -331,9 +348,16 @@ def _image_stats(
 
 
 def parquet_texts(
-    path: str, *, label_column: str, text_column: str, tokenizer: str, vocab_size: int,
-    max_length: int, val_fraction: float, seed: int,
-) -> TextData:  # fmt: skip
+    path: str,
+    *,
+    label_column: str,
+    text_column: str,
+    tokenizer: str,
+    vocab_size: int,
+    max_length: int,
+    val_fraction: float,
+    seed: int,
+) -> TextData:
     """Training and validation texts of one Parquet file (a seeded random split) with their
     tokenizer: ``tokenizer`` (a ``tokenizer.json``) or one trained on the training texts,
     streamed from the memory-mapped file a chunk at a time. The texts stay on disk; only the
@@ -354,8 +378,12 @@ def parquet_texts(
     encoder = Tokenizer.from_str(tokenizer_json)
     pad = encoder.token_to_id(PAD)
     pad_id = 0 if pad is None else int(pad)
-    common: dict[str, Any] = {"column": text_column, "tokenizer_json": tokenizer_json,
-                              "max_length": max_length, "pad_id": pad_id}  # fmt: skip
+    common: dict[str, Any] = {
+        "column": text_column,
+        "tokenizer_json": tokenizer_json,
+        "max_length": max_length,
+        "pad_id": pad_id,
+    }
     sets = []
     for rows in (train_idx, val_idx):
         lengths = [
@@ -364,8 +392,16 @@ def parquet_texts(
             for e in encoder.encode_batch(texts)
         ]
         sets.append(ParquetTexts(arrow, rows, labels, lengths=lengths, **common))
-    return TextData(sets[0], sets[1], encoder.get_vocab_size(), pad_id, len(classes), classes,
-                    tokenizer_json, max_length)  # fmt: skip
+    return TextData(
+        sets[0],
+        sets[1],
+        encoder.get_vocab_size(),
+        pad_id,
+        len(classes),
+        classes,
+        tokenizer_json,
+        max_length,
+    )
 
 
 def _chunks(column: Any, rows: np.ndarray, size: int = 8192) -> Iterator[list[str]]:

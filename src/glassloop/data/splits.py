@@ -33,10 +33,15 @@ class Splits:
 
 
 def from_arrays(
-    x_tr: np.ndarray, y_tr: np.ndarray, x_va: np.ndarray, y_va: np.ndarray,
-    class_names: list[str] | int, preprocessing: dict[str, Any] | None = None,
-    *, values: bool = False,
-) -> Splits:  # fmt: skip
+    x_tr: np.ndarray,
+    y_tr: np.ndarray,
+    x_va: np.ndarray,
+    y_va: np.ndarray,
+    class_names: list[str] | int,
+    preprocessing: dict[str, Any] | None = None,
+    *,
+    values: bool = False,
+) -> Splits:
     """float32 inputs and int64 labels (``values``: float32 targets, one column per output,
     for a regression or multilabel task); ``class_names`` may be a count (names "0", "1",
     ...) and names the outputs for ``values``.
