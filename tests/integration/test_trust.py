@@ -21,6 +21,7 @@ from torch import nn
 
 from glassloop import CheckpointError, ModelError, load_model, load_weights
 from glassloop.checkpoint import FILES, find_resumable, read_checkpoint, sha256_of
+from glassloop.checkpointer import check_training_state
 from glassloop.cli.main import main
 from glassloop.export import export_model
 
@@ -311,8 +312,8 @@ def test_a_crafted_checkpoint_is_one_error_and_resume_falls_back(
     DAMAGE[damage](newest)
     reseal(newest)  # the manifest matches: only the contents are wrong
     with pytest.raises(CheckpointError, match=str(newest)):
-        read_checkpoint(newest)
-    found, problems = find_resumable(run)
+        read_checkpoint(newest, check_training_state)  # (the resuming side's check)
+    found, problems = find_resumable(run, check_training_state)
     assert found is not None and found.path != newest and len(problems) == 1
 
 

@@ -440,10 +440,10 @@ def test_a_kill_between_an_epochs_row_and_its_checkpoint_leaves_one_row_per_epoc
     straight.fit(user_loader(), epochs=2)
     save = Checkpointer.save
 
-    def dies_at_epoch_1s_end(self: Checkpointer, model: Any, state: Any, meta: Any, *a: Any) -> Any:
-        if meta["epoch"] == 1 and meta["batch_in_epoch"] == 0:  # the epoch's own checkpoint
+    def dies_at_epoch_1s_end(self: Checkpointer, **kwargs: Any) -> Any:
+        if self.state.epoch == 1 and self.state.batch_in_epoch == 0:  # the epoch's own
             raise Kill
-        return save(self, model, state, meta, *a)
+        return save(self, **kwargs)
 
     monkeypatch.setattr(Checkpointer, "save", dies_at_epoch_1s_end)
     with pytest.raises(Kill):
