@@ -22,19 +22,27 @@ from glassloop._version import __version__
 # Each public name and the module that defines it.
 _EXPORTS = {
     "Callback": "glassloop.callbacks",
+    "CheckpointConfig": "glassloop.options",
     "CheckpointError": "glassloop.errors",
     "Config": "glassloop.config",
     "ConfigError": "glassloop.errors",
     "DataError": "glassloop.errors",
+    "EarlyStopping": "glassloop.callbacks",
     "GlassloopError": "glassloop.errors",
     "ModelError": "glassloop.errors",
+    "NonFinitePolicy": "glassloop.guards",
     "Predictor": "glassloop.prediction",
     "Preempted": "glassloop.preemption",
     "Run": "glassloop.assemble",
+    "RunEvaluation": "glassloop.run_evaluation",
+    "RunInfo": "glassloop.options",
+    "TrackingConfig": "glassloop.options",
+    "TrainOptions": "glassloop.options",
     "TrainState": "glassloop.state",
     "Trainer": "glassloop.loop",
     "build": "glassloop.assemble",
     "evaluate": "glassloop.evaluation",
+    "evaluate_run": "glassloop.run_evaluation",
     "export_model": "glassloop.export",
     "format_report": "glassloop.metrics",
     "load_config": "glassloop.config",
@@ -42,26 +50,35 @@ _EXPORTS = {
     "load_weights": "glassloop.weights",
     "lr_find": "glassloop.lr_finder",
     "predict": "glassloop.evaluation",
+    "report_run": "glassloop.run_evaluation",
     "save_weights": "glassloop.weights",
     "seed_everything": "glassloop.rng",
 }
 
 __all__ = [
     "Callback",
+    "CheckpointConfig",
     "CheckpointError",
     "Config",
     "ConfigError",
     "DataError",
+    "EarlyStopping",
     "GlassloopError",
     "ModelError",
+    "NonFinitePolicy",
     "Predictor",
     "Preempted",
     "Run",
+    "RunEvaluation",
+    "RunInfo",
+    "TrackingConfig",
+    "TrainOptions",
     "TrainState",
     "Trainer",
     "__version__",
     "build",
     "evaluate",
+    "evaluate_run",
     "export_model",
     "format_report",
     "load_config",
@@ -69,6 +86,7 @@ __all__ = [
     "load_weights",
     "lr_find",
     "predict",
+    "report_run",
     "save_weights",
     "seed_everything",
 ]
@@ -89,16 +107,19 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from glassloop.assemble import Run, build
-    from glassloop.callbacks import Callback
+    from glassloop.callbacks import Callback, EarlyStopping
     from glassloop.config import Config, load_config
     from glassloop.errors import CheckpointError, ConfigError, DataError, GlassloopError, ModelError
     from glassloop.evaluation import evaluate, predict
     from glassloop.export import export_model, load_model
+    from glassloop.guards import NonFinitePolicy
     from glassloop.loop import Trainer
     from glassloop.lr_finder import lr_find
     from glassloop.metrics import format_report
+    from glassloop.options import CheckpointConfig, RunInfo, TrackingConfig, TrainOptions
     from glassloop.prediction import Predictor
     from glassloop.preemption import Preempted
     from glassloop.rng import seed_everything
+    from glassloop.run_evaluation import RunEvaluation, evaluate_run, report_run
     from glassloop.state import TrainState
     from glassloop.weights import load_weights, save_weights

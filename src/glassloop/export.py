@@ -186,9 +186,12 @@ def model_description(weights: Weights) -> dict[str, Any]:
             f"checkpoint: '{weights.path}' has a malformed model description ({err})"
         ) from err
     return {
-        **spec, "model": model, "input_shape": input_shape, "num_classes": num_classes,
+        **spec,
+        "model": model,
+        "input_shape": input_shape,
+        "num_classes": num_classes,
         "task": task,
-    }  # fmt: skip
+    }
 
 
 def _positive(value: Any) -> int:
@@ -229,10 +232,12 @@ def model_from(
     else:
         require_trust({"model": {"target": cfg.target}}, weights.path, trust_code)
         build: dict[str, Any] = {
-            "input_shape": tuple(spec["input_shape"]), "num_classes": spec["num_classes"],
-            "vocab_size": int(spec.get("vocab_size", 0)), "pad_id": int(spec.get("pad_id", 0)),
+            "input_shape": tuple(spec["input_shape"]),
+            "num_classes": spec["num_classes"],
+            "vocab_size": int(spec.get("vocab_size", 0)),
+            "pad_id": int(spec.get("pad_id", 0)),
             "target_scale": target_scale_of(spec.get("preprocessing") or {}),
-        }  # fmt: skip
+        }
         if not cfg.target:
             # Shapes first, on the meta device (no memory): a description that does not
             # match the file's tensors is refused before anything is allocated.

@@ -37,8 +37,10 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
     (a parent-death signal): a ``kill -9`` of this command leaves nothing running headless,
     holding the run directory's lock.
 
-    >>> launch_torchrun(2, ["train", "--nproc", "2", "--run-dir", "runs/a"])  # doctest: +SKIP
-    0
+    ``glassloop train my.toml --nproc 2 --run-dir runs/a`` is
+    ``launch_torchrun(2, ["train", "my.toml", "--nproc", "2", "--run-dir", "runs/a"])``: it runs
+    ``python -m torch.distributed.run --standalone --nproc-per-node=2 -m glassloop train my.toml
+    --run-dir runs/a`` and returns 0 when both workers said 0.
     """
     command = [
         sys.executable,

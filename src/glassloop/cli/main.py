@@ -529,7 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_command(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv``, run the command, map errors to exit codes (module docstring)."""
+    """Parse ``argv``, run the command, map errors to exit codes (EPILOG)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = make_parser().parse_args(argv)
     args.argv = argv  # (what a worker of --nproc runs, less --nproc)
