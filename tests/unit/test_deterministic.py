@@ -60,5 +60,7 @@ def test_the_config_key_reaches_the_trainer_and_a_wrong_value_is_one_line() -> N
     assert from_dict({"train": {"deterministic": "warn"}}).train.deterministic == "warn"
     with pytest.raises(ConfigError, match=r"train\.deterministic"):
         from_dict({"train": {"deterministic": "always"}})
-    with pytest.raises(ConfigError, match=r"^Trainer: deterministic must be one of False, True, warn"):
+    with pytest.raises(
+        ConfigError, match=r"^Trainer: deterministic must be one of False, True, warn"
+    ):
         make(Path("/nonexistent"), "always")

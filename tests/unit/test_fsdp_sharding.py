@@ -185,7 +185,9 @@ def test_a_one_process_fsdp_run_writes_dcp_checkpoints_and_resumes_bitwise(
 
 
 def test_unsupported_options_are_refused_with_what_to_do() -> None:
-    with pytest.raises(ConfigError, match="strategy must be one of auto, ddp, fsdp, dp; got 'fsdpp'"):
+    with pytest.raises(
+        ConfigError, match="strategy must be one of auto, ddp, fsdp, dp; got 'fsdpp'"
+    ):
         trainer(None, strategy="fsdpp", world=World())  # a typo, also with a given world
     with pytest.raises(ConfigError, match=r"ema_decay is not supported with .*fsdp"):
         trainer(None, ema_decay=0.9)
