@@ -27,6 +27,7 @@ from glassloop.fsdp import local
 from glassloop.precision import autocast
 from glassloop.state import TrainState
 from glassloop.tasks import LABEL_TASKS, class_scores, prediction_of
+from glassloop.validation import AT_LEAST_1, check_range
 
 SPIKE_WINDOW = 20  # the steps a loss spike is measured against (their median)
 
@@ -353,6 +354,7 @@ class NonFinitePolicy:
             raise GlassloopError(
                 f"train.nonfinite must be 'raise', 'strict' or 'skip', got {policy!r}"
             )
+        check_range("max_skips", max_skips, AT_LEAST_1, where="NonFinitePolicy")
         self.policy = policy
         self.max_skips = max_skips
 

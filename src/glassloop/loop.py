@@ -18,39 +18,24 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+import glassloop.distributed as distributed
 import glassloop.evaluation as evaluation
 import glassloop.fsdp as fsdp
 import glassloop.guards as guards
 import glassloop.optimizers as optimizers
+import glassloop.options as options
 import glassloop.tasks as tasks
 from glassloop.batch import Inputs, Window, batch_size_of, loss_weights, split_batch, token_counts
 from glassloop.callbacks import Callback
 from glassloop.checkpointer import Checkpointer
 from glassloop.deprecated import fold_replaced
 from glassloop.device import move_to_device, resolve_device
-from glassloop.distributed import (
-    World,
-    agreed_counts,
-    all_reduce,
-    barrier,
-    init_from_env,
-    local_device,
-    unwrap_model,
-)
 from glassloop.errors import GlassloopError
 from glassloop.evaluation import LossFn, Metric
 from glassloop.fsdp import gradient_sync
 from glassloop.guards import NonFinitePolicy, NonFiniteWatch
 from glassloop.optimizers import Schedulers, optimizer_parameters
-from glassloop.options import (
-    OPTIONS,
-    SCHEDULER_INTERVALS,
-    CheckpointConfig,
-    RunInfo,
-    TrackingConfig,
-    check_options,
-    described,
-)
+from glassloop.options import CheckpointConfig, RunInfo, TrackingConfig
 from glassloop.parallelize import averaged, evaluated, prepare_model
 from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import Preempted, StopSignals
@@ -64,7 +49,6 @@ from glassloop.state import EpochRecord, TrainState, step_loss
 from glassloop.summary import end_summary, samples_in, start_header
 from glassloop.tasks import model_loss
 from glassloop.throughput import Throughput, peak_flops
-from glassloop.validation import check_choice
 from glassloop.validator import Validation, Validator
 
 # What a train_step returns: the step's loss, named losses, or None (skipped).
@@ -137,7 +121,7 @@ class Trainer:
         callbacks: Sequence[Callback] = (),
         # where it runs
         device: str | torch.device = "auto",
-        world: World | None = None,
+        world: distributed.World | None = None,
         strategy: str = "auto",
         # the run directory
         run_dir: str | Path | None = None,
@@ -151,19 +135,16 @@ class Trainer:
         profile: int = 0,
         **replaced: Any,  # names replaced in 0.2 (glassloop.deprecated), with a warning
     ) -> None:
-        # Every option against its rule in glassloop.options (the config reader's too); the
-        # arguments by name, before any other local is set. What a run records: the same.
-        self.options = {name: value for name, value in locals().items() if name in OPTIONS}
-        check_options(self.options)
-        check_choice("scheduler_interval", scheduler_interval, SCHEDULER_INTERVALS, where="Trainer")
+        # The arguments, before any other local is set: each option against its rule (as a
+        # config's), and what a run built in Python records.
+        options.check_options(locals())
+        self.options = {name: value for name, value in locals().items() if name in options.OPTIONS}
         policy, compiled, run_info = fold_replaced(replaced, nonfinite, compile, run_info)
-        check_options({"max_nonfinite_skips": policy.max_skips})
         guards.check_model(model)  # its own train()/eval() in place of nn.Module's, no weights
         optimizer = optimizers.one_optimizer(optimizer)  # several by name (a GAN's): one
         scheduler = Schedulers(scheduler) if isinstance(scheduler, Mapping) else scheduler
-        # What the model is trained to do (glassloop.tasks): decides what predict returns,
-        # the metrics and the checks; loss_fn=None: the model computes its own loss.
-        # A model with several heads: a task each ({"kind": "classification", ...}).
+        # What the model is trained to do (glassloop.tasks), or each head's: what predict
+        # returns, the metrics and the checks.
         task, self.heads = tasks.resolve_heads(task)
         self.task = tasks.resolve_task(task, loss_fn)
         # (BCELoss, a final nn.Sigmoid: probabilities already, never through a second one)
@@ -172,16 +153,14 @@ class Trainer:
         self.loss_reduction = tasks.reduction_of(loss_fn, loss_reduction)
         self.summed = self.loss_reduction == "sum"  # (read every step: an attribute)
         self.metrics = evaluation.metric_table(metrics, self.task, self.heads)
-        self.validate_every_n_steps = validate_every_n_steps
-        self.limit_batches = limit_batches
+        self.validate_every_n_steps, self.limit_batches = validate_every_n_steps, limit_batches
         if seed is not None:
             seed_everything(seed)
         self.deterministic = use_deterministic(deterministic)  # "on", "warn" or "off"
-        # Several processes (torchrun): join their process group (a no-op in one process),
-        # this process's rank, and its own device.
+        # Several processes (torchrun): join their process group; this process's device.
         resolved = resolve_device(device)
-        self.world = world if world is not None else init_from_env(resolved, strategy=strategy)
-        self.device = local_device(resolved, self.world)
+        self.world = world or distributed.init_from_env(resolved, strategy=strategy)
+        self.device = distributed.local_device(resolved, self.world)
         self.distributed = self.world.distributed  # (read every step: an attribute)
         self.precision_note = check_precision(precision, self.device)
         # Compiled, then under DDP or FSDP2 with several processes (glassloop.parallelize);
@@ -203,8 +182,7 @@ class Trainer:
         self.scheduler, self.scheduler_interval = scheduler, scheduler_interval
         self.precision = precision
         self.scaler = make_scaler(precision, self.device)
-        self.grad_accum_steps = grad_accum_steps
-        self.loss_weighting = loss_weighting
+        self.grad_accum_steps, self.loss_weighting = grad_accum_steps, loss_weighting
         self.ignore_index = ignore_index
         self.clip_grad_norm = clip_grad_norm or None
         self.clip_grad_value = clip_grad_value or None
@@ -289,9 +267,8 @@ class Trainer:
             raise GlassloopError(f"train.epochs must be a positive integer, got {epochs!r}")
         self.should_stop = self._checked_first_batch = False  # a Trainer may fit again
         self._train_loader = train_loader
-        # samples/s, tokens/s (a language model's), MFU where the GPU's peak is known
         lm, peak = self.task == "language-model", peak_flops(self.device, self.precision)
-        self.throughput = Throughput(tokens=lm, peak=peak, world=self.world)
+        self.throughput = Throughput(tokens=lm, peak=peak, world=self.world)  # samples/s, MFU
         self.validator = Validator(
             val_loader,
             limit=self.limit_batches,
@@ -305,7 +282,7 @@ class Trainer:
         self.info.versions = environment(self.deterministic) if self.run_dir else {}
         self.checkpointer.attach(self.stateful(), loader=train_loader)  # what a save holds
         with self.run_log.hold():  # the run directory's lock, for the whole fit
-            barrier()  # nobody reads the run dir while rank 0 tidies it
+            distributed.barrier()  # nobody reads the run dir while rank 0 tidies it
             allow, warn = allow_config_change, self.console.message
             self.checkpointer.resume(resume, epochs=epochs, allow_config_change=allow, warn=warn)
             if self.state.epoch >= epochs or self.state.stopped:
@@ -456,7 +433,8 @@ class Trainer:
             counts = token_counts([t for _, t in micro], self._label_shift or 0, self.ignore_index)
         total, signum = sum(counts), None
         if self.distributed:  # the counts of every process, and a stop signal of any
-            total, samples, signum = agreed_counts(total, samples, self._signals.received)
+            got = self._signals.received
+            total, samples, signum = distributed.agreed_counts(total, samples, got)
         weights = loss_weights(counts, total, self.world.size, summing=self.summed)
         return Window(micro, list(weights), samples), signum
 
@@ -591,10 +569,10 @@ class Trainer:
         """Checkpoint and stop after this step if any process got SIGTERM/SIGINT (``agreed``:
         in this step's collective), every process at the same step."""
         signum = self._signals.received or 0
-        if self.distributed:  # this step's collective's, or one now (an epoch's end)
-            signum = (
-                agreed if agreed is not None else int(all_reduce(torch.tensor([signum]), "max"))
-            )
+        if self.distributed and agreed is not None:
+            signum = agreed  # this step's collective's
+        elif self.distributed:  # an epoch's end: one collective now
+            signum = int(distributed.all_reduce(torch.tensor([signum]), "max"))
         if signum:
             path = self.checkpointer.save()
             raise Preempted(signum, self.state.step, str(path) if path is not None else None)
@@ -604,8 +582,7 @@ class Trainer:
         value = step_loss(loss, self.world)  # a host sync, only every log_every steps
         self.console.log_step(value, sum(self.record.sizes))
         norm = None if self.last_grad_norm is None else float(self.last_grad_norm)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.run_log.write_step(loss=value, lr=lr, grad_norm=norm)
+        self.run_log.write_step(loss=value, lr=self.optimizer.param_groups[0]["lr"], grad_norm=norm)
 
     # ------------------------------------------------------------ around the loop: hooks
     def check_first_batch(self, inputs: Inputs, target: Any) -> None:
@@ -613,7 +590,7 @@ class Trainer:
         inputs, labels within the model's outputs. Override it to replace it, or with
         ``pass`` to switch it off (e.g. for a model that keeps state between steps)."""
         guards.check_first_batch(
-            unwrap_model(self.model),
+            distributed.unwrap_model(self.model),
             inputs,
             target,
             precision=self.precision,
@@ -651,10 +628,10 @@ class Trainer:
         """What a run built in Python (no config file) records and a resume compares: what
         it was given (:func:`glassloop.run_log.python_config`) and every option as this
         Trainer resolved it (its attribute of the same name, where it keeps one)."""
-        options = {name: getattr(self, name, value) for name, value in self.options.items()}
-        options["task"] = self.heads or self.task  # (a task per head: the heads')
+        resolved = {name: getattr(self, name, value) for name, value in self.options.items()}
+        resolved["task"] = self.heads or self.task  # (a task per head: the heads')
         given = (self.model, self.optimizer, self.loss_fn, self.scheduler, self.scheduler_interval)
-        return python_config(*given, options)
+        return python_config(*given, resolved)
 
     @property
     def last_eval(self) -> dict[str, Any] | None:
@@ -703,21 +680,17 @@ class Trainer:
         mode; with a task per head every head's, in a dict by name (a tuple for a model that
         returns one: :func:`~glassloop.evaluation.predict_heads`; hence ``Any``).
         In a multi-process FSDP job every process calls it, each with its own data."""
+        common: dict[str, Any] = {"batch_size": batch_size, "device": self.device}
+        model = self.eval_model
         with autocast(self.precision, self.device):
             if self.heads:
-                model, size, device = self.eval_model, batch_size, self.device
-                return evaluation.predict_heads(
-                    model, data, self.heads, batch_size=size, device=device
-                )
-            return evaluation.predict(  # a loss of the user's says nothing: as they are
-                self.eval_model,
-                data,
-                task=tasks.predicted_task(self.task, self.loss_fn, self.last_eval),
-                batch_size=batch_size,
-                device=self.device,
-                classes=classes,
-                probabilities=self.probabilities,
+                return evaluation.predict_heads(model, data, self.heads, **common)
+            # (a loss of the user's says nothing: the outputs as they are)
+            task = tasks.predicted_task(self.task, self.loss_fn, self.last_eval)
+            probs = self.probabilities
+            return evaluation.predict(
+                model, data, task=task, classes=classes, probabilities=probs, **common
             )
 
 
-Trainer.__doc__ = (Trainer.__doc__ or "") + described()  # the options, one entry each
+Trainer.__doc__ = (Trainer.__doc__ or "") + options.described()  # the options, one entry each

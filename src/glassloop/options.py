@@ -172,10 +172,16 @@ def rules(cls: type = TrainOptions) -> dict[str, Rule]:
 
 
 def check_options(values: dict[str, Any], *, where: str = "Trainer") -> None:
-    """Check each of ``values`` (by option name) against its rule; a value of another kind
-    than the rule's (a Python object where a config takes a name, ``None``) is left to the
-    part that takes it."""
-    table = rules()
+    """Check each of ``values`` that is an option (by name; the scheduler's interval too)
+    against its rule; a value of another kind than the rule's (a Python object where a
+    config takes a name, ``None``) is left to the part that takes it.
+
+    >>> check_options({"log_every": 0, "model": object()})
+    Traceback (most recent call last):
+    ...
+    glassloop.errors.ConfigError: Trainer: log_every must be >= 1, got 0
+    """
+    table = {**rules(TrainConfig), "scheduler_interval": SCHEDULER_INTERVALS}
     for name, value in values.items():
         rule = table.get(name)
         if isinstance(rule, Range) and isinstance(value, (int, float)):
