@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/checkpoint.py [--reps 10]
 
-Trains one epoch so the optimizer state is populated, then times ``Trainer.save_checkpoint``
+Trains one epoch so the optimizer state is populated, then times ``trainer.checkpointer.save()``
 (write + fsync + SHA-256 manifest + atomic rename) and a full resume load (manifest and hash
 verification, header checks, weights into the model, optimizer/scheduler/RNG/loop state).
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from glassloop import build, load_config
 from glassloop.checkpoint import read_checkpoint
+from glassloop.checkpointer import check_training_state
 from glassloop.weights import load_weights
 
 
@@ -34,11 +35,11 @@ def main() -> None:
         path = None
         for _ in range(args.reps):
             start = time.perf_counter()
-            path = trainer.save_checkpoint()
+            path = trainer.checkpointer.save()  # fit handed it its parts
             saves.append(time.perf_counter() - start)
             assert path is not None
             start = time.perf_counter()
-            checkpoint = read_checkpoint(path)
+            checkpoint = read_checkpoint(path, check_training_state)
             load_weights(trainer.model, checkpoint.weights)
             trainer.load_state_dict(checkpoint.state)
             loads.append(time.perf_counter() - start)

@@ -70,3 +70,13 @@ def fold_replaced(
             replaced.get("config", info.config), replaced.get("model_spec", info.model_spec)
         )
     return nonfinite, options, info
+
+
+def warn_replaced(old: str, new: str) -> None:
+    """A name replaced in 0.3 (the one Trainer and its Checkpointer): it works, with a
+    ``DeprecationWarning`` naming its replacement, until 0.4."""
+    warnings.warn(
+        f"{old} is replaced by {new}; the old name goes in glassloop 0.4",
+        DeprecationWarning,
+        stacklevel=3,
+    )

@@ -1,9 +1,7 @@
-"""The training loop, one class: :class:`Trainer`. ``Trainer.fit`` runs epochs and
-``Trainer.train_step`` is one optimizer step. Its parts each have one job (a ``Checkpointer``,
-a ``RunLog``, a ``Validator``, the guards); its options are one table
-(:class:`glassloop.options.TrainOptions`). The constructor comes first, then the loop in the
-order it runs (``fit`` → ``_train`` → ``_run_epoch`` → ``_step_window`` → ``train_step`` →
-``_end_epoch``), then what is around it (checkpoint state, ``evaluate``, ``predict``).
+"""The training loop, one class: :class:`Trainer`. Its constructor, then the loop in the order
+it runs (``fit`` → ``_run_epoch`` → ``_step_window`` → ``train_step``), then checkpoint state,
+``evaluate`` and ``predict``; each other job is one call into a part (``Checkpointer``,
+``RunLog``, ``Validator``, guards), its options one table (:mod:`glassloop.options`).
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ import glassloop.tasks as tasks
 from glassloop.batch import Inputs, Window, batch_size_of, loss_weights, split_batch, token_counts
 from glassloop.callbacks import Callback
 from glassloop.checkpointer import Checkpointer
-from glassloop.deprecated import fold_replaced
+from glassloop.deprecated import fold_replaced, warn_replaced
 from glassloop.device import move_to_device, resolve_device
 from glassloop.errors import GlassloopError
 from glassloop.evaluation import LossFn, Metric
@@ -84,8 +82,7 @@ class Trainer:
         history = trainer.fit(train_loader, val_loader, epochs=10)
         probs = trainer.predict(x_new)
 
-    Every argument is described below (:mod:`glassloop.options`: each option's text is in
-    its table, where an editor shows it).
+    Every argument is described below (each option's text in :mod:`glassloop.options`).
     """
 
     def __init__(
@@ -623,6 +620,17 @@ class Trainer:
         guard's window (:meth:`glassloop.checkpointer.Checkpointer.state_dict`)."""
         self.checkpointer.attach(self.stateful(), loader=self._train_loader)
         return self.checkpointer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the weights are the model's own to load)."""
+        self.checkpointer.attach(self.stateful(), loader=self._train_loader)
+        self.checkpointer.load_state_dict(state)
+
+    def save_checkpoint(self, *, finished: bool = False, best: bool = False) -> Path | None:
+        """Replaced in 0.3 by ``trainer.checkpointer.save()``; works, with a warning, until 0.4."""
+        warn_replaced("Trainer.save_checkpoint()", "trainer.checkpointer.save()")
+        self.checkpointer.attach(self.stateful(), loader=self._train_loader)
+        return self.checkpointer.save(finished=finished, best=best)
 
     def python_config(self) -> dict[str, Any]:
         """What a run built in Python (no config file) records and a resume compares: what

@@ -195,3 +195,20 @@ def test_an_unknown_argument_is_a_type_error() -> None:
         make(max_skips=3)
     with pytest.raises(Exception, match="compile takes"):
         make(compile={"fullgraph": True})
+
+
+def test_save_checkpoint_still_works_with_a_warning_and_state_loads_back(tmp_path: Path) -> None:
+    """Trainer.save_checkpoint() (0.2) saves through the checkpointer, with a warning;
+    load_state_dict() restores what state_dict() gave, the loop's position included."""
+    trainer = make(run_dir=tmp_path / "run")
+    x, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    trainer.fit(loader, epochs=1)
+    saved = trainer.state_dict()
+    with pytest.warns(DeprecationWarning, match=r"save_checkpoint\(\) is replaced by"):
+        path = trainer.save_checkpoint()
+    assert path is not None and (path / "manifest.json").is_file()
+    again = make()
+    again.load_state_dict(saved)
+    assert (again.state.step, again.state.epoch) == (4, 1)
+    assert again.history == trainer.history
