@@ -76,7 +76,7 @@ def model_spec(cfg: Config, data: Splits | TextData | DiskData) -> dict[str, Any
 
 
 @dataclass
-class Parts:
+class Built:
     """What a config describes before any training: the data and its loaders, the model and
     the loss (no optimizer, no Trainer, no process group): what ``glassloop eval`` and
     ``report`` need."""
@@ -186,7 +186,7 @@ def located(cfg: Config, folder: Path | None) -> Config:
     return cfg
 
 
-def build_parts(cfg: Config, *, world: World = SINGLE, files_from: Path | None = None) -> Parts:
+def build_parts(cfg: Config, *, world: World = SINGLE, files_from: Path | None = None) -> Built:
     """Seed, load the data, make the loaders, build the model and the loss; ``files_from``:
     the folder a run being read again was started in (:func:`located`)."""
     cfg = located(cfg, files_from)
@@ -290,7 +290,7 @@ def build_parts(cfg: Config, *, world: World = SINGLE, files_from: Path | None =
     loss_fn = build_loss(
         cfg.loss, num_outputs=data.num_classes, ignore_index=cfg.train.ignore_index
     )
-    return Parts(
+    return Built(
         cfg, data, train_loader, val_loader, model, loss_fn.to(device), device, task, val_sets
     )
 

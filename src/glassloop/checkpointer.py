@@ -49,6 +49,7 @@ from glassloop.checkpoint import (
     step_dirs,
 )
 from glassloop.data.options import DataConfig
+from glassloop.data.position import replay_caveat
 from glassloop.distributed import SINGLE, World, all_reduce, gather_objects
 from glassloop.errors import (
     CheckpointError,
@@ -60,7 +61,7 @@ from glassloop.errors import (
 from glassloop.fsdp import ShardedState
 from glassloop.options import CheckpointConfig as CheckpointConfig  # (re-exported: its old home)
 from glassloop.options import RunInfo, TrainConfig, resume_safe
-from glassloop.rng import capture_rng_state, check_rng_state, replay_caveat, restore_rng_state
+from glassloop.rng import capture_rng_state, check_rng_state, restore_rng_state
 from glassloop.serialization import dotted, stable_repr
 from glassloop.state import EpochRecord, TrainState
 from glassloop.weights import load_checked

@@ -45,7 +45,7 @@ from glassloop.options import EarlyStoppingConfig as EarlyStoppingConfig
 from glassloop.options import TrackingConfig as TrackingConfig
 from glassloop.options import TrainConfig as TrainConfig
 from glassloop.options import rules
-from glassloop.validation import Range, check_choice, check_range, check_type, unknown_key
+from glassloop.rules import Range, check_choice, check_range, check_type, unknown_key
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from glassloop.assemble import Parts, build_parts, target_scale_note
+from glassloop.assemble import Built, build_parts, target_scale_note
 from glassloop.batch import split_batch
 from glassloop.config import Config
 from glassloop.data.splits import Splits
@@ -35,7 +35,7 @@ class Check:
         return f"{self.status:<5} {self.name:<22} {self.message}"
 
 
-def labels_of(run: Parts) -> torch.Tensor:
+def labels_of(run: Built) -> torch.Tensor:
     data = run.data
     return data.y_train if isinstance(data, Splits) else data.train.labels
 
@@ -45,7 +45,7 @@ def forward(model: nn.Module, batch: Any, device: torch.device) -> tuple[torch.T
     return model(*args, **kwargs), target
 
 
-def check_labels(run: Parts, outputs: int) -> Check:
+def check_labels(run: Built, outputs: int) -> Check:
     y = labels_of(run)
     low, high = int(y.min()), int(y.max())
     if low < 0 or high >= outputs:
@@ -59,7 +59,7 @@ def check_labels(run: Parts, outputs: int) -> Check:
     return Check("labels", "PASS", f"all {len(y)} training labels are in [0, {outputs}).")
 
 
-def check_balance(run: Parts, outputs: int) -> Check:
+def check_balance(run: Built, outputs: int) -> Check:
     counts = torch.bincount(labels_of(run).clamp(min=0), minlength=outputs)[:outputs]
     empty = (counts == 0).nonzero().flatten().tolist()
     if empty:
@@ -80,7 +80,7 @@ def check_balance(run: Parts, outputs: int) -> Check:
     return Check("class balance", "PASS", f"largest/smallest class = {ratio:.1f}.")
 
 
-def check_inputs(run: Parts) -> list[Check]:
+def check_inputs(run: Built) -> list[Check]:
     data = run.data
     if not isinstance(data, Splits) or not data.x_train.is_floating_point():
         return [Check("inputs", "PASS", "token ids: nothing to normalise.")]
@@ -206,7 +206,7 @@ def check_modes(model: nn.Module, batch: Any, device: torch.device) -> Check:
     )
 
 
-def check_target_scale(run: Parts) -> Check:
+def check_target_scale(run: Built) -> Check:
     """A regression's targets against what a fresh model outputs (values near 0)."""
     note = target_scale_note(run.data, run.task)
     if note is None:
@@ -222,7 +222,7 @@ def check_target_scale(run: Parts) -> Check:
     return Check("target scale", "WARN", note.removeprefix("warning: ") + ".")
 
 
-def check_overfit(run: Parts, batch: Any, device: torch.device, steps: int) -> Check:
+def check_overfit(run: Built, batch: Any, device: torch.device, steps: int) -> Check:
     model = copy.deepcopy(run.model).to(device).train()
     optimizer = torch.optim.Adam(
         [p for p in model.parameters() if p.requires_grad] or [torch.zeros(1, requires_grad=True)],
@@ -265,7 +265,7 @@ def check_overfit(run: Parts, batch: Any, device: torch.device, steps: int) -> C
     )
 
 
-def lr_range_test(run: Parts, cfg: Config, device: torch.device, output: Path | None) -> Check:
+def lr_range_test(run: Built, cfg: Config, device: torch.device, output: Path | None) -> Check:
     """The LR range test (:func:`glassloop.lr_finder.range_test`) on a copy of the model with
     the configured optimizer; draws the curve as a PNG when ``output`` is set."""
     model = copy.deepcopy(run.model).to(device).train()

@@ -26,6 +26,7 @@ from glassloop.precision import autocast
 from glassloop.tasks import (
     LABEL_TASKS,
     activate,
+    check_same_shape,
     class_scores,
     head_of,
     model_loss,
@@ -385,18 +386,6 @@ def model_device(model: nn.Module) -> torch.device:
     for tensor in (*model.parameters(), *model.buffers()):
         return tensor.device
     return torch.device("cpu")
-
-
-def check_same_shape(prediction: torch.Tensor, target: Any, where: str) -> None:
-    """A regression's outputs and targets must have one shape: torch broadcasts ``(N, 1)``
-    against ``(N,)`` to ``(N, N)`` and trains on the wrong loss without an error."""
-    if isinstance(target, torch.Tensor) and prediction.shape != target.shape:
-        raise DataError(
-            f"data: {where}: the model's output has shape {tuple(prediction.shape)} and the "
-            f"target {tuple(target.shape)}; a regression needs the same shape (torch would "
-            "broadcast them and compare every output with every target): reshape the target "
-            "(e.g. y.unsqueeze(1)) or the output (out.squeeze(1))"
-        )
 
 
 class FirstBatches:

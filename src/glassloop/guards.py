@@ -22,12 +22,11 @@ from torch import nn
 from glassloop.batch import Inputs, describe_batch
 from glassloop.distributed import World, all_reduce
 from glassloop.errors import ConfigError, DataError, GlassloopError, ModelError, NonFiniteError
-from glassloop.evaluation import check_same_shape
 from glassloop.fsdp import local
 from glassloop.precision import autocast
+from glassloop.rules import AT_LEAST_1, check_range
 from glassloop.state import TrainState
-from glassloop.tasks import LABEL_TASKS, class_scores, prediction_of
-from glassloop.validation import AT_LEAST_1, check_range
+from glassloop.tasks import LABEL_TASKS, check_same_shape, class_scores, prediction_of
 
 SPIKE_WINDOW = 20  # the steps a loss spike is measured against (their median)
 

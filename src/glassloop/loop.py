@@ -26,6 +26,8 @@ import glassloop.tasks as tasks
 from glassloop.batch import Inputs, Window, batch_size_of, loss_weights, split_batch, token_counts
 from glassloop.callbacks import Callback
 from glassloop.checkpointer import Checkpointer
+from glassloop.console import ProgressReporter
+from glassloop.data.position import epoch_batches
 from glassloop.deprecated import fold_replaced, warn_replaced
 from glassloop.device import move_to_device, resolve_device
 from glassloop.errors import GlassloopError
@@ -40,9 +42,8 @@ from glassloop.preemption import Preempted, StopSignals
 from glassloop.profiling import StepProfiler, fit_profiler
 from glassloop.provenance import environment
 from glassloop.redaction import redacted
-from glassloop.rng import epoch_batches, seed_everything, use_deterministic
+from glassloop.rng import seed_everything, use_deterministic
 from glassloop.run_log import RunLog, python_config
-from glassloop.sinks import ProgressReporter
 from glassloop.state import EpochRecord, TrainState, step_loss
 from glassloop.summary import end_summary, samples_in, start_header
 from glassloop.tasks import model_loss

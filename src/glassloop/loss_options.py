@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from glassloop.options import option
-from glassloop.validation import FRACTION, Range
+from glassloop.rules import FRACTION, Range
 
 # The losses by name, and the task each implies when train.task is "auto".
 LOSS_TASKS = {

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from glassloop.options import option
-from glassloop.validation import FRACTION, Range
+from glassloop.rules import FRACTION, Range
 
 # The built-in models, and the [model] keys each reads (model.kwargs is for a model.target
 # class).

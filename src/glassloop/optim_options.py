@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from glassloop.options import SCHEDULER_INTERVALS, option
-from glassloop.validation import Range
+from glassloop.rules import Range
 
 
 @dataclass

@@ -16,8 +16,7 @@ from glassloop.errors import ConfigError
 # (OptimConfig and SchedulerConfig re-exported: their old home)
 from glassloop.optim_options import OptimConfig as OptimConfig
 from glassloop.optim_options import SchedulerConfig as SchedulerConfig
-from glassloop.schedules import warmup_cosine
-from glassloop.validation import (
+from glassloop.rules import (
     AT_LEAST_0,
     AT_LEAST_1,
     Range,
@@ -26,6 +25,7 @@ from glassloop.validation import (
     suggest,
     unknown_key,
 )
+from glassloop.schedules import warmup_cosine
 
 # Optimizer arguments that choose a kernel, not the mathematics; not recorded as defaults.
 IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")

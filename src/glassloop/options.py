@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from glassloop.validation import (
+from glassloop.rules import (
     AT_LEAST_0,
     AT_LEAST_1,
     FRACTION,
@@ -41,7 +41,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 def option(default: Any, *, rule: Rule | None = None, resume_safe: bool = False) -> Any:
     """A field of :class:`TrainOptions`: its default (a list: a fresh copy per instance), the
-    values it accepts (``rule``: a :class:`~glassloop.validation.Range` or the choices) and
+    values it accepts (``rule``: a :class:`~glassloop.rules.Range` or the choices) and
     whether a resumed run may change it without changing what it computes."""
     meta = {"rule": rule, "resume_safe": resume_safe}
     if isinstance(default, list):

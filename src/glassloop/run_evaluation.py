@@ -15,7 +15,7 @@ from glassloop.best import is_number
 from glassloop.errors import GlassloopError, writing
 
 if TYPE_CHECKING:
-    from glassloop.assemble import Parts
+    from glassloop.assemble import Built
     from glassloop.export import Weights
 
 
@@ -147,7 +147,7 @@ def made_in_python(config: Any) -> bool:
 
 def _evaluated(
     source: Path, overrides: Sequence[str], trust_code: bool
-) -> tuple[Parts, Weights, dict[str, Any]]:
+) -> tuple[Built, Weights, dict[str, Any]]:
     """Rebuild the data and model of the run that made ``source`` from its recorded config
     and evaluate its weights (the EMA weights for an EMA run) on its validation data;
     returns the parts, the weights and the result."""

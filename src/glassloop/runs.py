@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from glassloop.best import best_epoch, shown
-from glassloop.sinks import format_duration
+from glassloop.console import format_duration
 
 
 @dataclass

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from glassloop.errors import ConfigError, ModelError
+from glassloop.errors import ConfigError, DataError, ModelError
 from glassloop.file_names import check_name
 
 TASKS = ("classification", "multilabel", "regression", "language-model", "custom")
@@ -330,3 +330,15 @@ def class_scores(prediction: torch.Tensor, target: Any) -> tuple[torch.Tensor, t
         moved = prediction.movedim(1, -1)  # torch's (N, C, d1, ...) layout
         found = moved.reshape(-1, moved.shape[-1]), target.reshape(-1)
     return found if found is not None and found[0].shape[-1] >= 2 else None
+
+
+def check_same_shape(prediction: torch.Tensor, target: Any, where: str) -> None:
+    """A regression's outputs and targets must have one shape: torch broadcasts ``(N, 1)``
+    against ``(N,)`` to ``(N, N)`` and trains on the wrong loss without an error."""
+    if isinstance(target, torch.Tensor) and prediction.shape != target.shape:
+        raise DataError(
+            f"data: {where}: the model's output has shape {tuple(prediction.shape)} and the "
+            f"target {tuple(target.shape)}; a regression needs the same shape (torch would "
+            "broadcast them and compare every output with every target): reshape the target "
+            "(e.g. y.unsqueeze(1)) or the output (out.squeeze(1))"
+        )

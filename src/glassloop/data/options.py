@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from glassloop.options import option
-from glassloop.validation import AT_LEAST_0, Range
+from glassloop.rules import AT_LEAST_0, Range
 
 # The data a config can name (data.name).
 DATASET_NAMES = (

@@ -1,5 +1,5 @@
-"""Checking one value of a config: its type, its range, and a suggestion for a mistyped
-name. Shared by the config reader and the optimizer/scheduler lookup."""
+"""Rules for one value of a config or an option: its type, its range, and a suggestion for
+a mistyped name. Shared by the option tables, the config reader and the optimizer lookup."""
 
 from __future__ import annotations
 
