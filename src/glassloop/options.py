@@ -3,7 +3,7 @@
 a resume may change it in ``option(...)``, and its description in the docstring under it
 (where editors and documentation tools look). Everything else is derived from this table:
 ``help(Trainer)``'s argument lines (:func:`described`), the Trainer's checks and the config's
-(:func:`check_options`, :func:`config_rules`), the ``[train]`` schema (``TrainConfig``
+(:func:`check_options`, :func:`rules`), the ``[train]`` schema (``TrainConfig``
 extends :class:`TrainOptions`), the config → Trainer mapping, what a run built in Python
 records and what a resume compares (:func:`resume_safe`). A new option is written twice:
 here and in the Trainer's signature (``tests/unit/test_trainer_arguments.py`` checks that they
