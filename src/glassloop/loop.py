@@ -324,8 +324,8 @@ class Trainer:
         finally:
             self.console.close()
             # The final weights and run.json, then the final report, which shows the end.
-            evaluated: dict[str, Any] = {"evaluation": self.last_eval, "predicted_vs_true": pairs}
-            report = self.run_log.finish(status, self.eval_model, error=self._failure, **evaluated)
+            last: dict[str, Any] = {"evaluation": self.last_eval, "predicted_vs_true": pairs}
+            report = self.run_log.finish(status, self.eval_model, error=self._failure, **last)
         self.console.info(end_summary(self, time.perf_counter() - start, report))
 
     def _run_epoch(self, train_loader: Iterable[Any], epochs: int) -> dict[str, Any]:
