@@ -21,6 +21,7 @@ from torch import nn
 from glassloop import Trainer
 from glassloop.assemble import BUILT_HERE, trainer_options
 from glassloop.config import Config, TrainConfig
+from glassloop.errors import GlassloopError
 from glassloop.guards import NonFinitePolicy
 from glassloop.options import ARGUMENTS, TrainOptions, docs, resume_safe
 from glassloop.run_log import RunInfo
@@ -214,3 +215,28 @@ def test_save_checkpoint_still_works_with_a_warning_and_state_loads_back(tmp_pat
     again.load_state_dict(saved)
     assert (again.state.step, again.state.epoch) == (4, 1)
     assert again.history == trainer.history
+
+
+def test_a_stateful_part_without_state_dict_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    """The checkpointer is handed the parts once per fit and refuses one it could not save
+    then, not at the first checkpoint (accelerate's register_for_checkpointing does the same)."""
+
+    class Carrying(Trainer):
+        def stateful(self) -> dict[str, object]:
+            return {**super().stateful(), "carry": [0.0]}
+
+    model = nn.Linear(3, 2)
+    trainer = Carrying(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        nn.CrossEntropyLoss(),
+        device="cpu",
+        progress="none",
+        run_dir=tmp_path / "run",
+    )
+    loader = [(torch.randn(4, 3), torch.randint(0, 2, (4,)))]
+    with pytest.raises(GlassloopError, match=r"stateful\(\)\['carry'\] is a list, which has no"):
+        trainer.fit(loader, epochs=1)
+    assert not (tmp_path / "run").exists()
