@@ -123,7 +123,7 @@ class TrainOptions:
     """several processes (torchrun): "auto"/"ddp" (DDP), or "fsdp" (FSDP2)."""
 
     # ---------------------------------------------------------------------- the run directory
-    tensorboard: bool = option(False, resume_safe=True)
+    tensorboard: bool = option(False)
     """also write TensorBoard event files (``RUN_DIR/tensorboard/``, glassloop[tensorboard])."""
     progress: str = option("auto", rule=("auto", "bar", "lines", "none"), resume_safe=True)
     """"auto", "bar", "lines" or "none"."""

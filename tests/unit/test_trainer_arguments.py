@@ -240,3 +240,27 @@ def test_a_stateful_part_without_state_dict_is_refused_before_anything_is_writte
     with pytest.raises(GlassloopError, match=r"stateful\(\)\['carry'\] is a list, which has no"):
         trainer.fit(loader, epochs=1)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_resume_rules_derived_from_the_tables_are_the_ones_of_before() -> None:
+    """What a resume may change is now read from the tables (options, [data]); the keys that
+    were safe stay safe, and one that was compared stays compared."""
+    from glassloop.checkpointer import RESUME_SAFE_KEYS, config_differences
+
+    before = (
+        "train.epochs",
+        "train.log_every",
+        "train.progress",
+        "train.device",
+        "data.num_workers",
+        "data.eval_batch_size",
+        "train.compile",
+        "train.compile_mode",
+        "train.compile_dynamic",
+        "compile",
+        "device",
+    )
+    assert set(before) <= set(RESUME_SAFE_KEYS)
+    saved = {"data": {"num_workers": 0, "eval_batch_size": 0}, "train": {"tensorboard": False}}
+    now = {"data": {"num_workers": 4, "eval_batch_size": 512}, "train": {"tensorboard": True}}
+    assert config_differences(saved, now) == ["train.tensorboard: False -> True"]

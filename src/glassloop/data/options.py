@@ -54,9 +54,9 @@ class DataConfig:
     normalize: bool = True  # images: standardise per channel; false: pixels in [0, 1] only
     standardize_targets: bool = False  # regression: learn (y - mean) / std, report y's units
     batch_size: int = option(64, rule=Range(1, 2**31))
-    eval_batch_size: int = option(0, rule=Range(0, 2**31))  # 0: same as batch_size
+    eval_batch_size: int = option(0, rule=Range(0, 2**31), resume_safe=True)  # 0: batch_size
     shuffle: bool = True
-    num_workers: int = option(0, rule=Range(0, 256))
+    num_workers: int = option(0, rule=Range(0, 256), resume_safe=True)
     # for datasets without a fixed validation split
     val_fraction: float = option(0.2, rule=Range(0.0, 1.0, open_low=True, open_high=True))
     # npz: further validation sets by name ({ood = "shifted.npz"}: x and y, every row, or
