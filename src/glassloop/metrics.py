@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from glassloop.best import is_number as is_number  # (used here and by the CLI)
 from glassloop.errors import DataError
 
 # Above this many classes (a language model's vocabulary) no C x C confusion matrix is kept

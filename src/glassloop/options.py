@@ -35,7 +35,7 @@ from glassloop.rules import (
 )
 
 Rule = Range | tuple[Any, ...]
-SIGNALS = ("TERM", "INT", "USR1", "USR2")  # (preemption.STOP_SIGNALS: what workers ignore)
+SIGNALS = ("TERM", "INT", "USR1", "USR2")  # each a stop signal (preemption.STOP_SIGNALS)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 

@@ -15,10 +15,12 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+from glassloop.options import SIGNALS, TrainOptions
+
 # Every signal a run may be told to stop on (``train.stop_signals``): what loader workers
 # ignore, so that one sent to the whole process group reaches the main process alone.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
-DEFAULT = ("TERM", "INT")
+STOP_SIGNALS = tuple(signal.Signals[f"SIG{name}"] for name in SIGNALS)
+DEFAULT = tuple(TrainOptions().stop_signals)  # TERM, INT
 
 
 class Preempted(Exception):

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from glassloop.atomic import atomic_path
+from glassloop.best import is_number
 from glassloop.errors import ConfigError
 from glassloop.options import TrackingConfig as TrackingConfig  # (re-exported: its old home)
 from glassloop.redaction import redact, redacted_output
@@ -298,4 +299,4 @@ def make_tracker(
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    return is_number(value) and value == value  # (NaN: not sent, backends refuse it)
