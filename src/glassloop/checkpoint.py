@@ -43,6 +43,7 @@ from glassloop.atomic import (
     refuse_link,
     remove_tree,
     replace_own,
+    write_digested,
 )
 from glassloop.errors import CheckpointError as CheckpointError  # re-exported: its old home
 from glassloop.errors import CheckpointWriteError as CheckpointWriteError
@@ -56,6 +57,7 @@ from glassloop.serialization import (
     unflatten,
 )
 from glassloop.weights import (
+    all_finite,
     read_safetensors,
     weights_dict,
     weights_finite,
@@ -241,45 +243,85 @@ def mark(folder: Path) -> None:
     os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | NOFOLLOW, 0o644))
 
 
-def write_checkpoint_dir(
-    target: Path,
-    weights: dict[str, torch.Tensor] | None,
+@dataclass
+class Snapshot:
+    """A checkpoint's contents taken from the run at one moment: the weights and the state's
+    tensors as CPU tensors (private copies when the write goes on in the background while
+    training changes the originals), everything else already JSON text."""
+
+    step: int
+    weights: dict[str, torch.Tensor] | None  # None: a sharded checkpoint's, already staged
+    weights_metadata: dict[str, str]
+    tensors: dict[str, torch.Tensor]
+    tree: bytes  # state.json
+    meta: bytes  # meta.json
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its tensors (what a checkpoint's GB/s counts)."""
+        tensors = [*self.tensors.values(), *(self.weights or {}).values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def snapshot(
+    model: nn.Module | None,
     state: dict[str, Any],
     meta: dict[str, Any],
-    *,
-    staged: Path | None = None,
-) -> None:
-    """Write a complete checkpoint into ``target`` atomically (see the module docstring).
+    to_host: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Snapshot:
+    """What :func:`write_checkpoint_dir` writes of ``model`` (``None``: a sharded run's
+    weights, staged by its processes), ``state`` and ``meta``, taken now (``to_host``: how a
+    tensor reaches the CPU, e.g. a copy that training cannot change). Raises
+    :class:`CheckpointError` for a state that cannot be stored without pickle."""
+    try:
+        tree, tensors = flatten(state, to_host)
+    except UnserializableError as err:
+        raise CheckpointError(f"checkpoint: {err}") from err
+    text = json.dumps(finite_json(meta), indent=1, default=stable_repr, allow_nan=False) + "\n"
+    return Snapshot(
+        step=int(meta["step"]),
+        weights=weights_dict(model, to_host) if model is not None else None,
+        weights_metadata=weights_metadata(meta.get("model_spec")),
+        tensors=tensors,
+        tree=json.dumps(tree, allow_nan=False).encode("utf-8"),
+        meta=text.encode("utf-8"),
+    )
 
-    ``weights=None``: a sharded checkpoint, whose tensors the processes already wrote into
-    ``staged/shards/`` (:mod:`glassloop.fsdp`); the manifest covers those files too."""
-    tree, tensors = flatten(state)
+
+def write_checkpoint_dir(target: Path, snap: Snapshot, *, staged: Path | None = None) -> None:
+    """Write a complete checkpoint into ``target`` atomically (see the module docstring): each
+    file hashed while it is written and fsync'd once, the manifest last, then the folder.
+
+    ``snap.weights=None``: a sharded checkpoint, whose tensors the processes already wrote
+    into ``staged/shards/`` (:mod:`glassloop.fsdp`); the manifest covers those files too."""
     tmp = staged if staged is not None else staging_dir(target, os.getpid())
     if staged is None:
         begin_staging(tmp)
     try:
-        if weights is not None:
-            write_safetensors(
-                weights, tmp / "model.safetensors", weights_metadata(meta.get("model_spec"))
+        files: dict[str, tuple[int, str]] = {}
+        if snap.weights is not None:
+            files["model.safetensors"] = write_safetensors(
+                snap.weights, tmp / "model.safetensors", snap.weights_metadata
             )
-        write_safetensors(tensors, tmp / "state.safetensors", None)
-        (tmp / "state.json").write_text(json.dumps(tree, allow_nan=False), encoding="utf-8")
-        (tmp / "meta.json").write_text(
-            json.dumps(finite_json(meta), indent=1, default=stable_repr, allow_nan=False) + "\n",
-            encoding="utf-8",
+        files["state.safetensors"] = write_safetensors(
+            snap.tensors, tmp / "state.safetensors", None
         )
-        files = {}
-        for file in sorted(tmp.rglob("*")):
-            if file.is_dir() or file.name == MARKER:
-                continue
-            name = file.relative_to(tmp).as_posix()
-            fsync_file(file)
-            files[name] = {"size": file.stat().st_size, "sha256": sha256_of(file)}
-        if (tmp / SHARDS).is_dir():
+        files["state.json"] = write_digested(tmp / "state.json", [snap.tree])
+        files["meta.json"] = write_digested(tmp / "meta.json", [snap.meta])
+        if (tmp / SHARDS).is_dir():  # written by every process's DCP: hashed here
+            for file in sorted((tmp / SHARDS).rglob("*")):
+                if file.is_file() and not file.is_symlink():
+                    fsync_file(file)
+                    name = file.relative_to(tmp).as_posix()
+                    files[name] = (file.stat().st_size, sha256_of(file))
             fsync_dir(tmp / SHARDS)
-        manifest = {"creator": CREATOR, "format": FORMAT_VERSION, "files": files}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-        fsync_file(tmp / "manifest.json")
+        entries = {name: {"size": size, "sha256": sha} for name, (size, sha) in files.items()}
+        manifest = {
+            "creator": CREATOR,
+            "format": FORMAT_VERSION,
+            "files": dict(sorted(entries.items())),
+        }
+        write_digested(tmp / "manifest.json", [json.dumps(manifest, indent=1).encode("utf-8")])
         fsync_dir(tmp)
         commit_dir(tmp, target)
     except BaseException:
@@ -334,23 +376,35 @@ def save_checkpoint(
     ``model=None``: a sharded checkpoint already in ``staged`` (its weights were checked by
     every process, see :class:`glassloop.checkpointer.Checkpointer`).
     """
+    if model is not None:
+        refuse_not_finite(run_dir, model, int(meta["step"]))
+    return commit_checkpoint(run_dir, snapshot(model, state, meta), staged=staged)
+
+
+def commit_checkpoint(run_dir: Path, snap: Snapshot, *, staged: Path | None = None) -> Path:
+    """Write ``snap`` as ``checkpoints/step-<step>/`` and move ``latest`` to it (the part of
+    :func:`save_checkpoint` that a background save does)."""
     root = checkpoints_dir(run_dir)
-    target = root / step_dir_name(int(meta["step"]))
-    last = latest_pointer(run_dir)
-    last_text = str(last) if last is not None else "none"
-    if model is not None and not weights_finite(model):
-        raise not_finite(meta["step"], last_text)
+    target = root / step_dir_name(snap.step)
     try:
         own_dir(root)
-        weights = weights_dict(model) if model is not None else None
-        write_checkpoint_dir(target, weights, state, meta, staged=staged)
+        write_checkpoint_dir(target, snap, staged=staged)
         with atomic_path(root / LATEST) as tmp:
             tmp.write_text(target.name + "\n", encoding="utf-8")
-    except UnserializableError as err:
-        raise CheckpointError(f"checkpoint: {err}") from err
     except OSError as err:
-        raise write_failure(target, err, last_text) from err
+        raise write_failure(target, err, _last_good(run_dir)) from err
     return target
+
+
+def _last_good(run_dir: Path) -> str:
+    last = latest_pointer(run_dir)
+    return str(last) if last is not None else "none"
+
+
+def refuse_not_finite(run_dir: Path, model: nn.Module, step: int) -> None:
+    """Never a checkpoint of NaN/inf weights over good ones."""
+    if not weights_finite(model):
+        raise not_finite(step, _last_good(run_dir))
 
 
 def not_finite(step: int, last_good: str) -> CheckpointError:
@@ -369,10 +423,14 @@ def save_best(
     staged: Path | None = None,
 ) -> Path:
     """Write (or replace) ``RUN_DIR/best/`` with a full checkpoint, atomically."""
+    return commit_best(run_dir, snapshot(model, state, meta), staged=staged)
+
+
+def commit_best(run_dir: Path, snap: Snapshot, *, staged: Path | None = None) -> Path:
+    """Write ``snap`` as ``RUN_DIR/best/`` (replacing the previous best), atomically."""
     target = Path(run_dir) / BEST
     try:
-        weights = weights_dict(model) if model is not None else None
-        write_checkpoint_dir(target, weights, state, meta, staged=staged)
+        write_checkpoint_dir(target, snap, staged=staged)
     except OSError as err:
         raise CheckpointWriteError(
             f"checkpoint: could not write '{target}': {err.strerror or err}; the previous "
@@ -457,7 +515,7 @@ def read_checkpoint(path: Path, check: StateCheck | None = None) -> Checkpoint:
     # resumed from them took a different step: its dot products over the restored state).
     state_tensors = {name: tensor.clone() for name, tensor in state_tensors.items()}
     for name, tensors in (("model", model_tensors), ("state", state_tensors)):
-        bad = [k for k, t in tensors.items() if not _finite(t)]
+        bad = [k for k, t in tensors.items() if not all_finite(t)]
         if bad:
             raise CheckpointError(
                 f"checkpoint: '{path}': {name}.safetensors holds NaN/inf values (in "
@@ -488,10 +546,6 @@ def _check_shard_names(path: Path, files: dict[str, Any]) -> None:
     extra = sorted(present - listed)
     if extra:
         raise CheckpointError(f"checkpoint: '{path}': {extra[0]} is not in the manifest")
-
-
-def _finite(tensor: torch.Tensor) -> bool:
-    return not tensor.is_floating_point() or bool(tensor.isfinite().all())
 
 
 def _no_constant(name: str) -> Any:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,11 @@ class UnserializableError(TypeError):
     """A value that cannot be stored without pickle."""
 
 
-def flatten(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Split ``obj`` into a JSON-able tree and a dict of named tensors.
+def flatten(
+    obj: Any, to_host: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Split ``obj`` into a JSON-able tree and a dict of named tensors (each a dense CPU
+    tensor; ``to_host``: how one gets there, e.g. a private copy for a background save).
 
     >>> tree, tensors = flatten({"step": 3, "w": torch.ones(2), "betas": (0.9, 0.99)})
     >>> tree
@@ -54,7 +58,8 @@ def flatten(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
             if key is None:
                 key = f"t{len(tensors):06d}"
                 # contiguous CPU copies: safetensors stores dense row-major buffers only
-                tensors[key] = value.detach().to("cpu").contiguous()
+                host = to_host(value) if to_host is not None else value.detach().to("cpu")
+                tensors[key] = host.contiguous()
                 seen[id(value)] = key
             return {"__tensor__": key}
         if isinstance(value, np.ndarray):

@@ -266,3 +266,56 @@ def test_a_second_signal_aborts_at_once(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, timeout=60, check=False)
     assert result.returncode == 143
     assert (tmp_path / "first").exists() and not (tmp_path / "second").exists()
+
+
+@pytest.mark.parametrize("metadata", [None, {}, {"z": "1", "a": 'ü"\n'}])
+def test_glassloop_writes_the_bytes_safetensors_writes(
+    tmp_path: Path, metadata: dict[str, str] | None
+) -> None:
+    """glassloop writes safetensors files itself (hashing while writing: glassloop.weights);
+    for every dtype it knows, odd names, a scalar and an empty tensor, the file is byte for
+    byte safetensors' own (metadata sorted), and the size and SHA-256 it returns are the
+    file's."""
+    from safetensors.torch import save_file
+
+    from glassloop.serialization import sha256_of
+    from glassloop.weights import DTYPE_NAMES, _canonical_header, write_safetensors
+
+    tensors: dict[str, torch.Tensor] = {"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
+    tensors['é"x\n'] = torch.arange(3)
+    for i, dtype in enumerate(DTYPE_NAMES):
+        tensors[f"t{i}"] = torch.arange(6).reshape(3, 2).to(dtype)
+        tensors[f"b{i}"] = torch.ones(5, dtype=torch.int64).to(dtype)
+    tensors["strided"] = torch.arange(12.0).reshape(3, 4).t()  # not contiguous
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp_path / "ref"), metadata)
+    if metadata and len(metadata) > 1:
+        _canonical_header(tmp_path / "ref")
+    size, sha = write_safetensors(tensors, tmp_path / "ours", metadata)
+    assert (tmp_path / "ours").read_bytes() == (tmp_path / "ref").read_bytes()
+    assert (size, sha) == ((tmp_path / "ours").stat().st_size, sha256_of(tmp_path / "ours"))
+
+
+def test_a_dtype_the_writer_does_not_know_goes_through_safetensors(tmp_path: Path) -> None:
+    from glassloop.serialization import sha256_of
+    from glassloop.weights import DTYPE_NAMES, read_safetensors, write_safetensors
+
+    dtype = torch.float8_e4m3fnuz
+    assert dtype not in DTYPE_NAMES
+    size, sha = write_safetensors({"x": torch.ones(4).to(dtype)}, tmp_path / "f", {"k": "v"})
+    assert (size, sha) == ((tmp_path / "f").stat().st_size, sha256_of(tmp_path / "f"))
+    tensors, metadata = read_safetensors(tmp_path / "f")
+    assert tensors["x"].dtype == dtype and metadata == {"k": "v"}
+
+
+def test_the_finiteness_check_is_exact_where_a_sum_overflows() -> None:
+    """all_finite sums first; a sum that overflows from finite values is checked element by
+    element, never refused."""
+    from glassloop.weights import all_finite
+
+    big = torch.full((4,), 3e38)
+    assert not bool(big.sum().isfinite()) and all_finite(big)
+    assert all_finite(torch.full((100_000,), 60_000.0, dtype=torch.float16))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        tensor = torch.ones(1000)
+        tensor[500] = bad
+        assert not all_finite(tensor)

@@ -1,0 +1,295 @@
+"""Checkpoint save speed at ~50M and ~200M parameters: glassloop against torch.save, DCP, the disk.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/checkpoint_speed.py --sizes 50,200 --repeats 3
+    # options: --dir /path/on/the/disk (default: here)   --resume (the resume time, largest size)
+
+Each size is a stack of ``nn.Linear(w, w)`` (w = 2048 for 50, 4096 for 200; built with seed 0)
+after one Adam step, so the checkpoint holds the weights and Adam's two moments (about 3x the
+weights' bytes). The rows are measured in one process, interleaved per repetition (disk,
+torch.save, DCP, glassloop sync, glassloop async; again ...), each into a fresh directory
+under ``--dir`` (a temporary folder there, removed at the end); the previous row's output is
+deleted before each timed run (not timed). Medians over ``--repeats``:
+
+1. disk: the same bytes as the checkpoint's tensors, ``os.write`` of each tensor's memory into
+   one file, then ``os.fsync``: what this disk does with nothing else in the way.
+2. ``torch.save({"model": ..., "optimizer": ...})`` to one file, flush, ``os.fsync``.
+3. DCP: ``torch.distributed.checkpoint.save(..., no_dist=True)`` (one process, no process
+   group); its FileSystemWriter fsyncs its own files (``sync_files=True``, the default).
+4. glassloop sync: ``glassloop.checkpoint.save_checkpoint`` (safetensors, fsync of every file,
+   SHA-256 manifest, atomic rename of ``checkpoints/step-N``, the ``latest`` pointer).
+5. glassloop async: ``Checkpointer(..., CheckpointConfig(async_save=True))``: "blocking" is
+   ``save()`` (returns once the state is copied), "total" until ``wait()`` returns (the
+   background write committed). Printed as "not available" where glassloop has no async save.
+
+GB/s is 10^9 bytes (the checkpoint's tensor bytes, the same for every row) per second.
+``--resume``: from a fresh Python process's start to ``read_checkpoint`` of the largest size's
+glassloop checkpoint returned and its weights loaded (``load_checked``) into a freshly built
+model, split into its phases. The checkpoint was just written, so it is read from the page
+cache (a cold read adds the disk's read time). Prints markdown tables for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from glassloop.checkpoint import save_checkpoint
+from glassloop.checkpointer import CheckpointConfig, Checkpointer
+from glassloop.state import TrainState
+
+ROWS = ("disk", "torch.save", "DCP", "glassloop sync", "glassloop async")
+LABELS = {
+    "disk": "disk: `os.write` + fsync",
+    "torch.save": "`torch.save` + fsync",
+    "DCP": "DCP `save` (one process)",
+    "glassloop sync": "glassloop `save_checkpoint`",
+}
+
+# The resume, in a fresh process: what a restarted job does before its first step.
+RESUME = """
+import json, sys, time
+from pathlib import Path
+import torch
+from torch import nn
+from glassloop.checkpoint import read_checkpoint
+from glassloop.weights import load_checked
+imported = time.time()
+width, layers, path = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+built = time.time()
+checkpoint = read_checkpoint(path)
+read = time.time()
+load_checked(model, checkpoint.model_tensors, checkpoint.weights)
+print(json.dumps([imported, built, read, time.time()]))
+"""
+
+
+def shape(millions: int) -> tuple[int, int]:
+    """(width, layers) of the Linear stack with about ``millions`` parameters."""
+    width = 4096 if millions >= 150 else 2048 if millions >= 30 else 1024
+    return width, max(1, round(millions * 1e6 / (width * width + width)))
+
+
+def build(millions: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model and its Adam after one step (so the moments exist), seeded."""
+    width, layers = shape(millions)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(1, width)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # (frees the gradients: not part of a checkpoint)
+    return model, optimizer
+
+
+def checkpoint_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    moments = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return [*model.state_dict().values(), *moments]
+
+
+def write_raw(path: Path, tensors: list[torch.Tensor]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for tensor in tensors:
+            view = tensor.detach().reshape(-1).view(torch.uint8).numpy().data  # its memory
+            while view:  # os.write may write less than it was given
+                view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def torch_save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    with open(path, "wb") as f:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def async_checkpointer(run_dir: Path, model: nn.Module, optimizer: Any) -> Any:
+    """A Checkpointer that saves in the background, or None where glassloop has none yet."""
+    if "async_save" not in CheckpointConfig.__dataclass_fields__ or not hasattr(
+        Checkpointer, "wait"
+    ):
+        return None
+    options: dict[str, Any] = {"async_save": True, "every_n_steps": 1, "keep_last": 1}
+    checkpointer = Checkpointer(run_dir, CheckpointConfig(**options), model=model)
+    checkpointer.attach({"loop": TrainState(), "optimizer": optimizer})
+    return checkpointer
+
+
+def measure(millions: int, root: Path, repeats: int) -> tuple[Path, int]:
+    """Print one size's table; return its last glassloop checkpoint and its byte count."""
+    model, optimizer = build(millions)
+    tensors = checkpoint_tensors(model, optimizer)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    out = {name: root / f"{millions}M-{name.replace(' ', '-')}" for name in ROWS}
+    checkpointer = async_checkpointer(out["glassloop async"], model, optimizer)
+    step = 0
+    saved: list[Path] = []
+
+    def glassloop_sync() -> None:
+        state = {"optimizer": optimizer.state_dict()}
+        saved.append(save_checkpoint(out["glassloop sync"], model, state, {"step": step}))
+
+    runs: dict[str, Callable[[], None]] = {
+        "disk": lambda: write_raw(out["disk"], tensors),
+        "torch.save": lambda: torch_save(out["torch.save"], model, optimizer),
+        "DCP": lambda: dcp_save(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+            checkpoint_id=out["DCP"],
+            no_dist=True,
+        ),
+        "glassloop sync": glassloop_sync,
+    }
+    times: dict[str, list[float]] = {name: [] for name in [*runs, "blocking", "total"]}
+    for rep in range(repeats):
+        for name in ROWS:
+            step += 1  # a new step directory for every save
+            remove(out[name])  # the previous output, not timed
+            if name == "glassloop async":
+                if checkpointer is None:
+                    continue
+                out[name].mkdir()  # (a Checkpointer never creates its run directory)
+                checkpointer.state.step = step
+                start = time.perf_counter()
+                checkpointer.save()  # returns once the state is copied
+                times["blocking"].append(time.perf_counter() - start)
+                checkpointer.wait()  # the background write committed
+                times["total"].append(time.perf_counter() - start)
+                seconds = times["total"][-1]
+            else:
+                start = time.perf_counter()
+                runs[name]()
+                seconds = time.perf_counter() - start
+                times[name].append(seconds)
+            print(f"  {millions}M rep {rep + 1}: {name} {seconds:.2f} s", file=sys.stderr)
+    width, layers = shape(millions)
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"\n**{params / 1e6:.1f}M parameters** ({layers} x `nn.Linear({width}, {width})`, "
+        f"Adam after one step): checkpoint tensors {nbytes / 2**30:.3f} GiB "
+        f"({nbytes:,d} bytes), median of {repeats}\n"
+    )
+    print("| save | median s | GB/s | vs torch.save + fsync |")
+    print("|---|---:|---:|---:|")
+    base = statistics.median(times["torch.save"])
+    median = {name: statistics.median(ts) for name, ts in times.items() if ts}
+    for name in runs:
+        s = median[name]
+        print(f"| {LABELS[name]} | {s:.3f} | {nbytes / s / 1e9:.2f} | {s / base:.2f}x |")
+    if checkpointer is None:
+        print("| glassloop async | async: not available | | |")
+    else:
+        blocking, total = median["blocking"], median["total"]
+        share = 100 * blocking / median["glassloop sync"]
+        print(
+            f"| glassloop async: blocking (`save()`) | {blocking:.3f} | | {blocking / base:.2f}x "
+            f"({share:.0f}% of glassloop sync) |"
+        )
+        print(
+            f"| glassloop async: total (`wait()`) | {total:.3f} | {nbytes / total / 1e9:.2f} "
+            f"| {total / base:.2f}x |"
+        )
+    return saved[-1], nbytes
+
+
+def resume(millions: int, path: Path, repeats: int) -> None:
+    """Time a fresh process from its start to the weights of ``path`` loaded into a model."""
+    width, layers = shape(millions)
+    command = [sys.executable, "-c", RESUME, str(width), str(layers), str(path)]
+    phases: list[list[float]] = []
+    for _ in range(repeats):
+        start = time.time()  # (wall clock: the child's stamps are compared with it)
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        imported, built, read, loaded = json.loads(done.stdout.splitlines()[-1])
+        phases.append([imported - start, built - imported, read - built, loaded - read])
+        phases[-1].append(loaded - start)
+        print(f"  resume {millions}M: {loaded - start:.2f} s", file=sys.stderr)
+    names = (
+        "python start + imports (torch, glassloop)",
+        "build the model (default init)",
+        "`read_checkpoint` (SHA-256 of every file, read, finite check)",
+        "`load_checked` into the model",
+        "**total: process start to weights loaded**",
+    )
+    print(
+        f"\n**Resume, {millions}M model** (fresh process, page cache warm), median of {repeats}\n"
+    )
+    print("| phase | s |")
+    print("|---|---:|")
+    for i, name in enumerate(names):
+        print(f"| {name} | {statistics.median(p[i] for p in phases):.2f} |")
+
+
+def filesystem(path: Path) -> str:
+    """The file system type of ``path``'s mount (Linux), or "?"."""
+    try:
+        mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return "?"
+    target = str(path.resolve())
+    best = max(
+        (m for m in mounts if len(m) > 2 and (target + "/").startswith(m[1].rstrip("/") + "/")),
+        key=lambda m: len(m[1]),
+        default=None,
+    )
+    return f"{best[2]} on {best[0]}" if best else "?"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--sizes", default="50,200", help="model sizes in millions of parameters, comma-separated"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved saves per row")
+    parser.add_argument(
+        "--dir", type=Path, default=Path("."), help="a folder on the disk to measure"
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="also time a resume of the largest size"
+    )
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # (DCP's: no_dist)
+    sizes = sorted(int(s) for s in args.sizes.split(","))
+    root = Path(tempfile.mkdtemp(prefix="checkpoint-bench-", dir=args.dir))
+    try:
+        print(
+            f"machine: {os.cpu_count()} cores ({platform.machine()}), torch {torch.__version__}, "
+            f"Python {platform.python_version()}, OMP_NUM_THREADS="
+            f"{os.environ.get('OMP_NUM_THREADS', 'unset')}; --dir {args.dir} "
+            f"({filesystem(root)})"
+        )
+        for millions in sizes:
+            last, _ = measure(millions, root, args.repeats)
+            if args.resume and millions == sizes[-1]:
+                resume(millions, last, args.repeats)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
