@@ -12,12 +12,9 @@ and are followed as usual.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import queue
 import stat
-import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -84,45 +81,6 @@ def fsync_dir(path: Path) -> None:
 def fsync_file(path: Path) -> None:
     with open_own(path, "rb+") as handle:
         os.fsync(handle.fileno())
-
-
-CHUNK = 8 << 20  # bytes per write: large enough for disk speed, small enough to overlap
-
-
-def write_digested(path: Path, pieces: Iterable[memoryview | bytes]) -> tuple[int, str]:
-    """Write ``pieces`` into the new file ``path`` (never through a link), fsync it once and
-    return its size and SHA-256, hashed while it is written: a second thread hashes each
-    chunk as the first writes it (both release the GIL), so a checkpoint costs its write,
-    not its write plus a second pass to read it back (0.71 s instead of 1.06 s for 0.55 GB
-    on a 2-core box: benchmarks/checkpoint.py)."""
-    digest = hashlib.sha256()
-    chunks: queue.Queue[memoryview | bytes | None] = queue.Queue(maxsize=8)
-
-    def hash_chunks() -> None:
-        while (chunk := chunks.get()) is not None:
-            digest.update(chunk)
-
-    hasher = threading.Thread(target=hash_chunks, name="glassloop-sha256", daemon=True)
-    hasher.start()
-    size = 0
-    try:
-        with open_own(path, "wb", buffering=0) as handle:
-            for piece in pieces:
-                view = memoryview(piece).cast("B")
-                for start in range(0, len(view), CHUNK):
-                    chunk = view[start : start + CHUNK]
-                    chunks.put(chunk)
-                    while chunk:  # (a raw write may take fewer bytes than it was given)
-                        chunk = chunk[handle.write(chunk) :]
-                    size += min(CHUNK, len(view) - start)
-            chunks.put(None)
-            hasher.join()
-            os.fsync(handle.fileno())
-    finally:
-        if hasher.is_alive():
-            chunks.put(None)
-            hasher.join()
-    return size, digest.hexdigest()
 
 
 @contextlib.contextmanager

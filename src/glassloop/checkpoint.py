@@ -43,27 +43,17 @@ from glassloop.atomic import (
     refuse_link,
     remove_tree,
     replace_own,
-    write_digested,
 )
 from glassloop.errors import CheckpointError as CheckpointError  # re-exported: its old home
 from glassloop.errors import CheckpointWriteError as CheckpointWriteError
 from glassloop.errors import write_failure
+from glassloop.hashed_files import write_digested, write_safetensors
 from glassloop.serialization import (
-    UnserializableError,
-    finite_json,
-    flatten,
     sha256_of,
-    stable_repr,
     unflatten,
 )
-from glassloop.weights import (
-    all_finite,
-    read_safetensors,
-    weights_dict,
-    weights_finite,
-    weights_metadata,
-    write_safetensors,
-)
+from glassloop.snapshot import Snapshot, snapshot
+from glassloop.weights import all_finite, read_safetensors, weights_finite, weights_metadata
 
 FORMAT_VERSION = 1
 CREATOR = "glassloop"
@@ -241,51 +231,6 @@ def mark(folder: Path) -> None:
     """Put glassloop's marker into ``folder`` (never through a link of that name)."""
     marker = refuse_link(folder / MARKER)
     os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | NOFOLLOW, 0o644))
-
-
-@dataclass
-class Snapshot:
-    """A checkpoint's contents taken from the run at one moment: the weights and the state's
-    tensors as CPU tensors (private copies when the write goes on in the background while
-    training changes the originals), everything else already JSON text."""
-
-    step: int
-    weights: dict[str, torch.Tensor] | None  # None: a sharded checkpoint's, already staged
-    weights_metadata: dict[str, str]
-    tensors: dict[str, torch.Tensor]
-    tree: bytes  # state.json
-    meta: bytes  # meta.json
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes of its tensors (what a checkpoint's GB/s counts)."""
-        tensors = [*self.tensors.values(), *(self.weights or {}).values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def snapshot(
-    model: nn.Module | None,
-    state: dict[str, Any],
-    meta: dict[str, Any],
-    to_host: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> Snapshot:
-    """What :func:`write_checkpoint_dir` writes of ``model`` (``None``: a sharded run's
-    weights, staged by its processes), ``state`` and ``meta``, taken now (``to_host``: how a
-    tensor reaches the CPU, e.g. a copy that training cannot change). Raises
-    :class:`CheckpointError` for a state that cannot be stored without pickle."""
-    try:
-        tree, tensors = flatten(state, to_host)
-    except UnserializableError as err:
-        raise CheckpointError(f"checkpoint: {err}") from err
-    text = json.dumps(finite_json(meta), indent=1, default=stable_repr, allow_nan=False) + "\n"
-    return Snapshot(
-        step=int(meta["step"]),
-        weights=weights_dict(model, to_host) if model is not None else None,
-        weights_metadata=weights_metadata(meta.get("model_spec")),
-        tensors=tensors,
-        tree=json.dumps(tree, allow_nan=False).encode("utf-8"),
-        meta=text.encode("utf-8"),
-    )
 
 
 def write_checkpoint_dir(target: Path, snap: Snapshot, *, staged: Path | None = None) -> None:

@@ -16,6 +16,7 @@ then saves with one call and resumes with one::
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import time
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 import glassloop.fsdp as fsdp
+from glassloop.background_save import BackgroundSave, SaveTimes
 from glassloop.best import improves, is_number, monitor_mode
 from glassloop.checkpoint import (
     BEST,
@@ -35,15 +37,16 @@ from glassloop.checkpoint import (
     Checkpoint,
     begin_staging,
     checkpoints_dir,
+    commit_best,
+    commit_checkpoint,
     find_resumable,
     latest_pointer,
     not_finite,
     prune,
     read_checkpoint,
+    refuse_not_finite,
     remove_marked,
     require_run_dir,
-    save_best,
-    save_checkpoint,
     staging_dir,
     step_dir_name,
     step_dirs,
@@ -63,6 +66,7 @@ from glassloop.options import CheckpointConfig as CheckpointConfig  # (re-export
 from glassloop.options import RunInfo, TrainConfig, resume_safe
 from glassloop.rng import capture_rng_state, check_rng_state, restore_rng_state
 from glassloop.serialization import dotted, stable_repr
+from glassloop.snapshot import Snapshot, snapshot
 from glassloop.state import EpochRecord, TrainState
 from glassloop.weights import load_checked
 
@@ -98,12 +102,13 @@ class Checkpointer:
         watch: Watch | None = None,
         shards: ShardedState | None = None,
         device: torch.device | None = None,
+        say: Callable[[str], None] = print,
     ) -> None:
         """Handed once what every checkpoint holds beyond :meth:`attach`'s: the ``model``
         whose weights it saves (an FSDP run's: ``shards``), the epoch's ``record``, the
         callbacks (their states), what the run records (``info``), the non-finite ``watch``
         (never a save after a NaN step; its loss-spike window) and the ``device`` the state
-        loads onto."""
+        loads onto; ``say``: where a line about a slow background save goes)."""
         self.run_dir = run_dir
         self.policy = policy if policy is not None else CheckpointConfig()
         self.world = world
@@ -111,9 +116,16 @@ class Checkpointer:
         self.record = record if record is not None else EpochRecord()
         self.callbacks, self.watch, self.shards = callbacks, watch, shards
         self.info = info if info is not None else RunInfo()
+        self.say = say
         self.device = device if device is not None else torch.device("cpu")
         self.parts: dict[str, Any] = {"loop": TrainState()}
         self.loader: Any = None
+        self.times = SaveTimes()  # each save's blocking and total seconds, bytes
+        self.background = (
+            BackgroundSave(self.times, say, sharded=shards is not None)
+            if self.policy.async_save
+            else None
+        )
 
     def attach(self, parts: dict[str, Any], *, loader: Any = None) -> None:
         """Hand it the stateful parts, once per ``fit``: the objects by name
@@ -162,15 +174,26 @@ class Checkpointer:
         return value if improves(value, best, mode) else None
 
     # ------------------------------------------------------------------------------ save
-    def save(self, *, finished: bool = False, best: bool = False) -> Path | None:
+    def save(
+        self, *, finished: bool = False, best: bool = False, wait: bool = False
+    ) -> Path | None:
         """Commit ``checkpoints/step-<step>/`` of where the run stands and prune to
         ``keep_last`` (``best``: ``RUN_DIR/best/`` instead); the path, or ``None`` without a
         run directory. Every process calls it: the state is gathered from all (a
-        collective), an FSDP run's shards are written by each, rank 0 commits."""
+        collective), an FSDP run's shards are written by each, rank 0 commits.
+
+        With ``async_save`` it returns once the state is copied to host memory and the
+        commit happens in the background (:mod:`glassloop.background_save`); a final save
+        (``finished``) or one told to (``wait``: a stop signal's) waits for it. A background
+        save's failure is raised at the next step row (:meth:`poll`) or the next save, in
+        every process."""
         if self.watch is not None:
             self.watch.check(self.state, self.world)  # never a checkpoint after a NaN step
         if self.run_dir is None:
             return None
+        if self.background is not None:  # an earlier save's failure, in every process
+            self._agree(self.background.failure(), self.run_dir)
+        started = time.perf_counter()
         state, meta = self.state_dict(), self.meta(finished=finished)
         step = self.state.step
         target = (
@@ -178,20 +201,53 @@ class Checkpointer:
         )
         shards = self.shards
         staged = self._stage(target, shards, step) if shards is not None else None
-        weights = self.model if shards is None else None
         failure: Exception | None = None
         if self.world.is_main:  # one writer; the others wait for its verdict below
             try:
                 require_run_dir(self.run_dir)  # never recreated half-empty
-                if best:
-                    save_best(self.run_dir, weights, state, meta, staged=staged)
+                if shards is None:
+                    refuse_not_finite(self.run_dir, self.model, step)
+                if self.background is not None:  # copied now, committed in the background
+                    commit = functools.partial(self._commit, best=best, staged=None)
+                    self.background.submit(self.model, state, meta, commit, started)
                 else:
-                    target = save_checkpoint(self.run_dir, weights, state, meta, staged=staged)
-                    prune(self.run_dir, self.policy.keep_last)
+                    snap = snapshot(self.model if shards is None else None, state, meta)
+                    target = self._commit(snap, best=best, staged=staged)
+                    elapsed = time.perf_counter() - started
+                    self.times.add(elapsed, elapsed, snap.nbytes)
             except GlassloopError as err:
                 failure = err
         self._agree(failure, target)
+        if finished or wait:
+            self.wait()
         return target
+
+    def _commit(self, snap: Snapshot, *, best: bool, staged: Path | None) -> Path:
+        """Write ``snap`` (as ``best/``, or as a step's checkpoint, then prune)."""
+        assert self.run_dir is not None
+        if best:
+            return commit_best(self.run_dir, snap, staged=staged)
+        target = commit_checkpoint(self.run_dir, snap, staged=staged)
+        prune(self.run_dir, self.policy.keep_last)
+        return target
+
+    def poll(self) -> None:
+        """Raise the failure of a background save that has ended (one process: at the next
+        step row; several agree on it at the next save, not in a collective every step)."""
+        if self.background is not None and not self.world.distributed:
+            self.background.raise_failure()
+
+    def wait(self) -> None:
+        """Until the background save in flight has committed; its failure raised in every
+        process (every process calls it: a final save, a stop signal's save)."""
+        if self.background is not None:
+            self.background.wait()
+            self._agree(self.background.failure(), self.run_dir or Path())
+
+    def close(self) -> None:
+        """Let a save in flight commit before the run ends (its failure: a warning)."""
+        if self.background is not None:
+            self.background.close()
 
     def state_dict(self) -> dict[str, Any]:
         """Everything but the weights that an exact resume needs: each part's
@@ -304,7 +360,7 @@ class Checkpointer:
         *,
         epochs: int,
         allow_config_change: bool = False,
-        warn: Callable[[str], None] = print,
+        warn: Callable[[str], None] | None = None,
     ) -> Checkpoint | None:
         """Resume (``resume``: ``"auto"``, the newest valid checkpoint, or a path): find the
         checkpoint (:meth:`find`), check it fits (:meth:`check_compatible`), load the
@@ -312,6 +368,7 @@ class Checkpointer:
         shards/ when the optimizer state loads), then the rest (:meth:`load_state_dict`),
         and say where the run goes on when it has ``epochs`` left. Without ``resume``, make
         sure a fresh run overwrites none. The checkpoint, or ``None``."""
+        warn = warn if warn is not None else self.say
         if resume is None:
             self.refuse_overwrite()
             return None

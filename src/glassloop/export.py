@@ -33,6 +33,7 @@ from glassloop.checkpoint import (
 )
 from glassloop.config import from_dict
 from glassloop.errors import ConfigError, ModelError
+from glassloop.hashed_files import write_safetensors
 from glassloop.models import ModelConfig, build_model, data_kwargs, target_scale_of
 from glassloop.tasks import TASK_ATTRIBUTE, TASKS
 from glassloop.weights import (
@@ -40,7 +41,6 @@ from glassloop.weights import (
     load_checked,
     read_safetensors,
     safetensors_dtype,
-    write_safetensors,
 )
 
 ModelClass = Callable[..., nn.Module]

@@ -213,6 +213,8 @@ class Trainer:
         self.info = RunInfo(self.config, self.model_spec)  # (and fit's versions)
         # The run directory's two writers, each handed its parts once.
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        # Only rank 0 talks: the other processes print nothing at all.
+        self.console = ProgressReporter(progress, silent=not self.world.is_main)
         self.checkpointer = Checkpointer(
             self.run_dir,
             checkpoint,
@@ -224,6 +226,7 @@ class Trainer:
             watch=self.watch,
             info=self.info,
             device=self.device,
+            say=self.console.message,
         )
         self.run_log = RunLog(
             self.run_dir,
@@ -232,9 +235,8 @@ class Trainer:
             tracking=tracking,
             state=self.state,
             info=self.info,
+            checkpoint_times=self.checkpointer.times,
         )
-        # Only rank 0 talks: the other processes print nothing at all.
-        self.console = ProgressReporter(progress, silent=not self.world.is_main)
         self.last_grad_norm: torch.Tensor | None = None
         self.should_stop = False  # callbacks set it to end the run after this epoch
         self._signals = StopSignals()
@@ -281,8 +283,7 @@ class Trainer:
         self.checkpointer.attach(self.stateful(), loader=train_loader)  # what a save holds
         with self.run_log.hold():  # the run directory's lock, for the whole fit
             distributed.barrier()  # nobody reads the run dir while rank 0 tidies it
-            allow, warn = allow_config_change, self.console.message
-            self.checkpointer.resume(resume, epochs=epochs, allow_config_change=allow, warn=warn)
+            self.checkpointer.resume(resume, epochs=epochs, allow_config_change=allow_config_change)
             if self.state.epoch >= epochs or self.state.stopped:
                 # resuming a finished run: complete any final file a kill left unwritten
                 self.console.message(self.run_log.finish_again(self.eval_model, epochs))
@@ -323,6 +324,7 @@ class Trainer:
             raise
         finally:
             self.console.close()
+            self.checkpointer.close()  # a save in flight commits before the end
             # The final weights and run.json, then the final report, which shows the end.
             last: dict[str, Any] = {"evaluation": self.last_eval, "predicted_vs_true": pairs}
             report = self.run_log.finish(status, self.eval_model, error=self._failure, **last)
@@ -572,10 +574,11 @@ class Trainer:
         elif self.distributed:  # an epoch's end: one collective now
             signum = int(distributed.all_reduce(torch.tensor([signum]), "max"))
         if signum:
-            path = self.checkpointer.save()
+            path = self.checkpointer.save(wait=True)  # (async: committed before the end)
             raise Preempted(signum, self.state.step, str(path) if path is not None else None)
 
     def _log_step(self, loss: torch.Tensor) -> None:
+        self.checkpointer.poll()  # (a background save that failed stops the run here)
         self.watch.check(self.state, self.world)  # (a NaN since the last row stops here)
         value = step_loss(loss, self.world)  # a host sync, only every log_every steps
         self.console.log_step(value, sum(self.record.sizes))

@@ -253,6 +253,9 @@ class CheckpointConfig:
     keep_last: int = option(3, rule=AT_LEAST_0)
     monitor: str = ""  # e.g. "val_loss" or "val_accuracy"
     mode: str = option("auto", rule=("auto", "min", "max"))  # max for accuracy/F1, else min
+    # true: the step waits only while the state is copied to host memory; the write goes on
+    # in the background, one save at a time (glassloop.background_save)
+    async_save: bool = False
 
 
 @dataclass

@@ -21,6 +21,7 @@ from torch import nn
 
 import glassloop.fsdp as fsdp
 from glassloop.atomic import ForeignPathError, own_dir
+from glassloop.background_save import SaveTimes
 from glassloop.checkpoint import (
     BEST,
     CHECKPOINTS,
@@ -70,11 +71,13 @@ class RunLog:
         tracking: TrackingConfig | None = None,
         state: TrainState | None = None,
         info: RunInfo | None = None,
+        checkpoint_times: SaveTimes | None = None,
     ) -> None:
         self.run_dir = run_dir
         # Handed once: where the loop stands and what the run records (filled in by fit).
         self.state = state if state is not None else TrainState()
         self.info = info if info is not None else RunInfo()
+        self.checkpoint_times = checkpoint_times  # how long its checkpoints took (run.json)
         self.active = run_dir is not None and world.is_main
         self.tensorboard = tensorboard
         self.tracking = tracking
@@ -275,7 +278,10 @@ class RunLog:
 
     def _status_info(self) -> dict[str, Any]:
         """What run.json says besides the status: where the run stands, what ran it."""
-        return {"step": self.state.step, "epoch": self.state.epoch, **self.info.versions}
+        info = {"step": self.state.step, "epoch": self.state.epoch, **self.info.versions}
+        if self.checkpoint_times is not None and self.checkpoint_times.summary() is not None:
+            info["checkpoints"] = self.checkpoint_times.summary()
+        return info
 
     def write_weights(
         self, model: nn.Module | dict[str, torch.Tensor], model_spec: dict[str, Any] | None

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from glassloop.background_save import SaveTimes
 from glassloop.best import best_epoch, shown
 from glassloop.distributed import World, unwrap_model
 from glassloop.fsdp import class_name
@@ -27,10 +28,13 @@ from glassloop.state import TrainState
 
 
 class HasPolicy(Protocol):
-    """What the end summary reads of a checkpointer: its policy (what picks the best)."""
+    """What the end summary reads of a checkpointer: its policy (what picks the best) and
+    how long its saves took."""
 
     @property
     def policy(self) -> CheckpointConfig: ...
+    @property
+    def times(self) -> SaveTimes: ...
 
 
 class Described(Protocol):
@@ -158,6 +162,12 @@ def end_summary(trainer: Described, seconds: float, report: Path | None) -> str:
     if "val_accuracy" in last:
         parts.append(f"final val_accuracy {shown('val_accuracy', last['val_accuracy'])}")
     lines = ["; ".join(parts)]
+    saves = trainer.checkpointer.times.summary()
+    if saves is not None:  # (rank 0's: the one that writes)
+        lines.append(
+            f"checkpoints: {saves['saves']} saved, the step held {saves['blocking_s']:.2f} s "
+            f"each, written in {saves['total_s']:.2f} s ({saves['gb_per_s']:.2f} GB/s; medians)"
+        )
     if trainer.run_dir is not None:
         where = f"weights: {trainer.run_dir / 'model.safetensors'}"
         lines.append(where + (f"; report: {report}" if report is not None else ""))

@@ -10,23 +10,20 @@ that does not fit fails before anything large is allocated. Checkpoints
 from __future__ import annotations
 
 import json
-import os
-import re
 import struct
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
-from glassloop.atomic import atomic_path, fsync_file, write_digested
+from glassloop.atomic import atomic_path
 from glassloop.distributed import unwrap_model
 from glassloop.errors import CheckpointError
-from glassloop.serialization import sha256_of
+from glassloop.hashed_files import write_safetensors
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
 
@@ -59,112 +56,6 @@ def save_weights(
     with atomic_path(Path(path)) as tmp:
         write_safetensors(weights_dict(model), tmp, metadata)
         tmp.chmod(0o644)  # safetensors creates 0600; weights are meant to be shared
-
-
-def write_safetensors(
-    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None
-) -> tuple[int, str]:
-    """Write ``tensors`` to the new safetensors file ``path``, fsync it, and return its size
-    and SHA-256 (hashed while written: :func:`glassloop.atomic.write_digested`).
-
-    The bytes are exactly those of ``safetensors.torch.save_file`` with the metadata in
-    sorted key order (a test compares them for every dtype), so every safetensors reader
-    reads them and the same tensors and metadata always give the same bytes. Written here
-    rather than by ``save_file`` because that one wrote at 0.34 GB/s where the disk takes
-    1.4 GB/s (``benchmarks/checkpoint.py``) and cannot hash while it writes; reading stays
-    with safetensors. A dtype this writer does not know goes through ``save_file``."""
-    tensors = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
-    if sys.byteorder != "little" or any(t.dtype not in DTYPE_NAMES for t in tensors.values()):
-        return _save_file(tensors, path, metadata)
-    # safetensors' order: by dtype, its enum's last first, then by name (bytes of UTF-8 sort
-    # as code points do, so Python's str order is Rust's).
-    names = sorted(tensors, key=lambda k: (-DTYPE_ORDER[tensors[k].dtype], k))
-    header: dict[str, Any] = {}
-    if metadata is not None:
-        header["__metadata__"] = dict(sorted(metadata.items()))
-    offset = 0
-    for name in names:
-        tensor = tensors[name]
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": DTYPE_NAMES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)  # (safetensors pads the header to 8 bytes with spaces)
-    pieces: list[bytes | memoryview] = [struct.pack("<Q", len(raw)), raw]
-    pieces += [_memory(tensors[name]) for name in names if tensors[name].numel()]
-    return write_digested(path, pieces)
-
-
-def _memory(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    data: Any = tensor.reshape(-1).view(torch.uint8).numpy()  # (a buffer; numpy's stubs say no)
-    return memoryview(data)
-
-
-# The dtypes the writer knows, in the order of safetensors' ``Dtype`` enum (it sorts by it).
-DTYPE_NAMES = {
-    torch.bool: "BOOL",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.int16: "I16",
-    torch.uint16: "U16",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int32: "I32",
-    torch.uint32: "U32",
-    torch.float32: "F32",
-    torch.complex64: "C64",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.uint64: "U64",
-}
-DTYPE_ORDER = {dtype: rank for rank, dtype in enumerate(DTYPE_NAMES)}
-
-
-def _save_file(
-    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None
-) -> tuple[int, str]:
-    """``safetensors.torch.save_file``, its I/O failures (disk full, quota) raised as the
-    ``OSError`` they are, the metadata sorted (:func:`_canonical_header`), the file fsync'd,
-    its size and SHA-256 read back."""
-    try:
-        save_file(tensors, str(path), metadata=metadata)
-    except SafetensorError as err:
-        found = re.search(r"os error (\d+)", str(err))
-        if found is None:
-            raise
-        code = int(found.group(1))
-        raise OSError(code, os.strerror(code), str(path)) from err
-    if metadata and len(metadata) > 1:
-        _canonical_header(path)
-    fsync_file(path)
-    return path.stat().st_size, sha256_of(path)
-
-
-def _canonical_header(path: Path) -> None:
-    """Rewrite the header of a file safetensors just wrote with ``__metadata__`` sorted.
-
-    safetensors keeps the metadata in a Rust ``HashMap``, whose order changes from process to
-    process, so two identical saves differed in about half of all cases and ``sha256sum``
-    could not tell users whether two models were the same. The header is JSON in serde's
-    compact form; Python writes the same form (``ensure_ascii=False``), so the sorted header
-    has the same length and is written back in place, padded with spaces as safetensors pads.
-    """
-    with path.open("rb+") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
-        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
-        ordered = {"__metadata__": header.pop("__metadata__"), **header}
-        raw = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        assert len(raw) <= length, "serde and json write the same compact form"
-        handle.seek(8)
-        handle.write(raw + b" " * (length - len(raw)))
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -136,7 +136,9 @@ def main(argv: list[str]) -> None:
         # (a language model's loss is a mean over its tokens: processes weigh theirs so)
         loss_weighting="tokens" if task == "lm" else "samples",
         grad_accum_steps=accumulation(task), device="cpu", progress="none", log_every=1,
-        run_dir=run, checkpoint=CheckpointConfig(every_n_steps=1, keep_last=2),
+        run_dir=run, checkpoint=CheckpointConfig(
+            every_n_steps=1, keep_last=2, async_save="--async-save" in argv
+        ),
         callbacks=[KillAt()],
     )  # fmt: skip
     train, val = loaders(task, kind, trainer.world)

@@ -3,7 +3,8 @@
 model with its own shifted loss; a loss that sums over its batch, accumulated) x {1 process,
 2 processes} x {uninterrupted; killed with SIGKILL mid-epoch or at an epoch boundary and
 resumed in a new process} x {glassloop's loader, a shuffling DataLoader, a DataLoader with its
-own generator}, every epoch row, every step row, "best", ``evaluate`` and ``predict`` equal an
+own generator} x {checkpoints written as the step waits, in the background (async_save: a kill
+may come while one is in flight)}, every epoch row, every step row, "best", ``evaluate`` and ``predict`` equal an
 independent computation in plain PyTorch and scikit-learn written here, and the final weights
 equal the hand-written loop's (bitwise in one process).
 
@@ -44,17 +45,18 @@ from glassloop.throughput import TIMING
 SCRIPT = Path(__file__).with_name("matrix_runs.py")
 # 88 training samples in global batches of 16: 6 steps per epoch (3 with 2 micro-batches).
 KILLS = {"none": None, "mid-epoch": (4, 5), "epoch-boundary": (7, 4)}  # (accum 1, accum 2)
+SAVES = ("sync", "async")
 DIAGONAL = [
-    ("classification", "generator", "mid-epoch", 1),
-    ("bce", "dataloader", "none", 1),
-    ("multilabel", "glassloop", "epoch-boundary", 1),
-    ("regression", "glassloop", "mid-epoch", 2),  # (a mid-epoch DDP resume: every rank's)
-    ("lm", "glassloop", "mid-epoch", 1),
-    ("sum", "generator", "epoch-boundary", 1),
+    ("classification", "generator", "mid-epoch", 1, "async"),
+    ("bce", "dataloader", "none", 1, "sync"),
+    ("multilabel", "glassloop", "epoch-boundary", 1, "async"),
+    ("regression", "glassloop", "mid-epoch", 2, "async"),  # (a mid-epoch DDP resume)
+    ("lm", "glassloop", "mid-epoch", 1, "sync"),
+    ("sum", "generator", "epoch-boundary", 1, "sync"),
 ]
 FULL = [
-    (task, kind, kill, procs)
-    for task, kill in itertools.product(TASKS, KILLS)
+    (task, kind, kill, procs, save)
+    for task, kill, save in itertools.product(TASKS, KILLS, SAVES)
     for kind, procs in [*((k, 1) for k in LOADERS), ("glassloop", 2)]
 ]
 CASES = FULL if os.environ.get("GLASSLOOP_MATRIX") == "full" else DIAGONAL
@@ -187,18 +189,21 @@ def close(a: Any, b: Any, rel: float) -> bool:
     return bool(a == b)
 
 
-@pytest.mark.parametrize(("task", "kind", "kill", "procs"), CASES)
-def test_every_reported_number(tmp_path: Path, task: str, kind: str, kill: str, procs: int) -> None:
+@pytest.mark.parametrize(("task", "kind", "kill", "procs", "save"), CASES)
+def test_every_reported_number(
+    tmp_path: Path, task: str, kind: str, kill: str, procs: int, save: str
+) -> None:
     run = tmp_path / "run"
     at = KILLS[kill]
+    saves = ("--async-save",) if save == "async" else ()
     if at is not None:
         step = at[0] if accumulation(task) == 1 else at[1]
-        code = run_script(run, task, kind, procs, "--kill-at", str(step))
+        code = run_script(run, task, kind, procs, "--kill-at", str(step), *saves)
         assert code != 0, "the run was not killed"
         assert not (run / "numbers.json").exists()
-        run_script(run, task, kind, procs, "--resume")
+        run_script(run, task, kind, procs, "--resume", *saves)
     else:
-        run_script(run, task, kind, procs)
+        run_script(run, task, kind, procs, *saves)
     hand = reference(task, kind)
     rel = 1e-9 if procs == 1 else 2e-5  # (two processes add in another order)
     numbers = json.loads((run / "numbers.json").read_text())
@@ -241,6 +246,6 @@ def test_every_reported_number(tmp_path: Path, task: str, kind: str, kill: str, 
 
 
 def test_the_diagonal_covers_every_value_of_every_axis() -> None:
-    for axis, values in enumerate((TASKS, LOADERS, tuple(KILLS), (1, 2))):
+    for axis, values in enumerate((TASKS, LOADERS, tuple(KILLS), (1, 2), SAVES)):
         assert {case[axis] for case in DIAGONAL} == set(values), axis
     assert BATCH % 2 == 0  # two processes split the global batch evenly

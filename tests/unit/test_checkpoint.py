@@ -278,8 +278,8 @@ def test_glassloop_writes_the_bytes_safetensors_writes(
     file's."""
     from safetensors.torch import save_file
 
+    from glassloop.hashed_files import DTYPE_NAMES, _canonical_header, write_safetensors
     from glassloop.serialization import sha256_of
-    from glassloop.weights import DTYPE_NAMES, _canonical_header, write_safetensors
 
     tensors: dict[str, torch.Tensor] = {"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
     tensors['é"x\n'] = torch.arange(3)
@@ -296,8 +296,9 @@ def test_glassloop_writes_the_bytes_safetensors_writes(
 
 
 def test_a_dtype_the_writer_does_not_know_goes_through_safetensors(tmp_path: Path) -> None:
+    from glassloop.hashed_files import DTYPE_NAMES, write_safetensors
     from glassloop.serialization import sha256_of
-    from glassloop.weights import DTYPE_NAMES, read_safetensors, write_safetensors
+    from glassloop.weights import read_safetensors
 
     dtype = torch.float8_e4m3fnuz
     assert dtype not in DTYPE_NAMES

@@ -1,0 +1,143 @@
+"""Checkpoints written in the background (``checkpoint.async_save``): what is saved is the state
+at the save, never what training changed after it; a failed background save stops the run at
+the next step row or save with its own message and never leaves a half-visible checkpoint;
+``verify-resume`` (kill -9, resume in a new process) is exact with it on. (The every-number
+matrix runs with it too: tests/integration/test_every_number.py.)"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from cli_runner import run_glassloop
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from glassloop import Callback, Trainer
+from glassloop.atomic import ForeignPathError
+from glassloop.checkpoint import latest_pointer, read_checkpoint
+from glassloop.checkpointer import Checkpointer
+from glassloop.options import CheckpointConfig
+from glassloop.state import TrainState
+
+
+def test_the_copy_is_the_state_at_the_save(tmp_path: Path) -> None:
+    """The step goes on while the write does: the checkpoint holds the weights and optimizer
+    state of the moment ``save()`` was called, not those changed in place after it."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    checkpointer = Checkpointer(
+        tmp_path, CheckpointConfig(async_save=True, keep_last=5), model=model
+    )
+    checkpointer.attach({"loop": TrainState(), "optimizer": optimizer})
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = optimizer.state[model.weight]["exp_avg"].clone()
+    checkpointer.state.step = 1
+    path = checkpointer.save()
+    with torch.no_grad():  # what the next steps do, while the save may be in flight
+        model.weight.add_(1.0)
+        optimizer.state[model.weight]["exp_avg"].mul_(3.0)
+    checkpointer.wait()
+    assert path is not None
+    saved = read_checkpoint(path)
+    for key, value in weights.items():
+        assert torch.equal(saved.model_tensors[key], value), key
+    assert torch.equal(saved.state["optimizer"]["state"][0]["exp_avg"], moments)
+    # The next save reuses the host buffers: it must hold the new values, the first intact.
+    checkpointer.state.step = 2
+    second = checkpointer.save(wait=True)
+    assert second is not None
+    assert torch.equal(read_checkpoint(second).model_tensors["weight"], model.weight.detach())
+    assert torch.equal(read_checkpoint(path).model_tensors["weight"], weights["weight"])
+    assert checkpointer.times.summary() is not None
+
+
+class LinkAt(Callback):
+    """Puts a link where step 3's checkpoint goes, once step 2 is done (the run checks its
+    directory for links when it starts: this one appears during the run)."""
+
+    def __init__(self, link: Path, target: Path) -> None:
+        self.link, self.target = link, target
+
+    def on_step_end(self, trainer: Any, step: int, loss: Any) -> None:
+        if step == 2:
+            os.symlink(self.target, self.link)
+
+
+def trainer(run_dir: Path, *callbacks: Callback) -> Trainer:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    return Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        nn.CrossEntropyLoss(),
+        device="cpu",
+        progress="none",
+        log_every=1,
+        run_dir=run_dir,
+        checkpoint=CheckpointConfig(every_n_steps=1, keep_last=10, async_save=True),
+        callbacks=callbacks,
+    )
+
+
+def loader() -> DataLoader[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g))
+    return DataLoader(data, batch_size=8)
+
+
+def test_a_failed_background_save_stops_the_run_and_loses_nothing(tmp_path: Path) -> None:
+    """A link where step 3's checkpoint goes: the background commit refuses it; the run stops
+    at the next step row or save with that line; step 2's checkpoint is the latest, intact;
+    the link and what it points to are untouched; nothing half-written is left visible."""
+    run = tmp_path / "run"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    link = LinkAt(run / "checkpoints" / "step-00000003", outside)
+    with pytest.raises(ForeignPathError, match="step-00000003"):
+        trainer(run, link).fit(loader(), epochs=1)
+    assert latest_pointer(run) == run / "checkpoints" / "step-00000002"
+    assert read_checkpoint(run / "checkpoints" / "step-00000002").step == 2
+    assert (outside / "keep.txt").read_text() == "mine"
+    assert os.path.islink(run / "checkpoints" / "step-00000003")
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    assert not (run / "checkpoints" / "step-00000004").exists()
+    # The link removed, the run resumes from step 2 and finishes.
+    os.unlink(run / "checkpoints" / "step-00000003")
+    resumed = trainer(run)
+    resumed.fit(loader(), epochs=1, resume="auto")
+    assert resumed.state.step == 8
+
+
+def test_async_fsdp_is_refused_in_one_line() -> None:
+    from glassloop.background_save import BackgroundSave, SaveTimes
+    from glassloop.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"async_save is not available with train\.strategy"):
+        BackgroundSave(SaveTimes(), sharded=True)
+
+
+SMALL = [
+    "--set", "data.name=synthetic", "--set", "data.num_samples=320", "--set", "data.batch_size=32",
+    "--set", "data.num_features=8", "--set", "model.hidden=[16]", "--set", "train.epochs=2",
+    "--set", "checkpoint.every_n_steps=1", "--set", "train.progress=none",
+    "--set", "checkpoint.async_save=true",
+]  # fmt: skip
+
+
+def test_verify_resume_is_exact_with_background_saves(tmp_path: Path) -> None:
+    """kill -9 after step 5 (a save may be in flight), resume in a new process: every digest
+    identical to the straight run's."""
+    done = run_glassloop("verify-resume", *SMALL, "--kill-at", "5", "--keep", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resume is exact" in done.stdout
+    assert "checkpoints:" in done.stdout or (tmp_path / "straight" / "run.json").is_file()
+    run_json = (tmp_path / "straight" / "run.json").read_text()
+    assert '"checkpoints"' in run_json and '"gb_per_s"' in run_json
