@@ -187,6 +187,8 @@ def measure(millions: int, root: Path, repeats: int) -> tuple[Path, int]:
                 seconds = time.perf_counter() - start
                 times[name].append(seconds)
             print(f"  {millions}M rep {rep + 1}: {name} {seconds:.2f} s", file=sys.stderr)
+    if checkpointer is not None:
+        checkpointer.close()
     width, layers = shape(millions)
     params = sum(p.numel() for p in model.parameters())
     print(
@@ -276,6 +278,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # (DCP's: no_dist)
     sizes = sorted(int(s) for s in args.sizes.split(","))
     root = Path(tempfile.mkdtemp(prefix="checkpoint-bench-", dir=args.dir))
+    (root / ".gitignore").write_text("*\n")  # never swept into a commit while it runs
     try:
         print(
             f"machine: {os.cpu_count()} cores ({platform.machine()}), torch {torch.__version__}, "

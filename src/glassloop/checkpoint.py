@@ -411,13 +411,10 @@ def prune(run_dir: Path, keep_last: int) -> list[Path]:
     return removed
 
 
-def read_checkpoint(path: Path, check: StateCheck | None = None) -> Checkpoint:
-    """Verify every file against the manifest (size, SHA-256), then read and check it: strict
-    JSON, well-formed safetensors, finite tensors, and a training state whose numbers and RNG
-    states make sense (``check(meta, state)``: the resuming side's test of its own state, e.g.
-    :func:`glassloop.checkpointer.check_training_state`; storage knows no state's layout).
-    Any problem is one :class:`CheckpointError` naming the path and the reason, raised
-    before anything is loaded into a model or optimizer."""
+def verify_files(path: Path) -> bool:
+    """Every file the manifest of the checkpoint ``path`` lists is there with its size and
+    SHA-256 (and a sharded one's ``shards/`` holds nothing else); whether it is sharded.
+    One :class:`CheckpointError` naming the first problem."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint: '{path}' is not a checkpoint directory")
@@ -448,6 +445,18 @@ def read_checkpoint(path: Path, check: StateCheck | None = None) -> Checkpoint:
             raise CheckpointError(
                 f"checkpoint: '{path}': {name} fails its SHA-256 check (corrupt or modified)"
             )
+    return sharded
+
+
+def read_checkpoint(path: Path, check: StateCheck | None = None) -> Checkpoint:
+    """Verify every file against the manifest (size, SHA-256), then read and check it: strict
+    JSON, well-formed safetensors, finite tensors, and a training state whose numbers and RNG
+    states make sense (``check(meta, state)``: the resuming side's test of its own state, e.g.
+    :func:`glassloop.checkpointer.check_training_state`; storage knows no state's layout).
+    Any problem is one :class:`CheckpointError` naming the path and the reason, raised
+    before anything is loaded into a model or optimizer."""
+    path = Path(path)
+    sharded = verify_files(path)
     meta = _read_json(path / "meta.json", path)
     tree = _read_json(path / "state.json", path)
     model_tensors: dict[str, torch.Tensor] = {}

@@ -64,6 +64,7 @@ from glassloop.errors import (
 from glassloop.fsdp import ShardedState
 from glassloop.options import CheckpointConfig as CheckpointConfig  # (re-exported: its old home)
 from glassloop.options import RunInfo, TrainConfig, resume_safe
+from glassloop.remote import RemoteRun
 from glassloop.rng import capture_rng_state, check_rng_state, restore_rng_state
 from glassloop.serialization import dotted, stable_repr
 from glassloop.snapshot import Snapshot, snapshot
@@ -103,12 +104,14 @@ class Checkpointer:
         shards: ShardedState | None = None,
         device: torch.device | None = None,
         say: Callable[[str], None] = print,
+        remote: RemoteRun | None = None,
     ) -> None:
         """Handed once what every checkpoint holds beyond :meth:`attach`'s: the ``model``
         whose weights it saves (an FSDP run's: ``shards``), the epoch's ``record``, the
         callbacks (their states), what the run records (``info``), the non-finite ``watch``
         (never a save after a NaN step; its loss-spike window) and the ``device`` the state
-        loads onto; ``say``: where a line about a slow background save goes)."""
+        loads onto; ``say``: where a line about a slow background save goes; ``remote``:
+        the object-storage run each committed checkpoint is uploaded to)."""
         self.run_dir = run_dir
         self.policy = policy if policy is not None else CheckpointConfig()
         self.world = world
@@ -121,6 +124,9 @@ class Checkpointer:
         self.parts: dict[str, Any] = {"loop": TrainState()}
         self.loader: Any = None
         self.times = SaveTimes()  # each save's blocking and total seconds, bytes
+        self.remote = remote
+        if remote is not None:
+            remote.keep_last, remote.say = self.policy.keep_last, say
         self.background = (
             BackgroundSave(self.times, say, sharded=shards is not None)
             if self.policy.async_save
@@ -191,8 +197,7 @@ class Checkpointer:
             self.watch.check(self.state, self.world)  # never a checkpoint after a NaN step
         if self.run_dir is None:
             return None
-        if self.background is not None:  # an earlier save's failure, in every process
-            self._agree(self.background.failure(), self.run_dir)
+        self._agree(self._earlier_failure(), self.run_dir)  # (in every process)
         started = time.perf_counter()
         state, meta = self.state_dict(), self.meta(finished=finished)
         step = self.state.step
@@ -226,16 +231,27 @@ class Checkpointer:
         """Write ``snap`` (as ``best/``, or as a step's checkpoint, then prune)."""
         assert self.run_dir is not None
         if best:
-            return commit_best(self.run_dir, snap, staged=staged)
-        target = commit_checkpoint(self.run_dir, snap, staged=staged)
-        prune(self.run_dir, self.policy.keep_last)
+            target = commit_best(self.run_dir, snap, staged=staged)
+        else:
+            target = commit_checkpoint(self.run_dir, snap, staged=staged)
+            prune(self.run_dir, self.policy.keep_last)
+        if self.remote is not None:  # uploaded in the background, in order
+            self.remote.push_checkpoint(target)
         return target
 
     def poll(self) -> None:
-        """Raise the failure of a background save that has ended (one process: at the next
-        step row; several agree on it at the next save, not in a collective every step)."""
-        if self.background is not None and not self.world.distributed:
-            self.background.raise_failure()
+        """Raise the failure of a background save or upload that has ended (one process: at
+        the next step row; several agree on it at the next save, not in a collective every
+        step)."""
+        if not self.world.distributed and (failure := self._earlier_failure()) is not None:
+            raise failure
+
+    def _earlier_failure(self) -> Exception | None:
+        """A background save's or upload's failure since the last look (rank 0's)."""
+        failure = self.background.failure() if self.background is not None else None
+        if failure is None and self.remote is not None:
+            failure = self.remote.failure()
+        return failure
 
     def wait(self) -> None:
         """Until the background save in flight has committed; its failure raised in every

@@ -35,6 +35,7 @@ from glassloop.errors import CheckpointError, GlassloopError, write_failure
 from glassloop.file_names import check_key
 from glassloop.options import RunInfo as RunInfo  # (re-exported: its old home)
 from glassloop.options import TrackingConfig
+from glassloop.remote import RemoteRun
 from glassloop.run_lock import RunLock
 from glassloop.runs import read_json_object
 from glassloop.serialization import behaviour_digest, stable_repr, write_json
@@ -72,12 +73,14 @@ class RunLog:
         state: TrainState | None = None,
         info: RunInfo | None = None,
         checkpoint_times: SaveTimes | None = None,
+        remote: RemoteRun | None = None,
     ) -> None:
         self.run_dir = run_dir
         # Handed once: where the loop stands and what the run records (filled in by fit).
         self.state = state if state is not None else TrainState()
         self.info = info if info is not None else RunInfo()
         self.checkpoint_times = checkpoint_times  # how long its checkpoints took (run.json)
+        self.remote = remote  # the object-storage run this one's files are uploaded to
         self.active = run_dir is not None and world.is_main
         self.tensorboard = tensorboard
         self.tracking = tracking
@@ -95,17 +98,23 @@ class RunLog:
             yield
             return
         assert self.run_dir is not None
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise GlassloopError(f"run: '{self.run_dir}' is a file, not a run directory")
-        refuse_links(self.run_dir)  # before anything, the lock included, is written
+        remote = self.remote.held() if self.remote is not None else contextlib.nullcontext()
+        with remote, self._held(self.run_dir):  # (a remote run: pulled first, then held)
+            yield
+
+    @contextlib.contextmanager
+    def _held(self, run_dir: Path) -> Iterator[None]:
+        if run_dir.exists() and not run_dir.is_dir():
+            raise GlassloopError(f"run: '{run_dir}' is a file, not a run directory")
+        refuse_links(run_dir)  # before anything, the lock included, is written
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            lock = RunLock(self.run_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock = RunLock(run_dir)
             lock.acquire()
         except OSError as err:
             raise self.failure(err) from err
         try:
-            clean_temporaries(self.run_dir)
+            clean_temporaries(run_dir)
             yield
         finally:
             lock.release()
@@ -274,13 +283,32 @@ class RunLog:
             if status == "finished":
                 raise failure from err
             print(f"warning: {failure}")
+        finally:
+            self._upload(status)
         return written
+
+    def _upload(self, status: str) -> None:
+        """The run's files to the remote run, every upload done before the run ends (a
+        failure while another error is on its way out: a warning)."""
+        if self.remote is None:
+            return
+        try:
+            self.remote.push_run_files()
+        finally:
+            try:
+                self.remote.close()
+            except GlassloopError as err:
+                if status == "finished":
+                    raise
+                print(f"warning: {err}")
 
     def _status_info(self) -> dict[str, Any]:
         """What run.json says besides the status: where the run stands, what ran it."""
         info = {"step": self.state.step, "epoch": self.state.epoch, **self.info.versions}
         if self.checkpoint_times is not None and self.checkpoint_times.summary() is not None:
             info["checkpoints"] = self.checkpoint_times.summary()
+        if self.remote is not None:
+            info.update(self.remote.state_info())
         return info
 
     def write_weights(

@@ -1,0 +1,366 @@
+"""Run directories on object storage (``run_dir="s3://bucket/run"``, ``gs://``, ``az://``,
+``memory://``: any fsspec filesystem).
+
+The run works in a local copy of the run directory and this module mirrors it to the remote
+one; the remote one *is* the run: a resume reads it, whichever machine it starts on.
+
+Why a local copy and not writes straight to the bucket: every guarantee glassloop gives on a
+disk (atomic renames, fsync, link safety, the lock, a checkpoint visible only once complete)
+keeps holding, unchanged, where it is written; object storage has no rename, and no step
+ever waits for the network. Uploads run in a thread, in order, one at a time.
+
+What the remote run holds, and when it is visible (objects first, the manifest last, ``latest``
+only after the manifest reads back byte for byte)::
+
+    URL/checkpoints/step-00000120/...   every file of a committed local checkpoint, each
+                                        checked against its manifest's size after upload
+    URL/checkpoints/step-00000120/manifest.json   uploaded last: the checkpoint is complete
+    URL/checkpoints/latest              moved after the manifest read back
+    URL/best/ ...                       the same way (its manifest last)
+    URL/config.json, run.json, metrics.csv, metrics.jsonl, model.safetensors, report/
+                                        copied at each checkpoint and at the end
+
+A resume downloads the run's files and the newest remote checkpoint whose manifest exists and
+whose every file verifies (size and SHA-256, :func:`glassloop.checkpoint.read_checkpoint`);
+a checkpoint cut short by a kill (no manifest) or damaged is skipped, with a line. Pruning
+keeps the newest ``keep_last`` complete checkpoints and the one ``latest`` names; a pruned
+checkpoint loses its manifest first, so a kill half-way never leaves one that looks whole.
+
+Credentials come from the filesystem's own sources (environment variables, profiles, instance
+metadata) and are never written anywhere by glassloop; the URL is recorded with any secret in
+it replaced (:mod:`glassloop.redaction`). One process writes a remote run at a time (the lock
+is the local copy's: two machines writing one URL are not detected).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import queue
+import re
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from glassloop.atomic import own_dir, remove_tree, replace_own
+from glassloop.checkpoint import (
+    BEST,
+    CHECKPOINTS,
+    LATEST,
+    MARKER,
+    STEP_DIR,
+    mark,
+    remove_marked,
+    verify_files,
+)
+from glassloop.errors import CheckpointError, CheckpointWriteError, GlassloopError
+from glassloop.redaction import redacted
+from glassloop.run_lock import RunLock
+
+URL = re.compile(r"^([a-z][a-z0-9+.-]*)://", re.IGNORECASE)
+# The run's own files, copied at each checkpoint and at the end (those that exist).
+RUN_FILES = ("config.json", "run.json", "metrics.csv", "metrics.jsonl", "model.safetensors")
+RUN_FOLDERS = ("report",)
+CHUNK = 8 << 20
+
+
+def is_url(run_dir: str | Path | None) -> bool:
+    """Whether ``run_dir`` names a filesystem other than the local one (``file://`` is
+    local)."""
+    found = URL.match(str(run_dir)) if isinstance(run_dir, str) else None
+    return found is not None and found.group(1).lower() != "file"
+
+
+def local_copy_root() -> Path:
+    """Where the local copies of remote runs are kept: ``$GLASSLOOP_CACHE/remote-runs``
+    (default ``~/.cache/glassloop``)."""
+    base = os.environ.get("GLASSLOOP_CACHE") or Path.home() / ".cache" / "glassloop"
+    return Path(base) / "remote-runs"
+
+
+def open_run_dir(run_dir: str | Path | None) -> tuple[Path | None, RemoteRun | None]:
+    """The local directory a run writes in, and its remote mirror when ``run_dir`` is a URL.
+
+    >>> open_run_dir("runs/x")
+    (PosixPath('runs/x'), None)
+    """
+    if run_dir is None:
+        return None, None
+    if str(run_dir).startswith("file://"):
+        return Path(str(run_dir)[len("file://") :]), None
+    if not is_url(run_dir):
+        return Path(run_dir), None
+    remote = RemoteRun(str(run_dir))
+    return remote.local, remote
+
+
+class RemoteRun:
+    """The remote copy of a run directory (see the module docstring): :meth:`pull` before the
+    run reads it, :meth:`push_checkpoint` after each commit, :meth:`push_run_files` and
+    :meth:`close` at the end."""
+
+    def __init__(self, url: str, local: Path | None = None) -> None:
+        try:
+            import fsspec  # (the optional extra: glassloop[cloud])
+        except ImportError as err:
+            raise GlassloopError(
+                f"run: run_dir {redacted(url)!r} is on a remote filesystem, which needs "
+                "fsspec and its driver: pip install 'glassloop[cloud]' (s3fs; gcsfs for gs://, "
+                "adlfs for az://)"
+            ) from err
+        self.url = url.rstrip("/")
+        self.shown = redacted(self.url)  # (never a secret on screen or on disk)
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        except (ImportError, ValueError) as err:
+            raise GlassloopError(
+                f"run: cannot open {self.shown}: {err} (the driver for this scheme is "
+                "missing? s3:// needs s3fs, gs:// gcsfs, az:// adlfs)"
+            ) from err
+        self.root = self.root.rstrip("/")
+        digest = hashlib.sha256(self.url.encode("utf-8")).hexdigest()[:16]
+        # The local copy: RUN inside a folder of glassloop's that holds the lock, so a pull
+        # can replace RUN while no other process on this machine uses it.
+        self.container = local if local is not None else local_copy_root() / digest
+        self.local = self.container / "run"
+        self.keep_last = 0  # (set by the checkpointer: what pruning keeps)
+        self.say: Callable[[str], None] = print
+        self._jobs: queue.Queue[tuple[str, Path] | None] = queue.Queue()
+        self._failure: Exception | None = None
+        self._worker: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------- paths
+    def remote(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    # ------------------------------------------------------------------------- pull
+    @contextlib.contextmanager
+    def held(self) -> Iterator[str | None]:
+        """Hold the local copy (one process on this machine) and :meth:`pull` into it; yield
+        the name of the checkpoint pulled."""
+        if os.path.lexists(self.container) and not (
+            self.container.is_dir()
+            and not self.container.is_symlink()
+            and (self.container / MARKER).is_file()
+        ):
+            raise GlassloopError(
+                f"run: the local copy of {self.shown}, '{self.container}', exists and is not "
+                "glassloop's; move it away (or set GLASSLOOP_CACHE elsewhere)"
+            )
+        own_dir(self.container)
+        mark(self.container)
+        lock = RunLock(self.container)
+        lock.acquire()
+        try:
+            yield self.pull()
+        finally:
+            lock.release()
+
+    def pull(self) -> str | None:
+        """Make the local copy the remote run: a fresh folder (the previous local copy, which
+        is glassloop's own, removed) with the run's files and the newest remote checkpoint
+        whose files verify (and ``best/``); that checkpoint's name, or ``None``."""
+        self._fresh_local()
+        with contextlib.suppress(AttributeError):
+            self.fs.invalidate_cache()  # (another process may have written since)
+        for name in RUN_FILES:
+            self._download_if_there(self.remote(name), self.local / name)
+        found = None
+        for name in reversed(self._remote_steps(complete=True)):
+            target = self.local / CHECKPOINTS / name
+            try:
+                self._download_dir(self.remote(CHECKPOINTS, name), target)
+                verify_files(target)
+                found = name
+                break
+            except (OSError, CheckpointError) as err:
+                self.say(
+                    f"warning: {self.shown}/{CHECKPOINTS}/{name} did not verify after download "
+                    f"({str(err)[:200]}); falling back to an older checkpoint"
+                )
+                if os.path.lexists(target):
+                    remove_marked(target)
+        if found is not None:
+            (self.local / CHECKPOINTS / LATEST).write_text(found + "\n", encoding="utf-8")
+        if self._has_manifest(self.remote(BEST)):
+            with contextlib.suppress(OSError, CheckpointError):
+                self._download_dir(self.remote(BEST), self.local / BEST)
+        return found
+
+    def _fresh_local(self) -> None:
+        """An empty local copy (a previous one, inside glassloop's own marked folder, is
+        removed: never through a link)."""
+        if os.path.lexists(self.local):
+            remove_tree(self.local)
+        own_dir(self.local)
+
+    def _remote_steps(self, *, complete: bool) -> list[str]:
+        """The remote ``step-`` folders, oldest first (``complete``: those with a manifest)."""
+        try:
+            entries = self.fs.ls(self.remote(CHECKPOINTS), detail=False)
+        except FileNotFoundError:
+            return []
+        names = sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in entries})
+        steps = [n for n in names if STEP_DIR.match(n)]
+        if complete:
+            steps = [n for n in steps if self._has_manifest(self.remote(CHECKPOINTS, n))]
+        return steps
+
+    def _has_manifest(self, folder: str) -> bool:
+        return bool(self.fs.exists(f"{folder}/manifest.json"))
+
+    def _download_if_there(self, source: str, target: Path) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            data = self.fs.cat_file(source)
+            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+            tmp.write_bytes(data)
+            replace_own(tmp, target)
+
+    def _download_dir(self, source: str, target: Path) -> None:
+        """The files a remote checkpoint's manifest lists (nothing else), into a staging
+        folder renamed to ``target``; verified by the caller."""
+        manifest = json.loads(self.fs.cat_file(f"{source}/manifest.json"))
+        files = manifest.get("files") if isinstance(manifest, dict) else None
+        if not isinstance(files, dict):
+            raise CheckpointError(f"checkpoint: {self.shown}: {source} has no file list")
+        staging = target.with_name(f".tmp-{target.name}-{os.getpid()}")
+        if staging.exists():
+            remove_tree(staging)
+        own_dir(staging)
+        mark(staging)
+        for name in [*sorted(files), "manifest.json"]:
+            if ".." in name or name.startswith("/"):
+                raise CheckpointError(f"checkpoint: {source}: the manifest names {name!r}")
+            local = staging / name
+            own_dir(local.parent)
+            self.fs.get_file(f"{source}/{name}", str(local))
+        own_dir(target.parent)
+        replace_own(staging, target)
+
+    # ------------------------------------------------------------------------- push
+    def push_checkpoint(self, path: Path) -> None:
+        """Upload a committed local checkpoint (``checkpoints/step-*`` or ``best``) and the
+        run's files, in the background, after those queued before."""
+        self._enqueue("checkpoint", path)
+
+    def push_run_files(self) -> None:
+        """Upload the run's files (metrics, run.json, the final weights, the report)."""
+        self._enqueue("files", self.local)
+
+    def _enqueue(self, kind: str, path: Path) -> None:
+        self.raise_failure()
+        if self._worker is None:
+            self._worker = threading.Thread(
+                target=self._work, name="glassloop-upload", daemon=False
+            )
+            self._worker.start()
+        self._jobs.put((kind, path))
+
+    def close(self) -> None:
+        """Wait until every queued upload is done; raise the first failure."""
+        if self._worker is not None:
+            self._jobs.put(None)
+            self._worker.join()
+            self._worker = None
+        self.raise_failure()
+
+    def raise_failure(self) -> None:
+        if (failure := self.failure()) is not None:
+            raise failure
+
+    def failure(self) -> Exception | None:
+        """The first failed upload's error, once (``None``: none so far)."""
+        failure, self._failure = self._failure, None
+        return failure
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if self._failure is not None:
+                continue  # (reported once; what follows it waits for the next run)
+            kind, path = job
+            try:
+                if kind == "checkpoint" and not self._superseded(path):
+                    self._upload_checkpoint(path)
+                self._upload_run_files()
+            except Exception as err:  # handed to the training thread (raise_failure)
+                self._failure = CheckpointWriteError(
+                    f"checkpoint: uploading to {self.shown} failed: {str(err)[:300]}; the "
+                    "local copy and the remote checkpoints uploaded before are intact"
+                )
+
+    def _superseded(self, path: Path) -> bool:
+        """A step's checkpoint with a newer one queued behind it is not uploaded (saves come
+        faster than uploads: the remote gets the newest, never a backlog); one pruned
+        locally before its turn neither."""
+        if not (path / "manifest.json").is_file():
+            return True
+        later = list(self._jobs.queue)  # (a peek: only this thread takes from the queue)
+        return path.name != BEST and any(
+            job is not None and job[0] == "checkpoint" and job[1].name != BEST for job in later
+        )
+
+    def _upload_checkpoint(self, path: Path) -> None:
+        """Objects first, each checked against the manifest's size; the manifest last, read
+        back; then ``latest``; then pruning. A local checkpoint replaced meanwhile (the same
+        step saved again) is left to the upload queued after it."""
+        try:
+            manifest_bytes = (path / "manifest.json").read_bytes()
+        except FileNotFoundError:
+            return  # (pruned locally meanwhile: a newer one is queued)
+        files = json.loads(manifest_bytes)["files"]
+        where = self.remote(BEST) if path.name == BEST else self.remote(CHECKPOINTS, path.name)
+        if path.name == BEST:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(f"{where}/manifest.json")  # (the old best: incomplete now)
+        for name, entry in sorted(files.items()):
+            try:
+                self.fs.put_file(str(path / name), f"{where}/{name}")
+            except FileNotFoundError:
+                return  # (the local one was pruned or replaced: a newer one is queued)
+            size = self.fs.info(f"{where}/{name}")["size"]
+            if size != entry["size"]:
+                raise OSError(f"{where}/{name} has {size} bytes after upload, not {entry['size']}")
+        if not (path / "manifest.json").is_file() or (
+            (path / "manifest.json").read_bytes() != manifest_bytes
+        ):
+            return  # replaced locally while uploading: its own upload is queued
+        self.fs.pipe_file(f"{where}/manifest.json", manifest_bytes)
+        if self.fs.cat_file(f"{where}/manifest.json") != manifest_bytes:
+            raise OSError(f"{where}/manifest.json does not read back as written")
+        if path.name != BEST:
+            self.fs.pipe_file(self.remote(CHECKPOINTS, LATEST), (path.name + "\n").encode())
+            self._prune(path.name)
+
+    def _prune(self, latest: str) -> None:
+        """Keep the newest ``keep_last`` complete remote checkpoints and ``latest``; remove
+        the others and any incomplete one older than ``latest`` (a kill's leftovers), each
+        manifest first."""
+        if self.keep_last < 1:
+            return
+        complete = self._remote_steps(complete=True)
+        keep = set(complete[-self.keep_last :]) | {latest}
+        for name in self._remote_steps(complete=False):
+            if name in keep or name > latest:
+                continue
+            folder = self.remote(CHECKPOINTS, name)
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(f"{folder}/manifest.json")
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(folder, recursive=True)
+
+    def _upload_run_files(self) -> None:
+        for name in RUN_FILES:
+            if (self.local / name).is_file() and not (self.local / name).is_symlink():
+                self.fs.put_file(str(self.local / name), self.remote(name))
+        for folder in RUN_FOLDERS:
+            for file in sorted((self.local / folder).rglob("*")):
+                if file.is_file() and not file.is_symlink():
+                    relative = file.relative_to(self.local).as_posix()
+                    self.fs.put_file(str(file), self.remote(relative))
+
+    def state_info(self) -> dict[str, Any]:
+        """What run.json says of it: the URL (secrets replaced) and the local copy."""
+        return {"remote": self.shown, "local_copy": str(self.local)}
