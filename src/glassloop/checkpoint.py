@@ -412,9 +412,8 @@ def prune(run_dir: Path, keep_last: int) -> list[Path]:
 
 
 def verify_files(path: Path) -> bool:
-    """Every file the manifest of the checkpoint ``path`` lists is there with its size and
-    SHA-256 (and a sharded one's ``shards/`` holds nothing else); whether it is sharded.
-    One :class:`CheckpointError` naming the first problem."""
+    """Every file the manifest of ``path`` lists has its size and SHA-256 (a sharded one's
+    ``shards/``: nothing else); whether it is sharded. Else one :class:`CheckpointError`."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint: '{path}' is not a checkpoint directory")

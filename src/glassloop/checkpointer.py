@@ -105,13 +105,15 @@ class Checkpointer:
         device: torch.device | None = None,
         say: Callable[[str], None] = print,
         remote: RemoteRun | None = None,
+        times: SaveTimes | None = None,
     ) -> None:
         """Handed once what every checkpoint holds beyond :meth:`attach`'s: the ``model``
         whose weights it saves (an FSDP run's: ``shards``), the epoch's ``record``, the
         callbacks (their states), what the run records (``info``), the non-finite ``watch``
         (never a save after a NaN step; its loss-spike window) and the ``device`` the state
         loads onto; ``say``: where a line about a slow background save goes; ``remote``:
-        the object-storage run each committed checkpoint is uploaded to)."""
+        the object-storage run each committed checkpoint is uploaded to; ``times``: where
+        each save's blocking and total seconds and bytes are recorded)."""
         self.run_dir = run_dir
         self.policy = policy if policy is not None else CheckpointConfig()
         self.world = world
@@ -123,7 +125,7 @@ class Checkpointer:
         self.device = device if device is not None else torch.device("cpu")
         self.parts: dict[str, Any] = {"loop": TrainState()}
         self.loader: Any = None
-        self.times = SaveTimes()  # each save's blocking and total seconds, bytes
+        self.times = times if times is not None else SaveTimes()  # each save's seconds
         self.remote = remote
         if remote is not None:
             remote.keep_last, remote.say = self.policy.keep_last, say
@@ -410,8 +412,9 @@ class Checkpointer:
             caveat = replay_caveat(self.loader, state.batch_in_epoch)
             for line in [caveat] if caveat else []:
                 warn(line)
+            where = self.remote.shown_path(checkpoint.path) if self.remote else checkpoint.path
             warn(
-                f"resumed from '{checkpoint.path}' at step {state.step} (epoch "
+                f"resumed from '{where}' at step {state.step} (epoch "
                 f"{state.epoch + 1}, batch {state.batch_in_epoch})"
             )
         return checkpoint

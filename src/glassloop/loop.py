@@ -42,7 +42,6 @@ from glassloop.preemption import Preempted, StopSignals
 from glassloop.profiling import StepProfiler, fit_profiler
 from glassloop.provenance import environment
 from glassloop.redaction import redacted
-from glassloop.remote import open_run_dir
 from glassloop.rng import seed_everything, use_deterministic
 from glassloop.run_log import RunLog, python_config
 from glassloop.state import EpochRecord, TrainState, step_loss
@@ -212,8 +211,17 @@ class Trainer:
         self.config = redacted(dict(run_info.config)) if run_info.config is not None else None
         self.model_spec = dict(run_info.model_spec) if run_info.model_spec is not None else None
         self.info = RunInfo(self.config, self.model_spec)  # (and fit's versions)
-        # The run directory's two writers, each handed its parts once.
-        self.run_dir, self.remote = open_run_dir(run_dir)  # (a URL: a local copy, uploaded)
+        # The run directory's two writers, each handed its parts once (a URL: the run log
+        # opens its local copy and the remote run both upload to, glassloop.remote).
+        self.run_log = RunLog(
+            run_dir,
+            world=self.world,
+            tensorboard=tensorboard,
+            tracking=tracking,
+            state=self.state,
+            info=self.info,
+        )
+        self.run_dir = self.run_log.run_dir
         # Only rank 0 talks: the other processes print nothing at all.
         self.console = ProgressReporter(progress, silent=not self.world.is_main)
         self.checkpointer = Checkpointer(
@@ -228,17 +236,8 @@ class Trainer:
             info=self.info,
             device=self.device,
             say=self.console.message,
-            remote=self.remote,
-        )
-        self.run_log = RunLog(
-            self.run_dir,
-            world=self.world,
-            tensorboard=tensorboard,
-            tracking=tracking,
-            state=self.state,
-            info=self.info,
-            checkpoint_times=self.checkpointer.times,
-            remote=self.remote,
+            remote=self.run_log.remote,
+            times=self.run_log.checkpoint_times,
         )
         self.last_grad_norm: torch.Tensor | None = None
         self.should_stop = False  # callbacks set it to end the run after this epoch

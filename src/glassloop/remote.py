@@ -62,7 +62,8 @@ from glassloop.run_lock import RunLock
 
 URL = re.compile(r"^([a-z][a-z0-9+.-]*)://", re.IGNORECASE)
 # The run's own files, copied at each checkpoint and at the end (those that exist).
-RUN_FILES = ("config.json", "run.json", "metrics.csv", "metrics.jsonl", "model.safetensors")
+WEIGHTS = "model.safetensors"
+RUN_FILES = ("config.json", "run.json", "metrics.csv", "metrics.jsonl", WEIGHTS)
 RUN_FOLDERS = ("report",)
 CHUNK = 8 << 20
 
@@ -93,6 +94,11 @@ def open_run_dir(run_dir: str | Path | None) -> tuple[Path | None, RemoteRun | N
         return Path(str(run_dir)[len("file://") :]), None
     if not is_url(run_dir):
         return Path(run_dir), None
+    if os.environ.get("WORLD_SIZE", "1") != os.environ.get("LOCAL_WORLD_SIZE", "1"):
+        raise GlassloopError(
+            f"run: a run directory on object storage ({redacted(str(run_dir))!r}) works with "
+            "the processes of one machine; with several nodes, use a shared filesystem"
+        )
     remote = RemoteRun(str(run_dir))
     return remote.local, remote
 
@@ -292,15 +298,9 @@ class RemoteRun:
                 )
 
     def _superseded(self, path: Path) -> bool:
-        """A step's checkpoint with a newer one queued behind it is not uploaded (saves come
-        faster than uploads: the remote gets the newest, never a backlog); one pruned
-        locally before its turn neither."""
-        if not (path / "manifest.json").is_file():
-            return True
-        later = list(self._jobs.queue)  # (a peek: only this thread takes from the queue)
-        return path.name != BEST and any(
-            job is not None and job[0] == "checkpoint" and job[1].name != BEST for job in later
-        )
+        """A checkpoint pruned locally before its turn (saves came faster than uploads): not
+        uploaded; a newer one is queued behind it."""
+        return not (path / "manifest.json").is_file()
 
     def _upload_checkpoint(self, path: Path) -> None:
         """Objects first, each checked against the manifest's size; the manifest last, read
@@ -352,14 +352,28 @@ class RemoteRun:
                 self.fs.rm(folder, recursive=True)
 
     def _upload_run_files(self) -> None:
+        """The run's files as they are now: read whole first (the metric files grow while
+        training goes on; an upload of a growing file would not match its length)."""
         for name in RUN_FILES:
-            if (self.local / name).is_file() and not (self.local / name).is_symlink():
-                self.fs.put_file(str(self.local / name), self.remote(name))
+            file = self.local / name
+            if not file.is_file() or file.is_symlink():
+                continue
+            if name == WEIGHTS:  # (large; replaced only by a rename, never rewritten)
+                self.fs.put_file(str(file), self.remote(name))
+            else:
+                self.fs.pipe_file(self.remote(name), file.read_bytes())
         for folder in RUN_FOLDERS:
             for file in sorted((self.local / folder).rglob("*")):
                 if file.is_file() and not file.is_symlink():
                     relative = file.relative_to(self.local).as_posix()
                     self.fs.put_file(str(file), self.remote(relative))
+
+    def shown_path(self, path: Path) -> str:
+        """``path`` of the local copy as the remote run's URL (secrets replaced)."""
+        try:
+            return f"{self.shown}/{path.relative_to(self.local).as_posix()}"
+        except ValueError:
+            return str(path)
 
     def state_info(self) -> dict[str, Any]:
         """What run.json says of it: the URL (secrets replaced) and the local copy."""

@@ -35,7 +35,7 @@ from glassloop.errors import CheckpointError, GlassloopError, write_failure
 from glassloop.file_names import check_key
 from glassloop.options import RunInfo as RunInfo  # (re-exported: its old home)
 from glassloop.options import TrackingConfig
-from glassloop.remote import RemoteRun
+from glassloop.remote import open_run_dir
 from glassloop.run_lock import RunLock
 from glassloop.runs import read_json_object
 from glassloop.serialization import behaviour_digest, stable_repr, write_json
@@ -65,23 +65,21 @@ class RunLog:
 
     def __init__(
         self,
-        run_dir: Path | None,
+        run_dir: str | Path | None,
         *,
         world: World = SINGLE,
         tensorboard: bool = False,
         tracking: TrackingConfig | None = None,
         state: TrainState | None = None,
         info: RunInfo | None = None,
-        checkpoint_times: SaveTimes | None = None,
-        remote: RemoteRun | None = None,
     ) -> None:
-        self.run_dir = run_dir
+        # A URL (s3://...): a local copy, uploaded to the remote run (glassloop.remote).
+        self.run_dir, self.remote = open_run_dir(run_dir)
         # Handed once: where the loop stands and what the run records (filled in by fit).
         self.state = state if state is not None else TrainState()
         self.info = info if info is not None else RunInfo()
-        self.checkpoint_times = checkpoint_times  # how long its checkpoints took (run.json)
-        self.remote = remote  # the object-storage run this one's files are uploaded to
-        self.active = run_dir is not None and world.is_main
+        self.checkpoint_times = SaveTimes()  # how long its checkpoints took (run.json)
+        self.active = self.run_dir is not None and world.is_main
         self.tensorboard = tensorboard
         self.tracking = tracking
         self._tracker: Tracker | None = None
@@ -305,8 +303,8 @@ class RunLog:
     def _status_info(self) -> dict[str, Any]:
         """What run.json says besides the status: where the run stands, what ran it."""
         info = {"step": self.state.step, "epoch": self.state.epoch, **self.info.versions}
-        if self.checkpoint_times is not None and self.checkpoint_times.summary() is not None:
-            info["checkpoints"] = self.checkpoint_times.summary()
+        if (times := self.checkpoint_times.summary()) is not None:
+            info["checkpoints"] = times
         if self.remote is not None:
             info.update(self.remote.state_info())
         return info

@@ -305,6 +305,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from glassloop.distributed import shutdown
     from glassloop.errors import GlassloopError
     from glassloop.provenance import paths_from
+    from glassloop.remote import is_url
 
     if args.nproc and "WORLD_SIZE" not in os.environ:
         return launch_torchrun(args.nproc, args.argv)
@@ -322,7 +323,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.resume == "auto" and not args.run_dir:
         raise GlassloopError("--resume needs --run-dir DIR: the run to continue")
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
+    # (a URL stays one: glassloop.remote keeps the run there, through a local copy)
+    run_dir = args.run_dir if is_url(args.run_dir) else Path(args.run_dir or default_run_dir())
     if not args.run_dir and "WORLD_SIZE" in os.environ:
         raise GlassloopError("with several processes, pass --run-dir: every process must agree")
     files_from = started_in(args)
