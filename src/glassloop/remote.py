@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from glassloop.atomic import own_dir, remove_tree, replace_own
+from glassloop.cache import cache_dir
 from glassloop.checkpoint import (
     BEST,
     CHECKPOINTS,
@@ -76,10 +77,9 @@ def is_url(run_dir: str | Path | None) -> bool:
 
 
 def local_copy_root() -> Path:
-    """Where the local copies of remote runs are kept: ``$GLASSLOOP_CACHE/remote-runs``
-    (default ``~/.cache/glassloop``)."""
-    base = os.environ.get("GLASSLOOP_CACHE") or Path.home() / ".cache" / "glassloop"
-    return Path(base) / "remote-runs"
+    """Where the local copies of remote runs are kept: ``remote-runs`` in glassloop's cache
+    (``$GLASSLOOP_CACHE_DIR``, default ``~/.cache/glassloop``)."""
+    return cache_dir() / "remote-runs"
 
 
 def open_run_dir(run_dir: str | Path | None) -> tuple[Path | None, RemoteRun | None]:
@@ -154,7 +154,7 @@ class RemoteRun:
         ):
             raise GlassloopError(
                 f"run: the local copy of {self.shown}, '{self.container}', exists and is not "
-                "glassloop's; move it away (or set GLASSLOOP_CACHE elsewhere)"
+                "glassloop's; move it away (or set GLASSLOOP_CACHE_DIR elsewhere)"
             )
         own_dir(self.container)
         mark(self.container)

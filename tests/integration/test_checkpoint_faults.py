@@ -27,21 +27,23 @@ epochs = 2
 progress = "none"
 """
 
-# Runs the CLI with fsync wrapped so that the process SIGKILLs itself when it syncs one file
-# of the step-30 checkpoint: a real kill -9, in the middle of writing a checkpoint directory.
+# Runs the CLI with the file writer wrapped so that the process SIGKILLs itself once it wrote
+# (and synced) one file of the step-30 checkpoint: a real kill -9, in the middle of writing a
+# checkpoint directory.
 KILL_DURING_WRITE = """
 import os, signal, sys
 import glassloop.checkpoint as checkpoint
 from glassloop.cli.main import main
 
-real_fsync_file = checkpoint.fsync_file
+real_write = checkpoint.write_digested
 
-def fsync_file(path):
+def write_digested(path, pieces):
+    written = real_write(path, pieces)
     if path.parent.name.startswith(".tmp-step-00000030") and path.name == "state.json":
         os.kill(os.getpid(), signal.SIGKILL)
-    real_fsync_file(path)
+    return written
 
-checkpoint.fsync_file = fsync_file
+checkpoint.write_digested = write_digested
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 import tomllib
 from cli_runner import run_glassloop, run_python
+from s3_server import local_s3
 
 from glassloop.config import from_dict
 
 ROOT = Path(__file__).parents[2]
 FILES = ["README.md", "docs/datasets.md", "docs/distributed.md", "docs/recipes.md",
-         "docs/benchmarks.md", "docs/tracking.md"]  # fmt: skip
+         "docs/benchmarks.md", "docs/tracking.md", "docs/storage.md"]  # fmt: skip
+S3_DOCS = "docs/storage.md"  # its blocks run against a local S3 server (tests/s3_server.py)
 # Blocks not run, by file and their first line (or a line of the block), with the reason.
 NOT_RUN = {
     (
@@ -42,6 +44,8 @@ NOT_RUN = {
     "extra has mlflow",
     ("docs/tracking.md", "pip install 'glassloop[wandb]'"): "installs (network); the dev "
     "extra has wandb",
+    ("docs/storage.md", "pip install 'glassloop[cloud]'"): "installs (network); the dev "
+    "extra has s3fs",
 }
 BENCHMARKS = "benchmarks/"  # run by hand (minutes each); their results are in benchmarks.md
 
@@ -123,8 +127,23 @@ def test_readme_blocks_run_in_order(tmp_path: Path) -> None:
     assert (tmp_path / "runs" / "lr3e-4" / "report" / "index.html").is_file()
 
 
-@pytest.mark.parametrize("name", [f for f in FILES if f != "README.md"])
+@pytest.mark.parametrize("name", [f for f in FILES if f not in ("README.md", S3_DOCS)])
 def test_docs_blocks_run(name: str, tmp_path: Path) -> None:
     for language, code in blocks(name):
         if language != "toml" and not not_run(name, code):
             run_block(language, code, tmp_path)
+
+
+def test_storage_blocks_run_against_a_local_s3(tmp_path: Path) -> None:
+    """docs/storage.md's bucket is a real S3 server on 127.0.0.1, reached as a user's
+    AWS_* variables would reach theirs; the run lands in it."""
+    with local_s3("my-bucket"):
+        for language, code in blocks(S3_DOCS):
+            if language != "toml" and not not_run(S3_DOCS, code):
+                run_block(language, code, tmp_path)
+        import s3fs
+
+        fs = s3fs.S3FileSystem()
+        fs.invalidate_cache()
+        assert fs.exists("my-bucket/mnist/model.safetensors")
+        assert fs.exists("my-bucket/mnist/checkpoints/latest")

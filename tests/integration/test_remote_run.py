@@ -12,7 +12,6 @@ from; pruning leaves the newest complete ones; credentials are never written.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from cli_runner import run_group
+from s3_server import SECRET, local_s3
 from safetensors.torch import load
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -28,35 +28,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from glassloop import Callback, Trainer
 from glassloop.options import CheckpointConfig
 
-pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
-
-SECRET = "glassloop-test-secret-7f3a"  # must never appear in anything glassloop writes
-
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[dict[str, str]]:
-    """An S3 server on a free port of 127.0.0.1 and the environment that points s3fs at it
-    (what a user's AWS_* variables or profile do)."""
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "glassloop-test-key",
-        "AWS_SECRET_ACCESS_KEY": SECRET,
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in env.items():
-            patch.setenv(key, value)
-        import s3fs
-
-        s3fs.S3FileSystem.clear_instance_cache()
-        s3fs.S3FileSystem().mkdir("bucket")
+    with local_s3("bucket") as env:
         yield env
-        s3fs.S3FileSystem.clear_instance_cache()
-    server.stop()
 
 
 SMALL = [
@@ -68,10 +44,10 @@ SMALL = [
 
 
 def train(cwd: Path, env: dict[str, str], url: str, *extra: str) -> Any:
-    cache = {"GLASSLOOP_CACHE": str(cwd / "cache")}
+    cache = {"GLASSLOOP_CACHE_DIR": str(cwd / "cache")}
     return run_group(
         [sys.executable, "-m", "glassloop", "train", *SMALL, "--run-dir", url, *extra],
-        cwd=cwd, env={**os.environ, **env, **cache}, timeout=300,
+        cwd=cwd, env={**env, **cache}, timeout=300,
     )  # fmt: skip
 
 
@@ -170,7 +146,7 @@ def loader() -> DataLoader[tuple[torch.Tensor, ...]]:
 
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("GLASSLOOP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("GLASSLOOP_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 

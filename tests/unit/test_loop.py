@@ -236,14 +236,20 @@ def test_start_header_and_end_summary(capsys: pytest.CaptureFixture[str], tmp_pa
     assert "data: 100 training samples, 40 validation; 7 steps per epoch, 2 epochs" in out
     assert "batch: 16 = 16 per step x 1 accumulation x 1 process" in out
     assert "optimizer: SGD (lr 0.1" in out and "schedule: none" in out
-    summary = out.splitlines()[-2:]
+    summary = out.splitlines()[-3:]
     assert re.fullmatch(
         r"done in \d+\.\d s: 2 epochs, 14 steps; best val_loss \d\.\d+ \(epoch \d\); "
         r"final val_accuracy \d+\.\d\d%",
         summary[0],
     )
+    # Each checkpoint's times (medians; the end's and each epoch's: 3 saves)
+    assert re.fullmatch(
+        r"checkpoints: 3 saved, the step held \d+\.\d\d s each, written in \d+\.\d\d s "
+        r"\(\d+\.\d\d GB/s; medians\)",
+        summary[1],
+    )
     report = tmp_path / "run" / "report" / "index.html"
-    assert summary[1] == f"weights: {tmp_path / 'run' / 'model.safetensors'}; report: {report}"
+    assert summary[2] == f"weights: {tmp_path / 'run' / 'model.safetensors'}; report: {report}"
     assert report.is_file()  # a run made in Python gets its report too
     make_trainer(progress="none").fit(DataLoader(data(), batch_size=16), epochs=1)
     assert capsys.readouterr().out == ""  # progress="none": silent

@@ -157,8 +157,8 @@ def test_best_and_the_recorded_best_never_disagree_after_a_kill(
 
         return write
 
-    monkeypatch.setattr(checkpointer, "save_checkpoint", counted(checkpointer.save_checkpoint))
-    monkeypatch.setattr(checkpointer, "save_best", counted(checkpointer.save_best))
+    monkeypatch.setattr(checkpointer, "commit_checkpoint", counted(checkpointer.commit_checkpoint))
+    monkeypatch.setattr(checkpointer, "commit_best", counted(checkpointer.commit_best))
     val = DataLoader(dataset(48), batch_size=16)
     options = {"checkpoint": {"monitor": "train_loss"}}
     with pytest.raises(Kill):

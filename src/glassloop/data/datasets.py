@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import os
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from glassloop.atomic import atomic_path
+from glassloop.cache import cache_dir as cache_dir  # (re-exported: its old home)
 from glassloop.data.options import DataConfig
 from glassloop.data.splits import (
     Splits,
@@ -32,14 +32,6 @@ from glassloop.file_names import check_name
 
 # The usual MNIST pixel statistics (over the 60,000 training images, pixels in [0, 1]).
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-
-
-def cache_dir() -> Path:
-    """``$GLASSLOOP_CACHE_DIR``, else ``$XDG_CACHE_HOME/glassloop``, else ``~/.cache/glassloop``."""
-    if env := os.environ.get("GLASSLOOP_CACHE_DIR"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "glassloop"
 
 
 def load_mnist_5k_arrays() -> tuple[np.ndarray, np.ndarray]:
