@@ -384,17 +384,17 @@ def commit_best(run_dir: Path, snap: Snapshot, *, staged: Path | None = None) ->
     return target
 
 
-def prune(run_dir: Path, keep_last: int) -> list[Path]:
+def prune(run_dir: Path, keep_last: int, keep: Path | None = None) -> list[Path]:
     """Delete all but the newest ``keep_last`` of our checkpoints; never the one ``latest``
-    names, never a folder glassloop did not create."""
+    names, nor ``keep`` (one being uploaded), nor a folder glassloop did not create."""
     if keep_last < 1:
         return []
     ours = list_checkpoints(run_dir)
-    keep = set(ours[-keep_last:])
+    kept = set(ours[-keep_last:])
     latest = latest_pointer(run_dir)
     removed = []
     for path in ours:
-        if path not in keep and path != latest:
+        if path not in kept and path not in (latest, keep):
             # Renamed out of the way first: a kill half-way through the deletion leaves a
             # ".trash-" directory that the next start removes, never a damaged step folder.
             trash = path.parent / f"{TRASH_PREFIX}{path.name}-{os.getpid()}"

@@ -222,7 +222,7 @@ class Checkpointer:
                     target = self._commit(snap, best=best, staged=staged)
                     elapsed = time.perf_counter() - started
                     self.times.add(elapsed, elapsed, snap.nbytes)
-            except GlassloopError as err:
+            except Exception as err:  # (any: the other processes wait for this verdict)
                 failure = err
         self._agree(failure, target)
         if finished or wait:
@@ -236,7 +236,8 @@ class Checkpointer:
             target = commit_best(self.run_dir, snap, staged=staged)
         else:
             target = commit_checkpoint(self.run_dir, snap, staged=staged)
-            prune(self.run_dir, self.policy.keep_last)
+            with self.remote.protected() if self.remote else contextlib.nullcontext() as busy:
+                prune(self.run_dir, self.policy.keep_last, keep=busy)  # (never one uploading)
         if self.remote is not None:  # uploaded in the background, in order
             self.remote.push_checkpoint(target)
         return target

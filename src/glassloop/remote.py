@@ -23,8 +23,9 @@ only after the manifest reads back byte for byte)::
 A resume downloads the run's files and the newest remote checkpoint whose manifest exists and
 whose every file verifies (size and SHA-256, :func:`glassloop.checkpoint.read_checkpoint`);
 a checkpoint cut short by a kill (no manifest) or damaged is skipped, with a line. Pruning
-keeps the newest ``keep_last`` complete checkpoints and the one ``latest`` names; a pruned
-checkpoint loses its manifest first, so a kill half-way never leaves one that looks whole.
+keeps the newest ``keep_last`` complete checkpoints (at least two) and the one ``latest``
+names; a pruned checkpoint loses its manifest first, so a kill half-way never leaves one that
+looks whole; so does a step saved again (an epoch's end) before it is uploaded again.
 
 Credentials come from the filesystem's own sources (environment variables, profiles, instance
 metadata) and are never written anywhere by glassloop; the URL is recorded with any secret in
@@ -45,16 +46,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from glassloop.atomic import own_dir, remove_tree, replace_own
+from glassloop.atomic import atomic_path, own_dir, remove_tree, replace_own
 from glassloop.cache import cache_dir
 from glassloop.checkpoint import (
     BEST,
     CHECKPOINTS,
     LATEST,
     MARKER,
+    SAFE_NAME,
     STEP_DIR,
     mark,
     remove_marked,
+    step_dirs,
     verify_files,
 )
 from glassloop.errors import CheckpointError, CheckpointWriteError, GlassloopError
@@ -104,9 +107,9 @@ def open_run_dir(run_dir: str | Path | None) -> tuple[Path | None, RemoteRun | N
 
 
 class RemoteRun:
-    """The remote copy of a run directory (see the module docstring): :meth:`pull` before the
-    run reads it, :meth:`push_checkpoint` after each commit, :meth:`push_run_files` and
-    :meth:`close` at the end."""
+    """The remote copy of a run directory (see the module docstring): :meth:`held` around a
+    run (the local copy locked and pulled), :meth:`push_checkpoint` after each commit,
+    :meth:`push_run_files` and :meth:`close` at the end."""
 
     def __init__(self, url: str, local: Path | None = None) -> None:
         try:
@@ -123,30 +126,41 @@ class RemoteRun:
             self.fs, self.root = fsspec.core.url_to_fs(self.url)
         except (ImportError, ValueError) as err:
             raise GlassloopError(
-                f"run: cannot open {self.shown}: {err} (the driver for this scheme is "
-                "missing? s3:// needs s3fs, gs:// gcsfs, az:// adlfs)"
+                f"run: cannot open {self.shown}: {self.scrub(err)} (the driver for this "
+                "scheme is missing? s3:// needs s3fs, gs:// gcsfs, az:// adlfs)"
             ) from err
         self.root = self.root.rstrip("/")
         digest = hashlib.sha256(self.url.encode("utf-8")).hexdigest()[:16]
         # The local copy: RUN inside a folder of glassloop's that holds the lock, so a pull
-        # can replace RUN while no other process on this machine uses it.
+        # can fill RUN while no other process on this machine uses it.
         self.container = local if local is not None else local_copy_root() / digest
         self.local = self.container / "run"
         self.keep_last = 0  # (set by the checkpointer: what pruning keeps)
         self.say: Callable[[str], None] = print
+        self.lock = threading.Lock()  # the upload's choice of checkpoint against local pruning
+        self.uploading: Path | None = None  # never pruned locally while it is uploaded
         self._jobs: queue.Queue[tuple[str, Path] | None] = queue.Queue()
         self._failure: Exception | None = None
         self._worker: threading.Thread | None = None
+        self._said_skip = False
 
     # ------------------------------------------------------------------------- paths
     def remote(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
 
+    def scrub(self, err: BaseException | str) -> str:
+        """An error's text with the remote path as shown (a driver may keep credentials in
+        it: ``key:secret@bucket``) and any other secret replaced."""
+        text = str(err).replace(self.url, self.shown).replace(str(self.local), self.shown)
+        text = re.sub(r"[^\s/@'\"]+:[^\s/@'\"]+@", "***@", text)  # (user:password@, bare)
+        return str(redacted(text))[:300]
+
     # ------------------------------------------------------------------------- pull
     @contextlib.contextmanager
     def held(self) -> Iterator[str | None]:
-        """Hold the local copy (one process on this machine) and :meth:`pull` into it; yield
-        the name of the checkpoint pulled."""
+        """Hold the local copy (one process on this machine), :meth:`pull` into it, and at
+        the end wait for every upload (its failure, if the run did not raise one: a warning
+        while another error is on its way out, see :meth:`close`); yield what was pulled."""
         if os.path.lexists(self.container) and not (
             self.container.is_dir()
             and not self.container.is_symlink()
@@ -163,45 +177,72 @@ class RemoteRun:
         try:
             yield self.pull()
         finally:
-            lock.release()
+            try:
+                self.close(quiet=True)  # (the normal end closed it already, raising)
+            finally:
+                lock.release()
 
     def pull(self) -> str | None:
-        """Make the local copy the remote run: a fresh folder (the previous local copy, which
-        is glassloop's own, removed) with the run's files and the newest remote checkpoint
-        whose files verify (and ``best/``); that checkpoint's name, or ``None``."""
-        self._fresh_local()
-        with contextlib.suppress(AttributeError):
-            self.fs.invalidate_cache()  # (another process may have written since)
-        for name in RUN_FILES:
-            self._download_if_there(self.remote(name), self.local / name)
-        found = None
-        for name in reversed(self._remote_steps(complete=True)):
+        """Bring the local copy up to the remote run: when the remote holds a newer complete
+        checkpoint than the local copy (a new machine, or another one went on with the
+        run), the run's files and the newest of those whose every file verifies; otherwise
+        the local copy stays as it is (a restart here: its newest checkpoint, if the bucket
+        lacks it, is uploaded again). The name of the checkpoint downloaded, or ``None``.
+
+        A remote that cannot be read is an error, never a fresh start; remote checkpoints
+        that all fail to verify, with none here, are one error naming each."""
+        own_dir(self.local)
+        local = [p.name for p in step_dirs(self.local) if (p / "manifest.json").is_file()]
+        newest_here = local[-1] if local else ""
+        try:
+            with contextlib.suppress(AttributeError):
+                self.fs.invalidate_cache()  # (another process may have written since)
+            there = self._remote_steps(complete=True)
+            newer = [n for n in there if n > newest_here]
+            if not newer:
+                if newest_here and newest_here not in there:  # (cut short before its upload)
+                    self.push_checkpoint(self.local / CHECKPOINTS / newest_here)
+                return None
+            for name in RUN_FILES:
+                self._download_if_there(self.remote(name), self.local / name)
+            found, problems = self._download_newest(newer)
+            if self._has_manifest(self.remote(BEST)):
+                with contextlib.suppress(CheckpointError, ValueError, KeyError, TypeError):
+                    self._download_dir(self.remote(BEST), self.local / BEST)
+        except (CheckpointError, GlassloopError):
+            raise
+        except Exception as err:  # OSError, and a driver's own (botocore, aiohttp, ...)
+            raise CheckpointError(
+                f"checkpoint: cannot read the remote run {self.shown}: {self.scrub(err)}; "
+                "nothing was changed (check the network and the credentials, then run again)"
+            ) from err
+        if found is None and not newest_here:
+            raise CheckpointError(
+                f"checkpoint: no valid checkpoint to resume in {self.shown} (nothing was "
+                f"changed): {' | '.join(problems)}"
+            )
+        return found
+
+    def _download_newest(self, names: list[str]) -> tuple[str | None, list[str]]:
+        """The newest of ``names`` whose files verify, downloaded; what failed, each."""
+        problems = []
+        for name in reversed(names):
             target = self.local / CHECKPOINTS / name
             try:
                 self._download_dir(self.remote(CHECKPOINTS, name), target)
                 verify_files(target)
-                found = name
-                break
-            except (OSError, CheckpointError) as err:
-                self.say(
-                    f"warning: {self.shown}/{CHECKPOINTS}/{name} did not verify after download "
-                    f"({str(err)[:200]}); falling back to an older checkpoint"
-                )
+            except (CheckpointError, ValueError, KeyError, TypeError) as err:
+                problem = self.scrub(err)
+                self.say(f"warning: {problem} (after download); falling back to an older one")
+                problems.append(problem)
                 if os.path.lexists(target):
                     remove_marked(target)
-        if found is not None:
-            (self.local / CHECKPOINTS / LATEST).write_text(found + "\n", encoding="utf-8")
-        if self._has_manifest(self.remote(BEST)):
-            with contextlib.suppress(OSError, CheckpointError):
-                self._download_dir(self.remote(BEST), self.local / BEST)
-        return found
-
-    def _fresh_local(self) -> None:
-        """An empty local copy (a previous one, inside glassloop's own marked folder, is
-        removed: never through a link)."""
-        if os.path.lexists(self.local):
-            remove_tree(self.local)
-        own_dir(self.local)
+                continue
+            latest = self.local / CHECKPOINTS / LATEST
+            with atomic_path(latest) as tmp:
+                tmp.write_text(name + "\n", encoding="utf-8")
+            return name, problems
+        return None, problems
 
     def _remote_steps(self, *, complete: bool) -> list[str]:
         """The remote ``step-`` folders, oldest first (``complete``: those with a manifest)."""
@@ -219,11 +260,11 @@ class RemoteRun:
         return bool(self.fs.exists(f"{folder}/manifest.json"))
 
     def _download_if_there(self, source: str, target: Path) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            data = self.fs.cat_file(source)
-            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-            tmp.write_bytes(data)
-            replace_own(tmp, target)
+        """``source`` into ``target`` through a temporary file beside it (never a link)."""
+        if not self.fs.exists(source):
+            return
+        with atomic_path(target) as tmp:
+            self.fs.get_file(source, str(tmp))
 
     def _download_dir(self, source: str, target: Path) -> None:
         """The files a remote checkpoint's manifest lists (nothing else), into a staging
@@ -233,17 +274,19 @@ class RemoteRun:
         if not isinstance(files, dict):
             raise CheckpointError(f"checkpoint: {self.shown}: {source} has no file list")
         staging = target.with_name(f".tmp-{target.name}-{os.getpid()}")
-        if staging.exists():
+        if os.path.lexists(staging):
             remove_tree(staging)
         own_dir(staging)
         mark(staging)
         for name in [*sorted(files), "manifest.json"]:
-            if ".." in name or name.startswith("/"):
+            if not SAFE_NAME.match(name) or ".." in name:
                 raise CheckpointError(f"checkpoint: {source}: the manifest names {name!r}")
             local = staging / name
             own_dir(local.parent)
             self.fs.get_file(f"{source}/{name}", str(local))
         own_dir(target.parent)
+        if os.path.lexists(target):  # (a local one of the same name, not verifying)
+            remove_marked(target)
         replace_own(staging, target)
 
     # ------------------------------------------------------------------------- push
@@ -257,24 +300,31 @@ class RemoteRun:
         self._enqueue("files", self.local)
 
     def _enqueue(self, kind: str, path: Path) -> None:
-        self.raise_failure()
         if self._worker is None:
-            self._worker = threading.Thread(
-                target=self._work, name="glassloop-upload", daemon=False
-            )
+            # A daemon: an interpreter that exits on an error it did not expect does not
+            # wait for uploads (what is in the bucket stays consistent: manifests last).
+            self._worker = threading.Thread(target=self._work, name="glassloop-upload")
+            self._worker.daemon = True
             self._worker.start()
         self._jobs.put((kind, path))
 
-    def close(self) -> None:
-        """Wait until every queued upload is done; raise the first failure."""
+    @contextlib.contextmanager
+    def protected(self) -> Iterator[Path | None]:
+        """The checkpoint being uploaded (local pruning keeps it) while the caller prunes."""
+        with self.lock:
+            yield self.uploading
+
+    def close(self, *, quiet: bool = False) -> None:
+        """Wait until every queued upload is done; raise the first failure (``quiet``: say
+        it as a warning instead)."""
         if self._worker is not None:
             self._jobs.put(None)
             self._worker.join()
             self._worker = None
-        self.raise_failure()
-
-    def raise_failure(self) -> None:
-        if (failure := self.failure()) is not None:
+        failure = self.failure()
+        if failure is not None and quiet:
+            self.say(f"warning: {failure}")
+        elif failure is not None:
             raise failure
 
     def failure(self) -> Exception | None:
@@ -288,45 +338,58 @@ class RemoteRun:
                 continue  # (reported once; what follows it waits for the next run)
             kind, path = job
             try:
-                if kind == "checkpoint" and not self._superseded(path):
-                    self._upload_checkpoint(path)
+                if kind == "checkpoint":
+                    self._upload_newest(path)
                 self._upload_run_files()
-            except Exception as err:  # handed to the training thread (raise_failure)
+            except Exception as err:  # handed to the training thread (failure)
                 self._failure = CheckpointWriteError(
-                    f"checkpoint: uploading to {self.shown} failed: {str(err)[:300]}; the "
+                    f"checkpoint: uploading to {self.shown} failed: {self.scrub(err)}; the "
                     "local copy and the remote checkpoints uploaded before are intact"
                 )
 
-    def _superseded(self, path: Path) -> bool:
-        """A checkpoint pruned locally before its turn (saves came faster than uploads): not
-        uploaded; a newer one is queued behind it."""
-        return not (path / "manifest.json").is_file()
+    def _upload_newest(self, path: Path) -> None:
+        """Upload ``path`` unless a newer step's checkpoint is queued behind it (saves come
+        faster than uploads: the remote gets the newest, said once) or it was pruned."""
+        later = [job for job in list(self._jobs.queue) if job is not None]
+        if path.name != BEST and any(k == "checkpoint" and p.name != BEST for k, p in later):
+            if not self._said_skip:
+                self._said_skip = True
+                self.say(
+                    f"checkpoint: uploads to {self.shown} are slower than the saves; the "
+                    "newest checkpoint is uploaded each time, the ones between are skipped"
+                )
+            return
+        with self.lock:  # (chosen and protected from local pruning in one step)
+            if not (path / "manifest.json").is_file():
+                return
+            self.uploading = path
+        try:
+            self._upload_checkpoint(path)
+        finally:
+            self.uploading = None
 
     def _upload_checkpoint(self, path: Path) -> None:
         """Objects first, each checked against the manifest's size; the manifest last, read
-        back; then ``latest``; then pruning. A local checkpoint replaced meanwhile (the same
-        step saved again) is left to the upload queued after it."""
-        try:
-            manifest_bytes = (path / "manifest.json").read_bytes()
-        except FileNotFoundError:
-            return  # (pruned locally meanwhile: a newer one is queued)
+        back; then ``latest``; then pruning. An earlier upload of the same folder loses its
+        manifest first (it is no longer complete while its objects are replaced)."""
+        manifest_bytes = (path / "manifest.json").read_bytes()
         files = json.loads(manifest_bytes)["files"]
         where = self.remote(BEST) if path.name == BEST else self.remote(CHECKPOINTS, path.name)
-        if path.name == BEST:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(f"{where}/manifest.json")  # (the old best: incomplete now)
-        for name, entry in sorted(files.items()):
-            try:
+        if self.fs.exists(f"{where}/manifest.json"):
+            self.fs.rm_file(f"{where}/manifest.json")
+        try:
+            for name, entry in sorted(files.items()):
+                self.fs.makedirs(f"{where}/{name}".rsplit("/", 1)[0], exist_ok=True)
                 self.fs.put_file(str(path / name), f"{where}/{name}")
-            except FileNotFoundError:
-                return  # (the local one was pruned or replaced: a newer one is queued)
-            size = self.fs.info(f"{where}/{name}")["size"]
-            if size != entry["size"]:
-                raise OSError(f"{where}/{name} has {size} bytes after upload, not {entry['size']}")
-        if not (path / "manifest.json").is_file() or (
-            (path / "manifest.json").read_bytes() != manifest_bytes
-        ):
-            return  # replaced locally while uploading: its own upload is queued
+                size = self.fs.info(f"{where}/{name}")["size"]
+                if size != entry["size"]:
+                    raise OSError(f"{name} has {size} bytes after upload, not {entry['size']}")
+        except OSError:
+            if _replaced(path, manifest_bytes):
+                return  # the same step saved again meanwhile: its own upload is queued
+            raise
+        if _replaced(path, manifest_bytes):
+            return  # (replaced with files of the same sizes: the queued upload redoes it)
         self.fs.pipe_file(f"{where}/manifest.json", manifest_bytes)
         if self.fs.cat_file(f"{where}/manifest.json") != manifest_bytes:
             raise OSError(f"{where}/manifest.json does not read back as written")
@@ -335,13 +398,14 @@ class RemoteRun:
             self._prune(path.name)
 
     def _prune(self, latest: str) -> None:
-        """Keep the newest ``keep_last`` complete remote checkpoints and ``latest``; remove
-        the others and any incomplete one older than ``latest`` (a kill's leftovers), each
-        manifest first."""
+        """Keep the newest ``keep_last`` complete remote checkpoints (two at least: a step
+        saved again, as at an epoch's end, loses its manifest while it is uploaded again, and
+        a kill then must find another complete one) and ``latest``; remove the others and any
+        incomplete one older than ``latest`` (a kill's leftovers), each manifest first."""
         if self.keep_last < 1:
             return
         complete = self._remote_steps(complete=True)
-        keep = set(complete[-self.keep_last :]) | {latest}
+        keep = set(complete[-max(self.keep_last, 2) :]) | {latest}
         for name in self._remote_steps(complete=False):
             if name in keep or name > latest:
                 continue
@@ -353,7 +417,8 @@ class RemoteRun:
 
     def _upload_run_files(self) -> None:
         """The run's files as they are now: read whole first (the metric files grow while
-        training goes on; an upload of a growing file would not match its length)."""
+        training goes on; an upload of a growing file would not match its length); the
+        report's files but the temporary ones of a report being drawn."""
         for name in RUN_FILES:
             file = self.local / name
             if not file.is_file() or file.is_symlink():
@@ -363,10 +428,11 @@ class RemoteRun:
             else:
                 self.fs.pipe_file(self.remote(name), file.read_bytes())
         for folder in RUN_FOLDERS:
-            for file in sorted((self.local / folder).rglob("*")):
+            for file in sorted((self.local / folder).glob("[!.]*")):
                 if file.is_file() and not file.is_symlink():
-                    relative = file.relative_to(self.local).as_posix()
-                    self.fs.put_file(str(file), self.remote(relative))
+                    self.fs.makedirs(self.remote(folder), exist_ok=True)
+                    with contextlib.suppress(FileNotFoundError):  # (replaced meanwhile)
+                        self.fs.pipe_file(self.remote(folder, file.name), file.read_bytes())
 
     def shown_path(self, path: Path) -> str:
         """``path`` of the local copy as the remote run's URL (secrets replaced)."""
@@ -378,3 +444,11 @@ class RemoteRun:
     def state_info(self) -> dict[str, Any]:
         """What run.json says of it: the URL (secrets replaced) and the local copy."""
         return {"remote": self.shown, "local_copy": str(self.local)}
+
+
+def _replaced(path: Path, manifest: bytes) -> bool:
+    """Whether the local checkpoint ``path`` is no longer the one whose manifest was read."""
+    try:
+        return (path / "manifest.json").read_bytes() != manifest
+    except OSError:
+        return True

@@ -288,17 +288,9 @@ class RunLog:
     def _upload(self, status: str) -> None:
         """The run's files to the remote run, every upload done before the run ends (a
         failure while another error is on its way out: a warning)."""
-        if self.remote is None:
-            return
-        try:
+        if self.remote is not None:
             self.remote.push_run_files()
-        finally:
-            try:
-                self.remote.close()
-            except GlassloopError as err:
-                if status == "finished":
-                    raise
-                print(f"warning: {err}")
+            self.remote.close(quiet=status != "finished")
 
     def _status_info(self) -> dict[str, Any]:
         """What run.json says besides the status: where the run stands, what ran it."""
@@ -327,6 +319,8 @@ class RunLog:
         weights = final_weights(model)
         state = self.state
         missing = self._write_missing(weights) if self.active else []
+        if missing and self.active:
+            self._upload("finished")  # (a remote run's final files, too)
         why = "stopped early" if state.stopped else "already finished"
         done = f"; wrote what its end left out: {', '.join(missing)}" if missing else ""
         return f"run {why} at step {state.step} (epoch {state.epoch}/{epochs}); nothing to do{done}"

@@ -72,10 +72,10 @@ class HostCopy:
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []
         self.used = 0
-        self.from_cuda = False
+        self.devices: set[torch.device] = set()  # the CUDA devices copied from
 
     def begin(self) -> None:
-        self.used, self.from_cuda = 0, False
+        self.used, self.devices = 0, set()
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
@@ -86,10 +86,11 @@ class HostCopy:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
             self.buffers[index : index + 1] = [buffer]
         buffer.copy_(tensor, non_blocking=tensor.is_cuda)
-        self.from_cuda |= tensor.is_cuda
+        if tensor.is_cuda:
+            self.devices.add(tensor.device)
         return buffer
 
     def finish(self) -> None:
         """Wait for the device-to-host copies (pinned, asynchronous) to land."""
-        if self.from_cuda:
-            torch.cuda.synchronize()
+        for device in self.devices:  # (each: synchronize() alone waits for the current one)
+            torch.cuda.synchronize(device)

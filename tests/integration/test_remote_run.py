@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,8 @@ def test_a_killed_s3_run_resumes_bitwise(tmp_path: Path, s3: dict[str, str]) -> 
     assert done.returncode == 0, done.stdout + done.stderr
     killed = train(tmp_path, s3, "s3://bucket/killed", "--kill-at-step", "7")
     assert killed.returncode != 0
-    assert json.loads(s3_bytes("s3://bucket/killed/run.json"))["status"] == "running"
+    if s3_files("s3://bucket/killed/run.json"):  # (uploaded at a checkpoint, if one was)
+        assert json.loads(s3_bytes("s3://bucket/killed/run.json"))["status"] == "running"
     resumed = train(tmp_path, s3, "s3://bucket/killed", "--resume")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in resumed.stdout
@@ -157,7 +159,7 @@ def memory() -> Any:
 
 
 def test_a_cut_upload_or_a_damaged_object_is_never_resumed_from(
-    cache: Path, capsys: pytest.CaptureFixture[str]
+    cache: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In the bucket after a stop at step 7: step 6 without its manifest (a kill during its
     upload) and step 5's weights damaged. A resume in a fresh local copy skips both (a line
@@ -172,10 +174,24 @@ def test_a_cut_upload_or_a_damaged_object_is_never_resumed_from(
     data = bytearray(fs.cat_file(damaged))
     data[-1] ^= 0xFF
     fs.pipe_file(damaged, bytes(data))
+    # On this machine the local copy still has step 6: the resume starts there, never from
+    # an older remote one (what was not uploaded yet is not lost).
+    here = trainer(url, StopAt(7), keep_last=10)
+    with pytest.raises(KeyboardInterrupt):
+        here.fit(loader(), epochs=2, resume="auto")
+    assert "resumed from 'memory://bucket/cut/checkpoints/step-00000006' at step 6" in (
+        capsys.readouterr().out
+    )
+    fs.rm_file("/bucket/cut/checkpoints/step-00000006/manifest.json")  # (uploaded again)
+    # Another machine (a fresh local copy) resumes from what the bucket holds.
+    monkeypatch.setenv("GLASSLOOP_CACHE_DIR", str(cache.parent / "elsewhere"))
     resumed = trainer(url, keep_last=3)
     resumed.fit(loader(), epochs=2, resume="auto")
     out = capsys.readouterr().out
-    assert "step-00000005 did not verify after download" in out
+    assert (
+        "warning: checkpoint: 'memory://bucket/cut/checkpoints/step-00000005': "
+        "model.safetensors fails its SHA-256 check (corrupt or modified) (after download)"
+    ) in out
     assert "at step 4 " in out
     straight = trainer("memory://bucket/straight")
     straight.fit(loader(), epochs=2)
@@ -201,3 +217,127 @@ def test_the_local_copy_is_never_a_folder_of_someone_else(cache: Path) -> None:
     with pytest.raises(Exception, match="is not glassloop's"):
         trainer("memory://bucket/mine").fit(loader(), epochs=1)
     assert (remote.container / "notes.txt").read_text() == "mine"
+
+
+# ---------------------------------------------------------------- races and failures
+def commit(run_dir: Path, step: int, rows: int) -> Path:
+    """A committed local checkpoint of ``step`` whose state.json has ``rows`` rows (the
+    same step saved again, as at an epoch's end, differs in size)."""
+    from glassloop.checkpoint import commit_checkpoint
+    from glassloop.snapshot import snapshot
+
+    state = {"history": [{"x": i} for i in range(rows)], "w": torch.zeros(3)}
+    return commit_checkpoint(run_dir, snapshot(nn.Linear(4, 4), state, {"step": step}))
+
+
+def on_first_put(remote: Any, action: Any) -> None:
+    """Run ``action`` while the first object is uploaded (the filesystem's own put_file,
+    with a moment of ours in it: what another thread does meanwhile)."""
+    real, calls = remote.fs.put_file, []
+
+    def put_file(local: str, target: str, **kwargs: Any) -> Any:
+        calls.append(target)
+        if len(calls) == 1:
+            action()
+        return real(local, target, **kwargs)
+
+    remote.fs.put_file = put_file
+
+
+def test_a_step_saved_again_during_its_upload_is_uploaded_again(cache: Path) -> None:
+    """The epoch's end saves the step just saved while its upload runs: no failure; the
+    bucket ends with the newer one, complete."""
+    from glassloop.checkpoint import read_checkpoint
+    from glassloop.remote import RemoteRun
+
+    remote = RemoteRun("memory://bucket/again")
+    remote.keep_last = 3
+    remote.local.mkdir(parents=True)
+    first = commit(remote.local, 100, 1)
+    saved_again = threading.Event()
+
+    def save_again() -> None:  # (the training thread's next commit and push)
+        remote.push_checkpoint(commit(remote.local, 100, 50))
+        saved_again.set()
+
+    on_first_put(remote, save_again)
+    remote.push_checkpoint(first)
+    saved_again.wait()  # (the end of training comes after its last push)
+    remote.close()  # raises the upload's failure, if any
+    elsewhere = RemoteRun("memory://bucket/again", local=cache / "elsewhere")
+    assert elsewhere.pull() == "step-00000100"
+    pulled = read_checkpoint(elsewhere.local / "checkpoints" / "step-00000100")
+    assert len(pulled.state["history"]) == 50
+
+
+def test_a_kill_while_a_step_is_uploaded_again_leaves_a_complete_one(cache: Path) -> None:
+    """keep_last = 1: step 200 uploaded, then saved again and cut during its new upload
+    (its old manifest already gone): the bucket still holds a complete checkpoint (two are
+    kept), and a resume elsewhere starts from it."""
+    from glassloop.errors import CheckpointWriteError
+    from glassloop.remote import RemoteRun
+
+    remote = RemoteRun("memory://bucket/cut-again")
+    remote.keep_last = 1
+    remote.local.mkdir(parents=True)
+    remote.push_checkpoint(commit(remote.local, 100, 1))
+    remote.push_checkpoint(commit(remote.local, 200, 1))
+    remote.close()
+
+    def cut() -> None:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    on_first_put(remote, cut)
+    remote.push_checkpoint(commit(remote.local, 200, 50))
+    with pytest.raises(CheckpointWriteError, match="uploading to memory://bucket/cut-again"):
+        remote.close()
+    elsewhere = RemoteRun("memory://bucket/cut-again", local=cache / "elsewhere")
+    assert elsewhere.pull() == "step-00000100"
+
+
+def test_a_remote_that_cannot_be_read_is_an_error_never_a_fresh_start(cache: Path) -> None:
+    from glassloop.errors import CheckpointError
+    from glassloop.remote import RemoteRun
+
+    trainer("memory://bucket/unreadable").fit(loader(), epochs=1)
+    remote = RemoteRun("memory://bucket/unreadable", local=cache / "elsewhere")
+
+    def reset(*args: Any, **kwargs: Any) -> Any:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    remote.fs.get_file = reset
+    with pytest.raises(CheckpointError, match=r"cannot read the remote run .*nothing was changed"):
+        remote.pull()
+
+
+def test_a_failed_upload_never_hides_the_error_a_run_ends_with(
+    cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C with a failed upload pending: the run ends with KeyboardInterrupt (a requeue
+    policy reads its exit code), the upload's failure a warning; a URL's secret nowhere."""
+    url = "memory://AKIA:sEcReT@bucket/masked"
+    run = trainer(url, StopAt(1))  # (before the first checkpoint: the end's upload fails)
+    assert run.run_log.remote is not None
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise PermissionError(13, f"Access denied to {url}/x")
+
+    run.run_log.remote.fs.put_file = run.run_log.remote.fs.pipe_file = refuse
+    with pytest.raises(KeyboardInterrupt):
+        run.fit(loader(), epochs=1)
+    out = capsys.readouterr().out
+    assert "warning: checkpoint: uploading to memory://***@bucket/masked failed" in out
+    assert "sEcReT" not in out
+    for file in cache.rglob("*"):
+        assert not file.is_file() or b"sEcReT" not in file.read_bytes(), file
+
+
+def test_a_filesystem_with_real_folders_gets_every_file(tmp_path: Path, cache: Path) -> None:
+    """fsspec's local filesystem (``local://``) has folders that must exist before a file
+    goes in: the run lands there whole."""
+    target = tmp_path / "bucket"
+    trainer(f"local://{target}").fit(loader(), epochs=1)
+    assert (target / "model.safetensors").is_file()
+    assert (target / "checkpoints" / "latest").read_text().strip() == "step-00000008"
+    assert (target / "checkpoints" / "step-00000008" / "manifest.json").is_file()
+    assert not [p for p in (target / "report").iterdir() if p.name.startswith(".")]

@@ -357,8 +357,10 @@ def started_in(args: argparse.Namespace) -> Path | None:
     whose config.json it trains from) was started in: where its relative paths point
     (:func:`glassloop.assemble.located`); ``None`` for a new config."""
     from glassloop.provenance import recorded_folder
+    from glassloop.remote import is_url
 
-    if args.resume and args.run_dir and (folder := recorded_folder(Path(args.run_dir))):
+    local = args.run_dir and not is_url(args.run_dir)  # (a remote run: its own config.json)
+    if args.resume and local and (folder := recorded_folder(Path(args.run_dir))):
         return folder
     if args.config and Path(args.config).name == "config.json":
         return recorded_folder(Path(args.config).parent)
