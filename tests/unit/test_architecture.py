@@ -224,8 +224,9 @@ def test_the_config_schema_loads_no_torch() -> None:
 # 651, file 710);
 # the Checkpointer's poll, wait, close, the commit both kinds of save share and the upload
 # after it (420; the copy and the thread are glassloop.background_save's, the uploads
-# glassloop.remote's).
-FILE_BUDGETS = {"loop.py": 710, "checkpoint.py": 540, "weights.py": 270, "atomic.py": 155}
+# glassloop.remote's); checkpoint.py 550: its two tensor files written and hashed side by side
+# (SHA-256 on one core is slower than the disk) and verify_files, which a pull uses alone.
+FILE_BUDGETS = {"loop.py": 710, "checkpoint.py": 550, "weights.py": 270, "atomic.py": 155}
 CLASS_BUDGETS = {("loop.py", "Trainer"): 651, ("checkpointer.py", "Checkpointer"): 420}
 LOOP_PROPER = ("fit", "_stop_if_signalled", 330)
 TRAIN_STEP = 55
