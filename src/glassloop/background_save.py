@@ -34,6 +34,14 @@ class SaveTimes:
     blocking_s: list[float] = field(default_factory=list)
     total_s: list[float] = field(default_factory=list)
     nbytes: list[int] = field(default_factory=list)
+    active: bool = True  # a run that can save (one with a run directory)
+    held_s: float = 0.0  # what the steps waited for checkpoints since the last epoch row
+
+    def row(self) -> dict[str, float]:
+        """An epoch row's ``checkpoint_s``: the seconds the steps waited for checkpoints
+        since the previous row (an epoch's own end is in the next row's)."""
+        held, self.held_s = self.held_s, 0.0
+        return {"checkpoint_s": round(held, 6)} if self.active else {}
 
     def add(self, blocking: float, total: float, nbytes: int) -> None:
         self.blocking_s.append(blocking)

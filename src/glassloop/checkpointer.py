@@ -227,6 +227,7 @@ class Checkpointer:
         self._agree(failure, target)
         if finished or wait:
             self.wait()
+        self.times.held_s += time.perf_counter() - started  # (the epoch row's checkpoint_s)
         return target
 
     def _commit(self, snap: Snapshot, *, best: bool, staged: Path | None) -> Path:

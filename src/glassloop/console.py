@@ -151,6 +151,7 @@ SUMMARY_SKIPS = (
     "samples",
     "lr",
     "seconds",
+    "checkpoint_s",
     "samples_per_s",
     "grad_norm",
     "max_memory_mb",

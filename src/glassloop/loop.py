@@ -376,6 +376,7 @@ class Trainer:
         if self.last_grad_norm is not None:
             row["grad_norm"] = float(self.last_grad_norm)  # of the epoch's last step
         row["seconds"] = time.perf_counter() - start
+        row.update(self.checkpointer.times.row())  # checkpoint_s: the steps' wait for saves
         # samples/s (tokens/s, MFU) of the training part; a GPU's peak memory
         row.update(self.throughput.row(sum(self.record.sizes), self.device))
         return row

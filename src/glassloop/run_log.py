@@ -55,6 +55,7 @@ CSV_FIELDS = [
     "grad_norm",
     "samples_per_s",
     "seconds",
+    "checkpoint_s",
 ]
 Sink = CSVSink | JSONLSink | TensorBoardSink
 REPORT_EVERY_S = 60.0  # how often a running run's report/ is refreshed (plots take ~0.5 s)
@@ -78,7 +79,8 @@ class RunLog:
         # Handed once: where the loop stands and what the run records (filled in by fit).
         self.state = state if state is not None else TrainState()
         self.info = info if info is not None else RunInfo()
-        self.checkpoint_times = SaveTimes()  # how long its checkpoints took (run.json)
+        # How long its checkpoints took (run.json, epoch rows' checkpoint_s).
+        self.checkpoint_times = SaveTimes(active=self.run_dir is not None)
         self.active = self.run_dir is not None and world.is_main
         self.tensorboard = tensorboard
         self.tracking = tracking

@@ -24,7 +24,7 @@ from glassloop.distributed import World, all_reduce
 
 # An epoch row's numbers that differ run to run (timings and rates): left out wherever two
 # runs' rows are compared (verify-resume, the tests).
-TIMING = ("seconds", "samples_per_s", "tokens_per_s", "mfu", "max_memory_mb")
+TIMING = ("seconds", "samples_per_s", "tokens_per_s", "mfu", "max_memory_mb", "checkpoint_s")
 
 # Peak dense bf16/fp16 tensor FLOP/s by the CUDA device's name (vendors' data sheets; SXM
 # parts where there are several). A name not here: no MFU (a wrong peak is worse than none).

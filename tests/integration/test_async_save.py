@@ -141,3 +141,28 @@ def test_verify_resume_is_exact_with_background_saves(tmp_path: Path) -> None:
     assert "checkpoints:" in done.stdout or (tmp_path / "straight" / "run.json").is_file()
     run_json = (tmp_path / "straight" / "run.json").read_text()
     assert '"checkpoints"' in run_json and '"gb_per_s"' in run_json
+
+
+def test_each_epoch_row_says_how_long_its_steps_waited_for_checkpoints(tmp_path: Path) -> None:
+    """checkpoint_s in every epoch row (history, metrics.csv, metrics.jsonl) of a run that
+    saves: the seconds its steps were held by saves since the previous row; none without a
+    run directory."""
+    import csv
+    import json
+
+    run = trainer(tmp_path / "run")
+    history = run.fit(loader(), epochs=2)
+    assert all(row["checkpoint_s"] > 0 for row in history)  # (8 saves an epoch)
+    with (tmp_path / "run" / "metrics.csv").open() as handle:
+        epochs = [row for row in csv.DictReader(handle) if row["kind"] == "epoch"]
+    assert [float(row["checkpoint_s"]) for row in epochs] == [
+        pytest.approx(row["checkpoint_s"], rel=1e-5) for row in history
+    ]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [row["checkpoint_s"] for row in rows if row["kind"] == "epoch"] == [
+        row["checkpoint_s"] for row in history
+    ]
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    plain = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
+    assert "checkpoint_s" not in plain.fit(loader(), epochs=1)[0]
