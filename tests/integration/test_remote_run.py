@@ -341,3 +341,30 @@ def test_a_filesystem_with_real_folders_gets_every_file(tmp_path: Path, cache: P
     assert (target / "checkpoints" / "latest").read_text().strip() == "step-00000008"
     assert (target / "checkpoints" / "step-00000008" / "manifest.json").is_file()
     assert not [p for p in (target / "report").iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["report", "s3://bucket/run"],
+        ["eval", "s3://bucket/run"],
+        ["export", "s3://bucket/run", "-o", "w.safetensors"],
+        ["export", "runs/x", "-o", "gs://bucket/w.safetensors"],
+        ["predict", "runs/x", "s3://bucket/a.npy"],
+        ["runs", "s3://bucket"],
+        ["verify-resume", "--kill-at", "3", "--keep", "s3://bucket/keep"],
+    ],
+)
+def test_a_url_where_a_command_takes_a_local_path_is_one_line(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """Only train --run-dir keeps a run on object storage; every other path argument given a
+    URL is one line and exit 2, and no local folder named s3: or gs: is made."""
+    from cli_runner import run_glassloop
+
+    done = run_glassloop(*command, cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith(f"glassloop: error: {command[0]}: ")
+    assert "is a URL; this command reads and writes local paths" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())

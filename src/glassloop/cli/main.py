@@ -532,6 +532,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+# Arguments that name a file or folder glassloop reads or writes here.
+PATH_ARGUMENTS = ("run_dir", "source", "inputs", "output", "config", "keep", "root")
+
+
+def refuse_remote_paths(args: argparse.Namespace) -> None:
+    """A URL where a command reads or writes a local path is one line, never a local folder
+    named ``s3:`` (only ``train --run-dir`` keeps a run on object storage: docs/storage.md)."""
+    from glassloop.errors import GlassloopError
+    from glassloop.redaction import redact
+    from glassloop.remote import is_url
+
+    for name in PATH_ARGUMENTS:
+        values = getattr(args, name, None)
+        if args.command == "train" and name == "run_dir":
+            continue
+        for value in values if isinstance(values, list) else [values]:
+            if not (isinstance(value, str) and is_url(value)):
+                continue
+            raise GlassloopError(
+                f"{args.command}: {redact(value)!r} is a URL; this command reads and writes "
+                "local paths (only train --run-dir keeps a run on object storage): copy the "
+                "run down first, e.g. aws s3 sync s3://bucket/run runs/run"
+            )
+
+
 def run_command(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run the command, map errors to exit codes (EPILOG)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -552,6 +577,7 @@ def run_command(argv: Sequence[str] | None = None) -> int:
         "export": cmd_export,
     }
     try:
+        refuse_remote_paths(args)
         return commands[args.command](args)
     # A config or data error quotes the value it refuses: a tracking URI's password too.
     except CheckpointWriteError as err:
