@@ -17,12 +17,15 @@ only after the manifest reads back byte for byte)::
     URL/checkpoints/step-00000120/manifest.json   uploaded last: the checkpoint is complete
     URL/checkpoints/latest              moved after the manifest read back
     URL/best/ ...                       the same way (its manifest last)
-    URL/config.json, run.json, metrics.csv, metrics.jsonl, model.safetensors, report/
-                                        copied at each checkpoint and at the end
+    URL/config.json, metrics.csv, metrics.jsonl, run.json
+                                        with each checkpoint, before its manifest
+    URL/model.safetensors, report/, then run.json   at the end
 
-A resume downloads the run's files and the newest remote checkpoint whose manifest exists and
-whose every file verifies (size and SHA-256, :func:`glassloop.checkpoint.read_checkpoint`);
-a checkpoint cut short by a kill (no manifest) or damaged is skipped, with a line. Pruning
+A resume rebuilds the local copy from the bucket (the bucket is the run; the local copy is
+glassloop's cache of it): the newest remote checkpoint whose manifest exists and whose every
+file verifies (size and SHA-256, :func:`glassloop.checkpoint.verify_files`), then the run's
+files; a checkpoint cut short by a kill (no manifest), damaged or missing an object is
+skipped, with a line; a bucket that cannot be read is an error, never a fresh start. Pruning
 keeps the newest ``keep_last`` complete checkpoints (at least two) and the one ``latest``
 names; a pruned checkpoint loses its manifest first, so a kill half-way never leaves one that
 looks whole; so does a step saved again (an epoch's end) before it is uploaded again.
@@ -57,7 +60,6 @@ from glassloop.checkpoint import (
     STEP_DIR,
     mark,
     remove_marked,
-    step_dirs,
     verify_files,
 )
 from glassloop.errors import CheckpointError, CheckpointWriteError, GlassloopError
@@ -67,7 +69,8 @@ from glassloop.run_lock import RunLock
 URL = re.compile(r"^([a-z][a-z0-9+.-]*)://", re.IGNORECASE)
 # The run's own files, copied at each checkpoint and at the end (those that exist).
 WEIGHTS = "model.safetensors"
-RUN_FILES = ("config.json", "run.json", "metrics.csv", "metrics.jsonl", WEIGHTS)
+# (run.json last: a bucket whose run.json says "finished" has the final weights and report)
+RUN_FILES = ("config.json", "metrics.csv", "metrics.jsonl", WEIGHTS, "run.json")
 RUN_FOLDERS = ("report",)
 CHUNK = 8 << 20
 
@@ -148,12 +151,12 @@ class RemoteRun:
     def remote(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
 
-    def scrub(self, err: BaseException | str) -> str:
+    def scrub(self, err: BaseException | str, limit: int = 300) -> str:
         """An error's text with the remote path as shown (a driver may keep credentials in
         it: ``key:secret@bucket``) and any other secret replaced."""
         text = str(err).replace(self.url, self.shown).replace(str(self.local), self.shown)
         text = re.sub(r"[^\s/@'\"]+:[^\s/@'\"]+@", "***@", text)  # (user:password@, bare)
-        return str(redacted(text))[:300]
+        return str(redacted(text))[:limit]
 
     # ------------------------------------------------------------------------- pull
     @contextlib.contextmanager
@@ -176,6 +179,9 @@ class RemoteRun:
         lock.acquire()
         try:
             yield self.pull()
+        except GlassloopError as err:  # its lines name the run, not glassloop's cache
+            err.args = (self.scrub(err, limit=100_000), *err.args[1:])
+            raise
         finally:
             try:
                 self.close(quiet=True)  # (the normal end closed it already, raising)
@@ -183,64 +189,68 @@ class RemoteRun:
                 lock.release()
 
     def pull(self) -> str | None:
-        """Bring the local copy up to the remote run: when the remote holds a newer complete
-        checkpoint than the local copy (a new machine, or another one went on with the
-        run), the run's files and the newest of those whose every file verifies; otherwise
-        the local copy stays as it is (a restart here: its newest checkpoint, if the bucket
-        lacks it, is uploaded again). The name of the checkpoint downloaded, or ``None``.
+        """Make the local copy the remote run: a fresh folder (the previous local copy,
+        glassloop's own cache, removed: the bucket is the run, and a checkpoint a kill kept
+        from reaching it is lost as the machine's disk would be) with the newest remote
+        checkpoint whose every file verifies, then the run's files and a ``best/`` that
+        verifies; the checkpoint's name, or ``None`` (a bucket without checkpoints).
 
-        A remote that cannot be read is an error, never a fresh start; remote checkpoints
-        that all fail to verify, with none here, are one error naming each."""
-        own_dir(self.local)
-        local = [p.name for p in step_dirs(self.local) if (p / "manifest.json").is_file()]
-        newest_here = local[-1] if local else ""
+        A bucket that cannot be read is an error, never a fresh start; remote checkpoints
+        that all fail to verify are one error naming each (nothing is changed in the bucket
+        either way)."""
+        self._fresh_local()
         try:
             with contextlib.suppress(AttributeError):
                 self.fs.invalidate_cache()  # (another process may have written since)
             there = self._remote_steps(complete=True)
-            newer = [n for n in there if n > newest_here]
-            if not newer:
-                if newest_here and newest_here not in there:  # (cut short before its upload)
-                    self.push_checkpoint(self.local / CHECKPOINTS / newest_here)
-                return None
+            found, problems = self._download_newest(there)
+            if there and found is None:
+                raise CheckpointError(
+                    f"checkpoint: no valid checkpoint to resume in {self.shown} (nothing was "
+                    f"changed): {' | '.join(problems)}"
+                )
             for name in RUN_FILES:
                 self._download_if_there(self.remote(name), self.local / name)
-            found, problems = self._download_newest(newer)
             if self._has_manifest(self.remote(BEST)):
-                with contextlib.suppress(CheckpointError, ValueError, KeyError, TypeError):
-                    self._download_dir(self.remote(BEST), self.local / BEST)
-        except (CheckpointError, GlassloopError):
+                self._download_newest([BEST], folder=self.remote(BEST), target=self.local / BEST)
+        except GlassloopError:
             raise
         except Exception as err:  # OSError, and a driver's own (botocore, aiohttp, ...)
             raise CheckpointError(
                 f"checkpoint: cannot read the remote run {self.shown}: {self.scrub(err)}; "
                 "nothing was changed (check the network and the credentials, then run again)"
-            ) from err
-        if found is None and not newest_here:
-            raise CheckpointError(
-                f"checkpoint: no valid checkpoint to resume in {self.shown} (nothing was "
-                f"changed): {' | '.join(problems)}"
-            )
+            ) from None  # (the driver's own error may hold what scrub removed)
         return found
 
-    def _download_newest(self, names: list[str]) -> tuple[str | None, list[str]]:
-        """The newest of ``names`` whose files verify, downloaded; what failed, each."""
+    def _fresh_local(self) -> None:
+        """An empty local copy (the previous one, inside glassloop's own marked folder, is
+        removed: never through a link)."""
+        if os.path.lexists(self.local):
+            remove_tree(self.local)
+        own_dir(self.local)
+
+    def _download_newest(
+        self, names: list[str], *, folder: str | None = None, target: Path | None = None
+    ) -> tuple[str | None, list[str]]:
+        """The newest of the remote checkpoints ``names`` whose files verify, downloaded (a
+        missing object, a bad manifest or a failed check: the next older one, with a line;
+        ``folder``/``target``: one folder elsewhere, e.g. ``best/``); what failed, each."""
         problems = []
         for name in reversed(names):
-            target = self.local / CHECKPOINTS / name
+            into = target if target is not None else self.local / CHECKPOINTS / name
             try:
-                self._download_dir(self.remote(CHECKPOINTS, name), target)
-                verify_files(target)
-            except (CheckpointError, ValueError, KeyError, TypeError) as err:
+                self._download_dir(folder or self.remote(CHECKPOINTS, name), into)
+                verify_files(into)
+            except (CheckpointError, ValueError, KeyError, TypeError, FileNotFoundError) as err:
                 problem = self.scrub(err)
                 self.say(f"warning: {problem} (after download); falling back to an older one")
                 problems.append(problem)
-                if os.path.lexists(target):
-                    remove_marked(target)
+                if os.path.lexists(into):
+                    remove_marked(into)
                 continue
-            latest = self.local / CHECKPOINTS / LATEST
-            with atomic_path(latest) as tmp:
-                tmp.write_text(name + "\n", encoding="utf-8")
+            if target is None:
+                with atomic_path(self.local / CHECKPOINTS / LATEST) as tmp:
+                    tmp.write_text(name + "\n", encoding="utf-8")
             return name, problems
         return None, problems
 
@@ -273,18 +283,22 @@ class RemoteRun:
         files = manifest.get("files") if isinstance(manifest, dict) else None
         if not isinstance(files, dict):
             raise CheckpointError(f"checkpoint: {self.shown}: {source} has no file list")
+        own_dir(target.parent)
         staging = target.with_name(f".tmp-{target.name}-{os.getpid()}")
         if os.path.lexists(staging):
             remove_tree(staging)
         own_dir(staging)
         mark(staging)
-        for name in [*sorted(files), "manifest.json"]:
-            if not SAFE_NAME.match(name) or ".." in name:
-                raise CheckpointError(f"checkpoint: {source}: the manifest names {name!r}")
-            local = staging / name
-            own_dir(local.parent)
-            self.fs.get_file(f"{source}/{name}", str(local))
-        own_dir(target.parent)
+        try:
+            for name in [*sorted(files), "manifest.json"]:
+                if not SAFE_NAME.match(name) or ".." in name:
+                    raise CheckpointError(f"checkpoint: {source}: the manifest names {name!r}")
+                local = staging / name
+                own_dir(local.parent)
+                self.fs.get_file(f"{source}/{name}", str(local))
+        except BaseException:
+            remove_marked(staging)
+            raise
         if os.path.lexists(target):  # (a local one of the same name, not verifying)
             remove_marked(target)
         replace_own(staging, target)
@@ -339,12 +353,13 @@ class RemoteRun:
             kind, path = job
             try:
                 if kind == "checkpoint":
-                    self._upload_newest(path)
-                self._upload_run_files()
+                    self._upload_newest(path)  # (the run's files with it)
+                else:
+                    self._upload_run_files()
             except Exception as err:  # handed to the training thread (failure)
                 self._failure = CheckpointWriteError(
                     f"checkpoint: uploading to {self.shown} failed: {self.scrub(err)}; the "
-                    "local copy and the remote checkpoints uploaded before are intact"
+                    "checkpoints uploaded before are intact, a resume starts from them"
                 )
 
     def _upload_newest(self, path: Path) -> None:
@@ -369,16 +384,22 @@ class RemoteRun:
             self.uploading = None
 
     def _upload_checkpoint(self, path: Path) -> None:
-        """Objects first, each checked against the manifest's size; the manifest last, read
-        back; then ``latest``; then pruning. An earlier upload of the same folder loses its
-        manifest first (it is no longer complete while its objects are replaced)."""
-        manifest_bytes = (path / "manifest.json").read_bytes()
+        """Objects first, each checked against the manifest's size; then the run's files (a
+        resume from this checkpoint finds the metric rows up to its step in the bucket); the
+        manifest last, read back; then ``latest``; then pruning. An earlier upload of the
+        same folder loses its manifest first (no longer complete while its objects change)."""
+        try:
+            manifest_bytes = (path / "manifest.json").read_bytes()
+        except FileNotFoundError:
+            return  # (swapped for the same step saved again: its own upload is queued)
         files = json.loads(manifest_bytes)["files"]
         where = self.remote(BEST) if path.name == BEST else self.remote(CHECKPOINTS, path.name)
         if self.fs.exists(f"{where}/manifest.json"):
             self.fs.rm_file(f"{where}/manifest.json")
         try:
             for name, entry in sorted(files.items()):
+                if (path / name).is_symlink():  # (never read through a link)
+                    raise OSError(f"'{path / name}' is a symbolic link")
                 self.fs.makedirs(f"{where}/{name}".rsplit("/", 1)[0], exist_ok=True)
                 self.fs.put_file(str(path / name), f"{where}/{name}")
                 size = self.fs.info(f"{where}/{name}")["size"]
@@ -390,6 +411,8 @@ class RemoteRun:
             raise
         if _replaced(path, manifest_bytes):
             return  # (replaced with files of the same sizes: the queued upload redoes it)
+        if path.name != BEST:  # the metric rows up to this step, before it is visible
+            self._upload_run_files()
         self.fs.pipe_file(f"{where}/manifest.json", manifest_bytes)
         if self.fs.cat_file(f"{where}/manifest.json") != manifest_bytes:
             raise OSError(f"{where}/manifest.json does not read back as written")
@@ -419,6 +442,15 @@ class RemoteRun:
         """The run's files as they are now: read whole first (the metric files grow while
         training goes on; an upload of a growing file would not match its length); the
         report's files but the temporary ones of a report being drawn."""
+        self.fs.makedirs(self.root, exist_ok=True)
+        for folder in RUN_FOLDERS:
+            if (self.local / folder).is_symlink() or not (self.local / folder).is_dir():
+                continue
+            for file in sorted((self.local / folder).glob("[!.]*")):
+                if file.is_file() and not file.is_symlink():
+                    self.fs.makedirs(self.remote(folder), exist_ok=True)
+                    with contextlib.suppress(FileNotFoundError):  # (replaced meanwhile)
+                        self.fs.pipe_file(self.remote(folder, file.name), file.read_bytes())
         for name in RUN_FILES:
             file = self.local / name
             if not file.is_file() or file.is_symlink():
@@ -427,12 +459,6 @@ class RemoteRun:
                 self.fs.put_file(str(file), self.remote(name))
             else:
                 self.fs.pipe_file(self.remote(name), file.read_bytes())
-        for folder in RUN_FOLDERS:
-            for file in sorted((self.local / folder).glob("[!.]*")):
-                if file.is_file() and not file.is_symlink():
-                    self.fs.makedirs(self.remote(folder), exist_ok=True)
-                    with contextlib.suppress(FileNotFoundError):  # (replaced meanwhile)
-                        self.fs.pipe_file(self.remote(folder, file.name), file.read_bytes())
 
     def shown_path(self, path: Path) -> str:
         """``path`` of the local copy as the remote run's URL (secrets replaced)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -283,8 +284,8 @@ class RunLog:
             if status == "finished":
                 raise failure from err
             print(f"warning: {failure}")
-        finally:
-            self._upload(status)
+        finally:  # (while an error of its own is on its way out: an upload's is a warning)
+            self._upload(status if sys.exc_info()[0] is None else "failed")
         return written
 
     def _upload(self, status: str) -> None:

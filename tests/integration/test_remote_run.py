@@ -12,6 +12,7 @@ from; pruning leaves the newest complete ones; credentials are never written.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from glassloop import Callback, Trainer
 from glassloop.options import CheckpointConfig
+from glassloop.throughput import TIMING
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +97,7 @@ def test_a_killed_s3_run_resumes_bitwise(tmp_path: Path, s3: dict[str, str]) -> 
     rows_again = [
         json.loads(line) for line in s3_bytes("s3://bucket/killed/metrics.jsonl").splitlines()
     ]
-    timing = ("seconds", "samples_per_s", "time", "elapsed_s")
+    timing = TIMING
     strip = [{k: v for k, v in r.items() if k not in timing} for r in rows]
     strip_again = [{k: v for k, v in r.items() if k not in timing} for r in rows_again]
     assert strip == strip_again
@@ -159,7 +161,7 @@ def memory() -> Any:
 
 
 def test_a_cut_upload_or_a_damaged_object_is_never_resumed_from(
-    cache: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    cache: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """In the bucket after a stop at step 7: step 6 without its manifest (a kill during its
     upload) and step 5's weights damaged. A resume in a fresh local copy skips both (a line
@@ -174,17 +176,7 @@ def test_a_cut_upload_or_a_damaged_object_is_never_resumed_from(
     data = bytearray(fs.cat_file(damaged))
     data[-1] ^= 0xFF
     fs.pipe_file(damaged, bytes(data))
-    # On this machine the local copy still has step 6: the resume starts there, never from
-    # an older remote one (what was not uploaded yet is not lost).
-    here = trainer(url, StopAt(7), keep_last=10)
-    with pytest.raises(KeyboardInterrupt):
-        here.fit(loader(), epochs=2, resume="auto")
-    assert "resumed from 'memory://bucket/cut/checkpoints/step-00000006' at step 6" in (
-        capsys.readouterr().out
-    )
-    fs.rm_file("/bucket/cut/checkpoints/step-00000006/manifest.json")  # (uploaded again)
-    # Another machine (a fresh local copy) resumes from what the bucket holds.
-    monkeypatch.setenv("GLASSLOOP_CACHE_DIR", str(cache.parent / "elsewhere"))
+    # Any machine (this one's local copy is rebuilt from the bucket) resumes from step 4.
     resumed = trainer(url, keep_last=3)
     resumed.fit(loader(), epochs=2, resume="auto")
     out = capsys.readouterr().out
@@ -203,7 +195,7 @@ def test_a_cut_upload_or_a_damaged_object_is_never_resumed_from(
 def test_a_fresh_run_never_overwrites_a_remote_run(cache: Path) -> None:
     url = "memory://bucket/taken"
     trainer(url).fit(loader(), epochs=1)
-    with pytest.raises(Exception, match="already holds checkpoints"):
+    with pytest.raises(Exception, match="'memory://bucket/taken' already holds checkpoints"):
         trainer(url).fit(loader(), epochs=1)
 
 
@@ -230,9 +222,10 @@ def commit(run_dir: Path, step: int, rows: int) -> Path:
     return commit_checkpoint(run_dir, snapshot(nn.Linear(4, 4), state, {"step": step}))
 
 
-def on_first_put(remote: Any, action: Any) -> None:
+def on_first_put(remote: Any, action: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run ``action`` while the first object is uploaded (the filesystem's own put_file,
-    with a moment of ours in it: what another thread does meanwhile)."""
+    with a moment of ours in it: what another thread does meanwhile). fsspec shares one
+    instance per filesystem: monkeypatch puts the method back after the test."""
     real, calls = remote.fs.put_file, []
 
     def put_file(local: str, target: str, **kwargs: Any) -> Any:
@@ -241,10 +234,12 @@ def on_first_put(remote: Any, action: Any) -> None:
             action()
         return real(local, target, **kwargs)
 
-    remote.fs.put_file = put_file
+    monkeypatch.setattr(remote.fs, "put_file", put_file)
 
 
-def test_a_step_saved_again_during_its_upload_is_uploaded_again(cache: Path) -> None:
+def test_a_step_saved_again_during_its_upload_is_uploaded_again(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The epoch's end saves the step just saved while its upload runs: no failure; the
     bucket ends with the newer one, complete."""
     from glassloop.checkpoint import read_checkpoint
@@ -260,7 +255,7 @@ def test_a_step_saved_again_during_its_upload_is_uploaded_again(cache: Path) -> 
         remote.push_checkpoint(commit(remote.local, 100, 50))
         saved_again.set()
 
-    on_first_put(remote, save_again)
+    on_first_put(remote, save_again, monkeypatch)
     remote.push_checkpoint(first)
     saved_again.wait()  # (the end of training comes after its last push)
     remote.close()  # raises the upload's failure, if any
@@ -270,7 +265,9 @@ def test_a_step_saved_again_during_its_upload_is_uploaded_again(cache: Path) -> 
     assert len(pulled.state["history"]) == 50
 
 
-def test_a_kill_while_a_step_is_uploaded_again_leaves_a_complete_one(cache: Path) -> None:
+def test_a_kill_while_a_step_is_uploaded_again_leaves_a_complete_one(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """keep_last = 1: step 200 uploaded, then saved again and cut during its new upload
     (its old manifest already gone): the bucket still holds a complete checkpoint (two are
     kept), and a resume elsewhere starts from it."""
@@ -287,7 +284,7 @@ def test_a_kill_while_a_step_is_uploaded_again_leaves_a_complete_one(cache: Path
     def cut() -> None:
         raise ConnectionResetError(104, "Connection reset by peer")
 
-    on_first_put(remote, cut)
+    on_first_put(remote, cut, monkeypatch)
     remote.push_checkpoint(commit(remote.local, 200, 50))
     with pytest.raises(CheckpointWriteError, match="uploading to memory://bucket/cut-again"):
         remote.close()
@@ -295,7 +292,9 @@ def test_a_kill_while_a_step_is_uploaded_again_leaves_a_complete_one(cache: Path
     assert elsewhere.pull() == "step-00000100"
 
 
-def test_a_remote_that_cannot_be_read_is_an_error_never_a_fresh_start(cache: Path) -> None:
+def test_a_remote_that_cannot_be_read_is_an_error_never_a_fresh_start(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from glassloop.errors import CheckpointError
     from glassloop.remote import RemoteRun
 
@@ -305,13 +304,13 @@ def test_a_remote_that_cannot_be_read_is_an_error_never_a_fresh_start(cache: Pat
     def reset(*args: Any, **kwargs: Any) -> Any:
         raise ConnectionResetError(104, "Connection reset by peer")
 
-    remote.fs.get_file = reset
+    monkeypatch.setattr(remote.fs, "get_file", reset)
     with pytest.raises(CheckpointError, match=r"cannot read the remote run .*nothing was changed"):
         remote.pull()
 
 
 def test_a_failed_upload_never_hides_the_error_a_run_ends_with(
-    cache: Path, capsys: pytest.CaptureFixture[str]
+    cache: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ctrl-C with a failed upload pending: the run ends with KeyboardInterrupt (a requeue
     policy reads its exit code), the upload's failure a warning; a URL's secret nowhere."""
@@ -322,7 +321,8 @@ def test_a_failed_upload_never_hides_the_error_a_run_ends_with(
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise PermissionError(13, f"Access denied to {url}/x")
 
-    run.run_log.remote.fs.put_file = run.run_log.remote.fs.pipe_file = refuse
+    monkeypatch.setattr(run.run_log.remote.fs, "put_file", refuse)
+    monkeypatch.setattr(run.run_log.remote.fs, "pipe_file", refuse)
     with pytest.raises(KeyboardInterrupt):
         run.fit(loader(), epochs=1)
     out = capsys.readouterr().out
@@ -368,3 +368,82 @@ def test_a_url_where_a_command_takes_a_local_path_is_one_line(
     assert "is a URL; this command reads and writes local paths" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())
+
+
+def test_the_bucket_is_the_run_whatever_the_local_copy_holds(
+    tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The local copy is glassloop's cache of the bucket, rebuilt at each start: a damaged
+    local checkpoint never blocks a resume, a stale copy of an older run at a reused URL never
+    reaches the bucket, and a link placed in the copy is removed, never followed."""
+    from glassloop.remote import RemoteRun
+
+    url = "memory://bucket/reused"
+    trainer(url).fit(loader(), epochs=1)  # 8 steps
+    local = RemoteRun(url).local
+    newest = local / "checkpoints" / "step-00000008" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:-1] + b"\0")  # damaged here, not in the bucket
+    outside = tmp_path / "outside"
+    (outside / "step-00000009").mkdir(parents=True)
+    (outside / "step-00000009" / ".glassloop").touch()
+    (local / "report").rename(tmp_path / "report-was")
+    os.symlink(outside, local / "report")
+    resumed = trainer(url)
+    resumed.fit(loader(), epochs=2, resume="auto")
+    assert "resumed from 'memory://bucket/reused/checkpoints/step-00000008'" in (
+        capsys.readouterr().out
+    )
+    assert (outside / "step-00000009" / ".glassloop").exists()  # (the link's target)
+    # The bucket emptied and reused: a fresh run there starts fresh, and only its own
+    # checkpoints reach the bucket (none of the old run the local copy held).
+    fs = memory()
+    fs.rm("/bucket/reused", recursive=True)
+    fresh = trainer(url, keep_last=10)
+    fresh.fit(loader(), epochs=1)
+    listed = fs.ls("/bucket/reused/checkpoints", detail=False)
+    steps = sorted(p.rsplit("/", 1)[-1] for p in listed)
+    assert steps == ["latest"] + [f"step-{n:08d}" for n in range(1, 9)]
+
+
+def test_a_missing_object_falls_back_and_a_failed_final_upload_is_repaired(
+    cache: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint missing an object in the bucket is skipped like a damaged one; final
+    weights that failed to upload are written and uploaded by the next --resume."""
+    from glassloop.errors import CheckpointWriteError
+
+    url = "memory://bucket/repair"
+    run = trainer(url, keep_last=10)
+    assert run.run_log.remote is not None
+    real = run.run_log.remote.fs.put_file
+
+    def refuse_weights(local: str, target: str, **kwargs: Any) -> Any:
+        if target.endswith("repair/model.safetensors"):
+            raise PermissionError(13, "Access denied")
+        return real(local, target, **kwargs)
+
+    monkeypatch.setattr(run.run_log.remote.fs, "put_file", refuse_weights)
+    with pytest.raises(CheckpointWriteError, match="uploading to memory://bucket/repair"):
+        run.fit(loader(), epochs=1)
+    monkeypatch.undo()
+    fs = memory()
+    assert not fs.exists("/bucket/repair/model.safetensors")
+    assert json.loads(fs.cat_file("/bucket/repair/run.json"))["status"] != "finished"
+    fs.rm_file("/bucket/repair/checkpoints/step-00000007/state.json")  # (and 8 is whole)
+    fs.rm_file("/bucket/repair/checkpoints/step-00000008/meta.json")
+    again = trainer(url, keep_last=10)
+    again.fit(loader(), epochs=1, resume="auto")
+    out = capsys.readouterr().out
+    assert "step-00000008" in out and "falling back to an older one" in out
+    assert "at step 6 " in out
+    assert fs.exists("/bucket/repair/model.safetensors")
+    assert json.loads(fs.cat_file("/bucket/repair/run.json"))["status"] == "finished"
+
+
+def test_a_run_stopped_before_its_first_checkpoint_reaches_a_folder_filesystem(
+    tmp_path: Path, cache: Path
+) -> None:
+    target = tmp_path / "bucket"
+    with pytest.raises(KeyboardInterrupt):
+        trainer(f"local://{target}", StopAt(1)).fit(loader(), epochs=1)
+    assert json.loads((target / "run.json").read_text())["status"] == "interrupted"
