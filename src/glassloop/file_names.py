@@ -88,3 +88,18 @@ def _shown(name: Any) -> str:
     """``name`` for an error line: quoted with its escapes (a newline stays ``\\n``), cut."""
     text = repr(name)
     return text if len(text) <= 80 else f"{text[:60]}... ({len(str(name))} characters)"
+
+
+# A URL's scheme: a run directory named so is on another filesystem (glassloop.remote).
+URL = re.compile(r"^([a-z][a-z0-9+.-]*)://", re.IGNORECASE)
+
+
+def is_url(run_dir: object) -> bool:
+    """Whether ``run_dir`` is a string naming a filesystem other than the local one
+    (``file://`` is local).
+
+    >>> is_url("s3://bucket/run"), is_url("runs/x"), is_url("file:///tmp/x")
+    (True, False, False)
+    """
+    found = URL.match(str(run_dir)) if isinstance(run_dir, str) else None
+    return found is not None and found.group(1).lower() != "file"

@@ -63,23 +63,16 @@ from glassloop.checkpoint import (
     verify_files,
 )
 from glassloop.errors import CheckpointError, CheckpointWriteError, GlassloopError
+from glassloop.file_names import is_url as is_url  # (re-exported: its first home)
 from glassloop.redaction import redacted
 from glassloop.run_lock import RunLock
 
-URL = re.compile(r"^([a-z][a-z0-9+.-]*)://", re.IGNORECASE)
 # The run's own files, copied at each checkpoint and at the end (those that exist).
 WEIGHTS = "model.safetensors"
 # (run.json last: a bucket whose run.json says "finished" has the final weights and report)
 RUN_FILES = ("config.json", "metrics.csv", "metrics.jsonl", WEIGHTS, "run.json")
 RUN_FOLDERS = ("report",)
 CHUNK = 8 << 20
-
-
-def is_url(run_dir: str | Path | None) -> bool:
-    """Whether ``run_dir`` names a filesystem other than the local one (``file://`` is
-    local)."""
-    found = URL.match(str(run_dir)) if isinstance(run_dir, str) else None
-    return found is not None and found.group(1).lower() != "file"
 
 
 def local_copy_root() -> Path:

@@ -447,3 +447,30 @@ def test_a_run_stopped_before_its_first_checkpoint_reaches_a_folder_filesystem(
     with pytest.raises(KeyboardInterrupt):
         trainer(f"local://{target}", StopAt(1)).fit(loader(), epochs=1)
     assert json.loads((target / "run.json").read_text())["status"] == "interrupted"
+
+
+def test_two_processes_keep_a_run_in_a_bucket_and_resume_it_bitwise(tmp_path: Path) -> None:
+    """--nproc 2 with a run directory on another filesystem (fsspec's local:// here, which
+    every process and run sees): rank 0 pulls and uploads, the other reads the local copy
+    after it; killed after step 7 and resumed with --resume, the final weights in the bucket
+    equal the uninterrupted run's bit for bit (the same number of processes)."""
+    bucket = tmp_path / "bucket"
+
+    def launch(name: str, *extra: str) -> Any:
+        return run_group(
+            [sys.executable, "-m", "glassloop", "train", *SMALL, "--nproc", "2",
+             "--run-dir", f"local://{bucket / name}", *extra],
+            cwd=tmp_path, env={**os.environ, "GLASSLOOP_CACHE_DIR": str(tmp_path / "cache")},
+            timeout=300,
+        )  # fmt: skip
+
+    done = launch("straight")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert launch("killed", "--kill-at-step", "7").returncode != 0
+    resumed = launch("killed", "--resume")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from 'local://" in resumed.stdout
+    straight = load((bucket / "straight" / "model.safetensors").read_bytes())
+    again = load((bucket / "killed" / "model.safetensors").read_bytes())
+    for key, value in straight.items():
+        assert torch.equal(value, again[key]), key

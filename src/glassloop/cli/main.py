@@ -304,8 +304,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from glassloop.config import load_config
     from glassloop.distributed import shutdown
     from glassloop.errors import GlassloopError
+    from glassloop.file_names import is_url
     from glassloop.provenance import paths_from
-    from glassloop.remote import is_url
 
     if args.nproc and "WORLD_SIZE" not in os.environ:
         return launch_torchrun(args.nproc, args.argv)
@@ -356,8 +356,8 @@ def started_in(args: argparse.Namespace) -> Path | None:
     """The folder a run this train command reads again (the run it resumes, or the run
     whose config.json it trains from) was started in: where its relative paths point
     (:func:`glassloop.assemble.located`); ``None`` for a new config."""
+    from glassloop.file_names import is_url
     from glassloop.provenance import recorded_folder
-    from glassloop.remote import is_url
 
     local = args.run_dir and not is_url(args.run_dir)  # (a remote run: its own config.json)
     if args.resume and local and (folder := recorded_folder(Path(args.run_dir))):
@@ -540,8 +540,8 @@ def refuse_remote_paths(args: argparse.Namespace) -> None:
     """A URL where a command reads or writes a local path is one line, never a local folder
     named ``s3:`` (only ``train --run-dir`` keeps a run on object storage: docs/storage.md)."""
     from glassloop.errors import GlassloopError
+    from glassloop.file_names import is_url
     from glassloop.redaction import redact
-    from glassloop.remote import is_url
 
     for name in PATH_ARGUMENTS:
         values = getattr(args, name, None)
