@@ -66,7 +66,8 @@ class LinkAt(Callback):
         self.link, self.target = link, target
 
     def on_step_end(self, trainer: Any, step: int, loss: Any) -> None:
-        if step == 2:
+        if step == 2:  # (step 1's save may still be in flight: its folder made here)
+            self.link.parent.mkdir(parents=True, exist_ok=True)
             os.symlink(self.target, self.link)
 
 
