@@ -69,7 +69,7 @@ class Trainer:
                 optimizer.step()                    # update
                 optimizer.zero_grad()
                 scheduler.step() if interval == "step"
-                checkpoint every n steps; on SIGTERM/SIGINT: checkpoint and stop
+                checkpoint every n steps; on SIGTERM/INT/USR1/USR2: checkpoint and stop
             val = evaluate(val_loader)              # eval mode, no grad, mean over samples
             scheduler.step() if interval == "epoch"
             history.append({train_loss, val_loss, val_accuracy, lr, seconds})
@@ -129,7 +129,7 @@ class Trainer:
         tracking: TrackingConfig | None = None,
         progress: str = "auto",
         log_every: int = 100,
-        stop_signals: Sequence[str] = ("TERM", "INT"),
+        stop_signals: Sequence[str] = ("TERM", "INT", "USR1", "USR2"),
         profile: int = 0,
         **replaced: Any,  # names replaced in 0.2 (glassloop.deprecated), with a warning
     ) -> None:
@@ -262,8 +262,8 @@ class Trainer:
         ``train_loader``: any iterable of batches, iterated exactly as given; ``val_loader``:
         one, or several by name (:mod:`glassloop.validator`). ``resume="auto"``: from the
         newest valid checkpoint in ``run_dir`` (or fresh without one), exactly (README:
-        "Resume"); a path: from that checkpoint. SIGTERM/SIGINT stop after the current step
-        with a checkpoint and raise :class:`glassloop.Preempted`.
+        "Resume"); a path: from that checkpoint. A stop signal (``stop_signals``) stops it
+        after the current step with a checkpoint and raises :class:`glassloop.Preempted`.
         """
         if not isinstance(epochs, int) or epochs < 1:
             raise GlassloopError(f"train.epochs must be a positive integer, got {epochs!r}")
@@ -569,7 +569,7 @@ class Trainer:
         self._stop_if_signalled()
 
     def _stop_if_signalled(self, agreed: int | None = None) -> None:
-        """Checkpoint and stop after this step if any process got SIGTERM/SIGINT (``agreed``:
+        """Checkpoint and stop after this step if any process got a stop signal (``agreed``:
         in this step's collective), every process at the same step."""
         signum = self._signals.received or 0
         if self.distributed and agreed is not None:

@@ -129,9 +129,10 @@ class TrainOptions:
     """"auto", "bar", "lines" or "none"."""
     log_every: int = option(100, rule=AT_LEAST_1, resume_safe=True)
     """a step row (and the tutorial's loss line) every this many steps."""
-    stop_signals: list[str] = option(["TERM", "INT"], rule=SIGNALS, resume_safe=True)
+    stop_signals: list[str] = option(list(SIGNALS), rule=SIGNALS, resume_safe=True)
     """the signals that stop the run after the current step with a checkpoint (a second one
-    aborts at once): any of "TERM", "INT", "USR1", "USR2" (a scheduler's early warning)."""
+    aborts at once): "TERM", "INT", "USR1", "USR2", all by default (SIGUSR1 is Slurm's early
+    warning, ``--signal=USR1@90``; its default action would end the run unsaved)."""
     profile: int = option(0, rule=AT_LEAST_0, resume_safe=True)
     """a ``torch.profiler`` trace of this many steps into ``RUN_DIR/profile/``, and the top
     operators printed (0: none; :mod:`glassloop.profiling`)."""

@@ -1,4 +1,4 @@
-"""Graceful stop on SIGTERM/SIGINT: finish the optimizer step, checkpoint, exit.
+"""Graceful stop on SIGTERM/SIGINT/SIGUSR1/SIGUSR2: finish the optimizer step, checkpoint, exit.
 
 The first signal only sets a flag that the loop reads after each optimizer step (never in
 the middle of one). A second signal aborts at once with exit code ``128 + signal`` without
@@ -20,7 +20,7 @@ from glassloop.options import SIGNALS, TrainOptions
 # Every signal a run may be told to stop on (``train.stop_signals``): what loader workers
 # ignore, so that one sent to the whole process group reaches the main process alone.
 STOP_SIGNALS = tuple(signal.Signals[f"SIG{name}"] for name in SIGNALS)
-DEFAULT = tuple(TrainOptions().stop_signals)  # TERM, INT
+DEFAULT = tuple(TrainOptions().stop_signals)  # TERM, INT, USR1, USR2
 
 
 class Preempted(Exception):
@@ -40,8 +40,8 @@ class Preempted(Exception):
 
 
 class StopSignals:
-    """Context manager that turns the first of ``names`` (default SIGTERM, SIGINT) into
-    ``self.received``.
+    """Context manager that turns the first of ``names`` (default SIGTERM, SIGINT, SIGUSR1,
+    SIGUSR2) into ``self.received``.
 
     Outside the main thread (where handlers cannot be installed) it does nothing.
     """
@@ -69,7 +69,7 @@ class StopSignals:
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:
-    """DataLoader ``worker_init_fn``: workers ignore SIGTERM/SIGINT sent to the process group,
+    """DataLoader ``worker_init_fn``: workers ignore the stop signals sent to the process group,
     so the main process can finish its step. They die with the main process (Linux: a
     parent-death signal, also after a ``kill -9`` of the main process); the loader stops
     them itself when an epoch's iteration ends (:func:`glassloop.data.loaders.close_workers`)."""

@@ -190,7 +190,10 @@ def test_dataparallel_is_refused_with_the_reason(workdir: Path) -> None:
     assert "GPU 0 becomes the bottleneck" in result.stderr and "torchrun" in result.stderr
 
 
-def test_sigterm_to_the_launcher_checkpoints_one_consistent_step(workdir: Path) -> None:
+def test_a_stop_signal_to_the_launcher_checkpoints_one_consistent_step(workdir: Path) -> None:
+    """SIGUSR1 (Slurm's early warning) to the launcher: passed on as SIGTERM (torchrun would
+    die of SIGUSR1 and leave the workers unsaved), which torchrun forwards to both ranks
+    (SIGTERM itself takes the same path, unchanged)."""
     import signal
 
     proc = subprocess.Popen(
@@ -203,7 +206,7 @@ def test_sigterm_to_the_launcher_checkpoints_one_consistent_step(workdir: Path) 
     for line in proc.stdout:
         lines += line.startswith("loss:")
         if lines == 10:
-            proc.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to both ranks
+            proc.send_signal(signal.SIGUSR1)  # to the launcher: SIGTERM to torchrun, to ranks
             break
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 143, stderr  # the workers' code, as in one process (128 + 15)

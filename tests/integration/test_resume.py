@@ -131,7 +131,13 @@ def test_sigkill_inside_an_accumulation_window(workdir: Path) -> None:
     assert_same_run(workdir / "accum-reference", workdir / "accum", "checkpoints/step-00000015")
 
 
-def test_sigterm_to_the_process_group_with_workers_checkpoints_and_resumes(workdir: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_to_the_process_group_with_workers_checkpoints_and_resumes(
+    workdir: Path, stop: signal.Signals
+) -> None:
+    """SIGTERM, and SIGUSR1 (Slurm's early warning: its default action would end the run
+    unsaved), to the whole group: the workers ignore it, the run checkpoints and stops with
+    128 + the signal, and resumes to the reference."""
     workers = ("--set", "data.num_workers=2")
     proc = subprocess.Popen(
         [sys.executable, "-m", "glassloop", "train", "cfg.toml", "--run-dir", "term", *workers],
@@ -146,11 +152,11 @@ def test_sigterm_to_the_process_group_with_workers_checkpoints_and_resumes(workd
     for line in proc.stdout:
         lines += line.startswith("loss:")
         if lines == 20:  # in epoch 2, workers running
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, stop)
             break
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "stopped by SIGTERM after step" in err and "checkpoint saved to" in err
+    assert proc.returncode == 128 + stop, err
+    assert f"stopped by {stop.name} after step" in err and "checkpoint saved to" in err
     step = int(err.split("after step ")[1].split(";")[0])
     assert (workdir / "term" / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file()
     resumed = glassloop(workdir, "term", "--resume", *workers)

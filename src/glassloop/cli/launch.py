@@ -33,9 +33,10 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
     config refusal as a bug). Each worker records its code in ``GLASSLOOP_EXIT_DIR``; rank 0's
     code wins, then the first non-zero one; torchrun's code only when no worker recorded one
     (a worker that died). SIGTERM/SIGINT to this process go on to torchrun, which forwards
-    them to the workers. torchrun, and each worker, die with the process that started them
-    (a parent-death signal): a ``kill -9`` of this command leaves nothing running headless,
-    holding the run directory's lock.
+    them to the workers; SIGUSR1/SIGUSR2 go on as SIGTERM (torchrun would die of them).
+    torchrun, and each worker, die with the process that started them (a parent-death
+    signal): a ``kill -9`` of this command leaves nothing running headless, holding the run
+    directory's lock.
 
     ``glassloop train my.toml --nproc 2 --run-dir runs/a`` is
     ``launch_torchrun(2, ["train", "my.toml", "--nproc", "2", "--run-dir", "runs/a"])``: it runs
@@ -67,9 +68,12 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
         relay = StderrRelay(child.stderr)
 
         def forward(signum: int, frame: object) -> None:
-            child.send_signal(signum)
+            # torchrun passes TERM and INT on to the workers; USR1/USR2 (a scheduler's early
+            # warning) would end torchrun itself, and the workers unsaved: they go as TERM.
+            usr = signum in (signal.SIGUSR1, signal.SIGUSR2)
+            child.send_signal(signal.SIGTERM if usr else signum)
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, forward)
         code = child.wait()
         relay.join()
