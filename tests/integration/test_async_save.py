@@ -127,7 +127,7 @@ def test_async_fsdp_is_refused_in_one_line() -> None:
 
 SMALL = [
     "--set", "data.name=synthetic", "--set", "data.num_samples=320", "--set", "data.batch_size=32",
-    "--set", "data.num_features=8", "--set", "model.hidden=[16]", "--set", "train.epochs=2",
+    "--set", "data.num_features=8", "--set", "model.hidden=[16]", "--set", "train.epochs=1",
     "--set", "checkpoint.every_n_steps=1", "--set", "train.progress=none",
     "--set", "checkpoint.async_save=true",
 ]  # fmt: skip
