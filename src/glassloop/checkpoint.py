@@ -342,11 +342,12 @@ def commit_checkpoint(run_dir: Path, snap: Snapshot, *, staged: Path | None = No
         with atomic_path(root / LATEST) as tmp:
             tmp.write_text(target.name + "\n", encoding="utf-8")
     except OSError as err:
-        raise write_failure(target, err, _last_good(run_dir)) from err
+        raise write_failure(target, err, last_good(run_dir)) from err
     return target
 
 
-def _last_good(run_dir: Path) -> str:
+def last_good(run_dir: Path) -> str:
+    """The checkpoint ``latest`` names, for a failure's message ("none" before the first)."""
     last = latest_pointer(run_dir)
     return str(last) if last is not None else "none"
 
@@ -354,7 +355,7 @@ def _last_good(run_dir: Path) -> str:
 def refuse_not_finite(run_dir: Path, model: nn.Module, step: int) -> None:
     """Never a checkpoint of NaN/inf weights over good ones."""
     if not weights_finite(model):
-        raise not_finite(step, _last_good(run_dir))
+        raise not_finite(step, last_good(run_dir))
 
 
 def not_finite(step: int, last_good: str) -> CheckpointError:

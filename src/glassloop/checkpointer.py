@@ -40,7 +40,7 @@ from glassloop.checkpoint import (
     commit_best,
     commit_checkpoint,
     find_resumable,
-    latest_pointer,
+    last_good,
     not_finite,
     prune,
     read_checkpoint,
@@ -323,8 +323,7 @@ class Checkpointer:
         directory of ``target`` (named by rank 0's pid); rank 0 then commits it whole."""
         assert self.run_dir is not None
         if not fsdp.all_finite(shards.model):  # decided alike in every process
-            last = latest_pointer(self.run_dir)
-            raise not_finite(step, str(last) if last is not None else "none")
+            raise not_finite(step, last_good(self.run_dir))
         staged = staging_dir(target, gather_objects(os.getpid())[0])
         failure: Exception | None = None
         if self.world.is_main:
