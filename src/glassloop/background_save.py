@@ -36,6 +36,7 @@ class SaveTimes:
     nbytes: list[int] = field(default_factory=list)
     active: bool = True  # a run that can save (one with a run directory)
     held_s: float = 0.0  # what the steps waited for checkpoints since the last epoch row
+    graced: bool = False  # the first save's time was said against train.grace_s
 
     def row(self) -> dict[str, float]:
         """An epoch row's ``checkpoint_s``: the seconds the steps waited for checkpoints
@@ -47,6 +48,23 @@ class SaveTimes:
         self.blocking_s.append(blocking)
         self.total_s.append(total)
         self.nbytes.append(nbytes)
+
+    def against_grace(self, grace_s: float) -> str | None:
+        """Once, when the first save's time is known (a background one's: at a later look):
+        that time against ``grace_s`` (``train.grace_s``; 0: nothing to say), with a warning
+        when a stop signal's save would not land before the SIGKILL that follows it."""
+        if not grace_s or self.graced or not self.total_s:
+            return None
+        self.graced, took = True, self.total_s[0]
+        if took <= grace_s:
+            return f"checkpoint: {took:.2f} s to save, within train.grace_s = {grace_s:g} s"
+        return (
+            f"warning: a checkpoint takes {took:.1f} s, more than train.grace_s = "
+            f"{grace_s:g} s: a stop signal's save would be killed before it lands (the "
+            "previous checkpoint stays the latest); ask the scheduler for a longer grace "
+            "(Slurm: --signal=USR1@SECONDS; Kubernetes: terminationGracePeriodSeconds); "
+            "until then a preempted run resumes from its last periodic checkpoint"
+        )
 
     def summary(self) -> dict[str, float | int] | None:
         """Counts, medians and the write speed (``None`` before the first save)."""

@@ -106,6 +106,7 @@ class Checkpointer:
         say: Callable[[str], None] = print,
         remote: RemoteRun | None = None,
         times: SaveTimes | None = None,
+        grace_s: float = 0.0,
     ) -> None:
         """Handed once what every checkpoint holds beyond :meth:`attach`'s: the ``model``
         whose weights it saves (an FSDP run's: ``shards``), the epoch's ``record``, the
@@ -113,8 +114,10 @@ class Checkpointer:
         (never a save after a NaN step; its loss-spike window) and the ``device`` the state
         loads onto; ``say``: where a line about a slow background save goes; ``remote``:
         the object-storage run each committed checkpoint is uploaded to; ``times``: where
-        each save's blocking and total seconds and bytes are recorded)."""
+        each save's blocking and total seconds and bytes are recorded); ``grace_s``: the
+        seconds a stop signal leaves before SIGKILL, said against the first save's time)."""
         self.run_dir = run_dir
+        self.grace_s = grace_s
         self.policy = policy if policy is not None else CheckpointConfig()
         self.world = world
         self.model = model if model is not None else nn.Module()
@@ -228,7 +231,13 @@ class Checkpointer:
         if finished or wait:
             self.wait()
         self.times.held_s += time.perf_counter() - started  # (the epoch row's checkpoint_s)
+        self._say_grace()
         return target
+
+    def _say_grace(self) -> None:
+        """Once the first save's time is known: that time against ``grace_s``."""
+        if (line := self.times.against_grace(self.grace_s)) is not None:
+            self.say(line)
 
     def _commit(self, snap: Snapshot, *, best: bool, staged: Path | None) -> Path:
         """Write ``snap`` (as ``best/``, or as a step's checkpoint, then prune)."""
@@ -249,6 +258,7 @@ class Checkpointer:
         step)."""
         if not self.world.distributed and (failure := self._earlier_failure()) is not None:
             raise failure
+        self._say_grace()
 
     def _earlier_failure(self) -> Exception | None:
         """A background save's or upload's failure since the last look (rank 0's)."""
@@ -571,6 +581,8 @@ def check_training_state(meta: Any, state: Any) -> None:
     best = loop.get("best_metric")
     if best is not None and not isinstance(best, (int, float)):
         raise MalformedState(f"loop.best_metric = {best!r}")
+    if loop.get("validation_due", "") not in ("", "step", "epoch"):
+        raise MalformedState(f"loop.validation_due = {loop['validation_due']!r}")
     ranks = state.get("rng_per_rank")
     for rng in [state["rng"], *(ranks or [])]:
         check_rng_state(rng)

@@ -218,3 +218,11 @@ def agreed_counts(total: int, samples: int, received: int | None) -> tuple[int, 
     totals = all_reduce(torch.tensor([total, samples, *got], dtype=torch.float64))
     signum = next((sig for sig, n in zip(STOP_SIGNALS, totals[2:], strict=True) if n), 0)
     return int(totals[0]), int(totals[1]), int(signum)
+
+
+def agreed_stop(received: int, more: bool) -> tuple[int, bool]:
+    """The stop signal any process received (0: none) and whether any process has another
+    batch, in one collective: what a validation agrees on before each batch, so that every
+    process abandons it at the same one (:class:`glassloop.validator.Abandonable`)."""
+    flags = all_reduce(torch.tensor([received, int(more)], dtype=torch.int64), "max")
+    return int(flags[0]), bool(flags[1])

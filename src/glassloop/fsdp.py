@@ -37,9 +37,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+import glassloop.preemption as preemption
 from glassloop.batch import required_inputs, split_batch, split_inputs
 from glassloop.device import move_to_device
-from glassloop.distributed import World, all_reduce, distributed_job, track_sharded
+from glassloop.distributed import World, agreed_stop, all_reduce, distributed_job, track_sharded
 from glassloop.errors import CheckpointError, ConfigError, DataError
 
 MODEL = "model."  # key prefixes in a checkpoint's shards/ folder
@@ -363,6 +364,7 @@ def even_batches(
         )
     last: Any = None
     for last in loader:
+        agree_on_a_stop()
         yield last
     if most > count:
         batch = move_to_device(last, device)
@@ -372,4 +374,16 @@ def even_batches(
             (args, kwargs), _ = split_batch(batch, labels_to_model=own_loss)
         with torch.no_grad():
             for _ in range(most - count):
+                agree_on_a_stop()
                 model(*args, **kwargs)
+
+
+def agree_on_a_stop() -> None:
+    """Inside a fit watching for stop signals, before each of an FSDP evaluation's evened
+    forwards (as many in every process): a stop any process received abandons the
+    validation in all of them at the same forward (:class:`~glassloop.preemption.StopRequested`;
+    see :class:`glassloop.validator.Abandonable`)."""
+    if preemption.watching():
+        signum, _ = agreed_stop(preemption.requested(), True)
+        if signum:
+            raise preemption.StopRequested(signum)

@@ -27,7 +27,7 @@ from glassloop.batch import Inputs, Window, batch_size_of, loss_weights, split_b
 from glassloop.callbacks import Callback
 from glassloop.checkpointer import Checkpointer
 from glassloop.console import ProgressReporter
-from glassloop.data.position import epoch_batches
+from glassloop.data.position import cut_waits, epoch_batches
 from glassloop.deprecated import fold_replaced, warn_replaced
 from glassloop.device import move_to_device, resolve_device
 from glassloop.errors import GlassloopError
@@ -38,7 +38,7 @@ from glassloop.optimizers import Schedulers, optimizer_parameters
 from glassloop.options import CheckpointConfig, RunInfo, TrackingConfig
 from glassloop.parallelize import averaged, evaluated, prepare_model
 from glassloop.precision import autocast, check_precision, make_scaler
-from glassloop.preemption import Preempted, StopSignals
+from glassloop.preemption import Preempted, StopRequested, StopSignals
 from glassloop.profiling import StepProfiler, fit_profiler
 from glassloop.provenance import environment
 from glassloop.redaction import redacted
@@ -130,6 +130,7 @@ class Trainer:
         progress: str = "auto",
         log_every: int = 100,
         stop_signals: Sequence[str] = ("TERM", "INT", "USR1", "USR2"),
+        grace_s: float = 0.0,
         profile: int = 0,
         **replaced: Any,  # names replaced in 0.2 (glassloop.deprecated), with a warning
     ) -> None:
@@ -203,6 +204,7 @@ class Trainer:
         self.ema = averaged(self.model, ema_decay) if ema_decay else None
         self.log_every = log_every
         self.stop_signals = stop_signals  # each stops the run after a step, with a checkpoint
+        self.grace_s = grace_s  # what a scheduler leaves before SIGKILL (said at the first save)
         self.profile = profile  # steps to profile (0: none): glassloop.profiling
         self.profiler: StepProfiler | None = None
         self.callbacks = list(callbacks)
@@ -238,6 +240,7 @@ class Trainer:
             say=self.console.message,
             remote=self.run_log.remote,
             times=self.run_log.checkpoint_times,
+            grace_s=grace_s,
         )
         self.last_grad_norm: torch.Tensor | None = None
         self.should_stop = False  # callbacks set it to end the run after this epoch
@@ -310,7 +313,10 @@ class Trainer:
                 for callback in self.callbacks:
                     callback.on_fit_start(self)
                 while self.state.epoch < epochs and not self.should_stop:
-                    row = self._run_epoch(train_loader, epochs)
+                    try:
+                        row = self._run_epoch(train_loader, epochs)
+                    except StopRequested as stop:  # in a validation or a wait for data
+                        self._stop_if_signalled(stop.signum)  # (agreed: raises Preempted)
                     self._end_epoch(row, epochs)
                 for callback in self.callbacks:
                     callback.on_fit_end(self)
@@ -339,10 +345,18 @@ class Trainer:
         self.throughput.start(done)
         self.console.epoch_start(epoch, epochs, samples_in(train_loader), done)
         self.model.train()  # dropout on, batch-norm updates its running statistics
-        # The epoch's batches from where it is (a resume), and what its order is drawn from.
-        batches, self.record.epoch_rng = epoch_batches(
-            train_loader, self.record.epoch_rng, state.batch_in_epoch, self.limit_batches
-        )
+        if state.validation_due == "step":  # a stop signal cut it short: it comes first
+            self.validator.mid_epoch(self, state)
+        # The epoch's batches from where it is (a resume), and what its order is drawn from
+        # (none when a stop signal cut the epoch's validation short: its training is done).
+        batches: Iterable[Any] = ()
+        if state.validation_due != "epoch":
+            batches, self.record.epoch_rng = epoch_batches(
+                train_loader, self.record.epoch_rng, state.batch_in_epoch, self.limit_batches
+            )
+        # (one process: a stop signal cuts a wait for a step's data short, glassloop.preemption)
+        cut, position = cut_waits(train_loader, self.world)
+        batches = self._signals.batches(batches, self.grad_accum_steps, cut=cut, position=position)
         batch: Any = None
         micro: list[tuple[Inputs, Any]] = []
         own = self.loss_fn is None  # the model computes its loss: it also gets labels=target
@@ -368,11 +382,13 @@ class Trainer:
         row["samples"] = state.samples_seen
         # train_loss (and a train_step's named losses: train_<name>), over every process
         row.update(self.record.train_loss(self.world, self.device))
+        state.validation_due = "epoch"  # (a stop signal inside it: validated again on resume)
         row.update(self.validator.row(self))  # val_* (nothing without a validation set)
         row["lr"] = self.optimizer.param_groups[0]["lr"]
         if self.scheduler is not None and self.scheduler_interval == "epoch":
             optimizers.step_per_epoch(self.scheduler, row)  # ReduceLROnPlateau: on val_loss
-        state.epoch, state.batch_in_epoch = epoch, 0  # (an epoch's end, in every checkpoint)
+        # (an epoch's end, in every checkpoint)
+        state.epoch, state.batch_in_epoch, state.validation_due = epoch, 0, ""
         if self.last_grad_norm is not None:
             row["grad_norm"] = float(self.last_grad_norm)  # of the epoch's last step
         row["seconds"] = time.perf_counter() - start
@@ -577,8 +593,10 @@ class Trainer:
         elif self.distributed:  # an epoch's end: one collective now
             signum = int(distributed.all_reduce(torch.tensor([signum]), "max"))
         if signum:
+            started = time.perf_counter()
             path = self.checkpointer.save(wait=True)  # (async: committed before the end)
-            raise Preempted(signum, self.state.step, str(path) if path is not None else None)
+            where = str(path) if path is not None else None
+            raise Preempted(signum, self.state.step, where, time.perf_counter() - started)
 
     def _log_step(self, loss: torch.Tensor) -> None:
         self.checkpointer.poll()  # (a background save that failed stops the run here)

@@ -133,6 +133,10 @@ class TrainOptions:
     """the signals that stop the run after the current step with a checkpoint (a second one
     aborts at once): "TERM", "INT", "USR1", "USR2", all by default (SIGUSR1 is Slurm's early
     warning, ``--signal=USR1@90``; its default action would end the run unsaved)."""
+    grace_s: float = option(0.0, rule=AT_LEAST_0, resume_safe=True)
+    """the seconds a scheduler leaves between its stop signal and SIGKILL (Slurm's
+    ``--signal=USR1@N``, Kubernetes' ``terminationGracePeriodSeconds``; 0: not declared):
+    the first save's time is said against it, with a warning when a checkpoint takes longer."""
     profile: int = option(0, rule=AT_LEAST_0, resume_safe=True)
     """a ``torch.profiler`` trace of this many steps into ``RUN_DIR/profile/``, and the top
     operators printed (0: none; :mod:`glassloop.profiling`)."""

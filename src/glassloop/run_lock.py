@@ -5,10 +5,17 @@ replace the first one's; metrics.jsonl gets interleaved lines). The lock is held
 of ``fit``. The kernel releases a ``flock`` when its holder dies, also by ``kill -9``, so a
 lock file left behind never blocks ``--resume``: only a live holder does. The file keeps the
 holder's PID for the error message.
+
+A forked child (a ``DataLoader`` worker) inherits the descriptor, and with it the lock:
+a worker stuck in a slow ``__getitem__`` after its trainer stopped would hold the run
+directory against the resume. Every child therefore closes its copy at once
+(``os.register_at_fork``); the parent's lock is untouched (it lasts while any descriptor of
+its own is open).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -19,6 +26,18 @@ from glassloop.atomic import NOFOLLOW, refuse_link
 from glassloop.errors import GlassloopError
 
 LOCK_NAME = ".lock"
+_HELD: set[int] = set()  # this process's lock descriptors (closed in forked children)
+
+
+def _close_in_child() -> None:
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
 
 
 class RunDirLocked(GlassloopError):
@@ -58,9 +77,11 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
         self._fd = fd
+        _HELD.add(fd)
 
     def release(self) -> None:
         if self._fd is not None:
+            _HELD.discard(self._fd)
             os.close(self._fd)  # closing drops the flock; the file stays (harmless)
             self._fd = None
 

@@ -32,6 +32,9 @@ class TrainState:
     skipped_steps: int = 0  # fp16 overflows and non-finite steps skipped
     consecutive_nonfinite: int = 0
     stopped: bool = False  # stopped early (a callback): the run is finished, whatever epochs says
+    # A validation a stop signal cut short, run first on resume: "step" (mid-epoch, at this
+    # step) or "epoch" (the epoch's end: its training is done, its row not yet written).
+    validation_due: str = ""
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -44,6 +47,7 @@ class TrainState:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
         self.stopped = bool(state.get("stopped", False))
+        self.validation_due = str(state.get("validation_due", ""))
         best = state.get("best_metric")
         self.best_metric = None if best is None else float(best)
 

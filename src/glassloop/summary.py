@@ -12,7 +12,7 @@ directory) and when it ends (time, best epoch, where the weights and the report 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -55,6 +55,8 @@ class Described(Protocol):
     loss_reduction: str
     run_dir: Path | None
     state: TrainState
+    stop_signals: Sequence[str]
+    grace_s: float
 
     @property
     def checkpointer(self) -> HasPolicy: ...
@@ -120,6 +122,12 @@ def start_header(
         lines.append(note)
     if trainer.run_dir is not None:
         lines.append(f"run directory: {trainer.run_dir}")
+        if trainer.grace_s:  # (the first save's time is said against it when known)
+            signals = ", ".join(f"SIG{name}" for name in trainer.stop_signals)
+            lines.append(
+                f"preemption: {signals} stop with a checkpoint; grace {trainer.grace_s:g} s "
+                "(checked against the first save)"
+            )
     return "\n".join(lines)
 
 

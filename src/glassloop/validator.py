@@ -9,17 +9,20 @@ line, as torchtitan's trainer calls its validator; what is evaluated is the trai
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+import glassloop.preemption as preemption
 from glassloop.best import is_number
 from glassloop.callbacks import Callback
-from glassloop.distributed import World
+from glassloop.distributed import World, agreed_stop
 from glassloop.evaluation import first_batches, gathered_outputs
 from glassloop.file_names import check_name
+from glassloop.preemption import StopRequested
+from glassloop.rng import capture_rng_state, restore_rng_state
 from glassloop.state import TrainState
 
 # What fit validates on: one loader, or several by name ({"in": a, "ood": b}).
@@ -76,23 +79,36 @@ class Validator:
         return next(iter(self.sets.values()), None)
 
     def row(self, trainer: Validating) -> dict[str, Any]:
-        """Evaluate every set; its numbers as they go into a history row."""
+        """Evaluate every set; its numbers as they go into a history row. Abandoned on a stop
+        signal (:class:`~glassloop.preemption.StopRequested`, see :class:`Abandonable`) with
+        the RNG put back as it found it: the resumed run validates again, drawing what this
+        validation drew (a ``DataLoader`` draws its workers' seed even unshuffled), so its
+        numbers and everything after are the uninterrupted run's."""
         row: dict[str, Any] = {}
-        for i, (name, loader) in enumerate(self.sets.items()):
-            metrics = self.validate(trainer, loader)
-            numbers = {k: v for k, v in metrics.items() if is_number(v)}
-            if i == 0:
-                self.last = metrics
-                row.update({f"val_{k}": v for k, v in numbers.items()})
-            if name:
-                row.update({f"val_{name}_{k}": v for k, v in numbers.items()})
+        rng = capture_rng_state()
+        try:
+            for i, (name, loader) in enumerate(self.sets.items()):
+                metrics = self.validate(trainer, loader)
+                numbers = {k: v for k, v in metrics.items() if is_number(v)}
+                if i == 0:
+                    self.last = metrics
+                    row.update({f"val_{k}": v for k, v in numbers.items()})
+                if name:
+                    row.update({f"val_{name}_{k}": v for k, v in numbers.items()})
+        except StopRequested:
+            restore_rng_state(rng)
+            raise
         return row
 
     def mid_epoch(self, trainer: Validating, state: TrainState) -> None:
         """Validation inside an epoch (``every``): a ``"kind": "val"`` row of every set, handed
-        to each of the ``sinks`` (the run log's rows, the console)."""
+        to each of the ``sinks`` (the run log's rows, the console). ``state.validation_due``
+        is "step" until the row is out: a checkpoint of a validation a stop signal cut short
+        says so, and the resumed run validates first (:meth:`Trainer._run_epoch`)."""
+        state.validation_due = "step"
         row: dict[str, Any] = {"kind": "val", "epoch": state.epoch + 1, "step": state.step}
         row.update(self.row(trainer))
+        state.validation_due = ""
         for sink in self.sinks:
             sink(row)
 
@@ -103,6 +119,8 @@ class Validator:
             callback.on_validation_start(trainer)
         limit = self.limit
         shown = first_batches(loader, limit, counted=self.counted) if limit else loader
+        if preemption.watching():  # (FSDP: checked in its evened forwards, fsdp.even_batches)
+            shown = abandonable(shown, trainer.world, agreed=not self.counted)
         metrics = trainer.evaluate(shown)
         if limit and hasattr(loader, "finish_epoch"):
             loader.finish_epoch()  # the next validation starts at the first batch again
@@ -118,3 +136,45 @@ class Validator:
             return None
         model, device, world = trainer.eval_model, trainer.device, trainer.world
         return gathered_outputs(model, first, device, trainer.precision, world)
+
+
+class Abandonable:
+    """``loader`` as a validation in ``fit`` iterates it: before each batch the stop flag is
+    read, and a stop signal abandons the validation (:class:`StopRequested`) within one
+    batch instead of after the whole set (a scheduler's grace is often shorter than a long
+    validation). One process reads its own flag; several (``agreed``) agree in one small
+    collective per batch (:func:`glassloop.distributed.agreed_stop`), a process that has run
+    out of batches taking part until every one has, so all leave at the same batch and none
+    waits in the metrics' reduction for the others. Under FSDP (``agreed=False`` there) the
+    evened forwards agree instead. (:func:`abandonable`: with the loader's ``len()``.)"""
+
+    def __init__(self, loader: Iterable[Any], world: World, *, agreed: bool) -> None:
+        self.loader, self.world, self.agreed = loader, world, agreed and world.distributed
+
+    def __iter__(self) -> Iterator[Any]:
+        end = object()
+        iterator = iter(self.loader)
+        while True:
+            batch = next(iterator, end)
+            signum, more = preemption.requested(), batch is not end
+            if self.agreed:  # (also after this process's last batch, until all are done)
+                signum, more = agreed_stop(signum, more)
+            if signum:
+                raise StopRequested(signum)
+            if not more:
+                return
+            if batch is not end:
+                yield batch
+
+
+class SizedAbandonable(Abandonable):
+    """An :class:`Abandonable` of a loader with a ``len()`` (the bar, FSDP's evening)."""
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+
+def abandonable(loader: Iterable[Any], world: World, *, agreed: bool) -> Abandonable:
+    """``loader`` as a validation in ``fit`` iterates it (:class:`Abandonable`)."""
+    kind = SizedAbandonable if isinstance(loader, Sized) else Abandonable
+    return kind(loader, world, agreed=agreed)

@@ -11,6 +11,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from glassloop.data.loaders import LoaderPosition
+from glassloop.distributed import World
 from glassloop.rng import capture_rng_state, loader_generators, restore_rng_state
 
 
@@ -98,3 +100,17 @@ def replay_caveat(loader: Iterable[Any], batches: int) -> str | None:
         "epoch's start, exact only if its order depends on nothing else (glassloop.data "
         "loaders, DataLoader and lists resume exactly)"
     )
+
+
+def cut_waits(loader: Iterable[Any], world: World) -> tuple[bool, LoaderPosition | None]:
+    """Whether a stop signal may cut a wait for ``loader``'s next batch short, and the
+    position to put back when it does (:meth:`glassloop.preemption.StopSignals.batches`):
+    in one process, for a loader whose position is the loop's count of batches (a
+    ``DataLoader``, a list: nothing to put back) or one of glassloop's (two integers). Not
+    for another loader with a ``state_dict()`` (what a cut would leave in it is unknown),
+    nor with several processes (they agree on a stop at the next step's collective)."""
+    if world.distributed:
+        return False, None
+    if isinstance(loader, LoaderPosition):
+        return True, loader
+    return not hasattr(loader, "state_dict"), None
