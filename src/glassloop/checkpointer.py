@@ -52,7 +52,7 @@ from glassloop.checkpoint import (
     step_dirs,
 )
 from glassloop.data.options import DataConfig
-from glassloop.data.position import replay_caveat
+from glassloop.data.position import global_batch, replay_caveat, resized_note
 from glassloop.distributed import SINGLE, World, all_reduce, gather_objects
 from glassloop.errors import (
     CheckpointError,
@@ -374,6 +374,7 @@ class Checkpointer:
             "step": state.step,
             "epoch": state.epoch,
             "batch_in_epoch": state.batch_in_epoch,
+            "global_batch": global_batch(self.loader, self.world),  # (None: not known)
             "finished": finished,
             "metrics": history[-1] if history else None,
             "config": info.config,
@@ -467,8 +468,9 @@ class Checkpointer:
         *,
         sharded: bool = False,
     ) -> None:
-        """The same number of processes (each one's data shard and RNG are in the state) and
-        the same config, but for keys that do not change the result. Keys the checkpoint's
+        """The same config, but for keys that do not change the result; another number of
+        processes is said in one line (what it keeps and what changes: :func:`glassloop.data.
+        position.resized_note`). Keys the checkpoint's
         config does not have (settings added by a newer glassloop) cannot be compared: they
         are named in a warning instead, so an upgrade never blocks a resume.
 
@@ -484,19 +486,16 @@ class Checkpointer:
                 "written with (its weights start an FSDP run: glassloop.load_weights)"
             )
         saved_world = checkpoint.meta.get("world_size", 1)  # checked to be an int >= 1
-        if saved_world != self.world.size and sharded:
+        if saved_world != self.world.size:
+            saved_batch = checkpoint.meta.get("global_batch")
+            data = resized_note(self.loader, self.world, saved_batch, checkpoint.state.get("data"))
+            state = "resharded" if sharded else "loaded whole (every process holds them)"
             warn(
-                f"resharding '{checkpoint.path}' from {saved_world} to {self.world.size} "
-                "process(es): the weights and the optimizer state are resharded exactly; "
-                "each process's data shard and RNG differ from the saved run's, so the run "
-                "goes on from the same point but not bit for bit as it would have (keep "
-                "data.batch_size x processes the same to keep the global batch)"
-            )
-        elif saved_world != self.world.size:
-            raise ConfigError(
-                f"config: '{checkpoint.path}' was written by {saved_world} process(es), this "
-                f"job has {self.world.size}; resume with the same number (--nproc "
-                f"{saved_world}): each process's data shard and RNG are part of the state"
+                f"resuming '{checkpoint.path}' (written by {saved_world} process(es)) with "
+                f"{self.world.size}: the weights and the optimizer state are {state}; {data}; "
+                "each process's RNG is rank 0's (dropout masks differ), so the numbers equal "
+                "the uninterrupted run's to rounding (gradients add up in another order), "
+                "not bit for bit"
             )
         changes = config_differences(checkpoint.meta.get("config"), config)
         newer = [change for change in changes if ": <unset> -> " in change]
@@ -570,6 +569,9 @@ def check_training_state(meta: Any, state: Any) -> None:
             minimum = 1 if key == "world_size" else 0
             if not _count(meta.get(key)) or meta[key] < minimum:
                 raise MalformedState(f"meta.json {key} = {meta.get(key)!r}")
+    batch = meta.get("global_batch")
+    if batch is not None and (not _count(batch) or batch < 1):
+        raise MalformedState(f"meta.json global_batch = {batch!r}")
     if not isinstance(meta.get("finished", False), bool):
         raise MalformedState(f"meta.json finished = {meta['finished']!r}")
     loop = state["loop"]

@@ -226,3 +226,10 @@ def agreed_stop(received: int, more: bool) -> tuple[int, bool]:
     process abandons it at the same one (:class:`glassloop.validator.Abandonable`)."""
     flags = all_reduce(torch.tensor([received, int(more)], dtype=torch.int64), "max")
     return int(flags[0]), bool(flags[1])
+
+
+def restarted() -> int:
+    """How many times torchrun has restarted this job's processes (its elastic mode,
+    ``--max-restarts``; 0 for a first start or without torchrun)."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(count) if count.isdigit() else 0

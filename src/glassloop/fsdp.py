@@ -379,11 +379,11 @@ def even_batches(
 
 
 def agree_on_a_stop() -> None:
-    """Inside a fit watching for stop signals, before each of an FSDP evaluation's evened
-    forwards (as many in every process): a stop any process received abandons the
-    validation in all of them at the same forward (:class:`~glassloop.preemption.StopRequested`;
-    see :class:`glassloop.validator.Abandonable`)."""
-    if preemption.watching():
+    """Inside a validation in ``fit``, before each of an FSDP evaluation's evened forwards
+    (as many in every process): a stop any process received abandons the validation in all
+    of them at the same forward (:class:`~glassloop.preemption.StopRequested`; see
+    :class:`glassloop.validator.Abandonable`)."""
+    if preemption.abandoning():
         signum, _ = agreed_stop(preemption.requested(), True)
         if signum:
             raise preemption.StopRequested(signum)

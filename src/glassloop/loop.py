@@ -27,7 +27,7 @@ from glassloop.batch import Inputs, Window, batch_size_of, loss_weights, split_b
 from glassloop.callbacks import Callback
 from glassloop.checkpointer import Checkpointer
 from glassloop.console import ProgressReporter
-from glassloop.data.position import cut_waits, epoch_batches
+from glassloop.data.position import epoch_batches, waits_cut
 from glassloop.deprecated import fold_replaced, warn_replaced
 from glassloop.device import move_to_device, resolve_device
 from glassloop.errors import GlassloopError
@@ -242,7 +242,6 @@ class Trainer:
             times=self.run_log.checkpoint_times,
             grace_s=grace_s,
         )
-        self.last_grad_norm: torch.Tensor | None = None
         self.should_stop = False  # callbacks set it to end the run after this epoch
         self._signals = StopSignals()
         self._train_loader: Iterable[Any] = ()
@@ -265,12 +264,15 @@ class Trainer:
         ``train_loader``: any iterable of batches, iterated exactly as given; ``val_loader``:
         one, or several by name (:mod:`glassloop.validator`). ``resume="auto"``: from the
         newest valid checkpoint in ``run_dir`` (or fresh without one), exactly (README:
-        "Resume"); a path: from that checkpoint. A stop signal (``stop_signals``) stops it
-        after the current step with a checkpoint and raises :class:`glassloop.Preempted`.
+        "Resume"); a path: from that checkpoint; a job torchrun restarted (its elastic mode)
+        resumes by itself. A stop signal (``stop_signals``) stops it after the current step
+        with a checkpoint and raises :class:`glassloop.Preempted`.
         """
         if not isinstance(epochs, int) or epochs < 1:
             raise GlassloopError(f"train.epochs must be a positive integer, got {epochs!r}")
         self.should_stop = self._checked_first_batch = False  # a Trainer may fit again
+        if resume is None and distributed.restarted():  # torchrun restarted it: go on
+            resume = "auto"
         self._train_loader = train_loader
         lm, peak = self.task == "language-model", peak_flops(self.device, self.precision)
         self.throughput = Throughput(tokens=lm, peak=peak, world=self.world)  # samples/s, MFU
@@ -302,7 +304,6 @@ class Trainer:
             self.console.message(self.precision_note)
         first_val = self.validator.first
         self.run_log.start(has_val=first_val is not None)
-        self.console.info(start_header(self, train_loader, first_val, epochs))
         self.watch.check(self.state, self.world)  # counts from here (a resumed run's step)
         start = time.perf_counter()
         status, pairs = "failed", None  # pairs: a regression's outputs and targets, plotted
@@ -310,6 +311,8 @@ class Trainer:
         try:
             profiling = self.profiler or contextlib.nullcontext()
             with StopSignals(self.stop_signals) as self._signals, profiling:
+                # (from the header on, a stop signal ends the run with a checkpoint)
+                self.console.info(start_header(self, train_loader, first_val, epochs))
                 for callback in self.callbacks:
                     callback.on_fit_start(self)
                 while self.state.epoch < epochs and not self.should_stop:
@@ -354,9 +357,8 @@ class Trainer:
             batches, self.record.epoch_rng = epoch_batches(
                 train_loader, self.record.epoch_rng, state.batch_in_epoch, self.limit_batches
             )
-        # (one process: a stop signal cuts a wait for a step's data short, glassloop.preemption)
-        cut, position = cut_waits(train_loader, self.world)
-        batches = self._signals.batches(batches, self.grad_accum_steps, cut=cut, position=position)
+        # (one process: a stop signal cuts a long wait for data short, glassloop.data.position)
+        batches = waits_cut(train_loader, batches, self._signals, self.grad_accum_steps, self.world)
         batch: Any = None
         micro: list[tuple[Inputs, Any]] = []
         own = self.loss_fn is None  # the model computes its loss: it also gets labels=target
@@ -389,8 +391,8 @@ class Trainer:
             optimizers.step_per_epoch(self.scheduler, row)  # ReduceLROnPlateau: on val_loss
         # (an epoch's end, in every checkpoint)
         state.epoch, state.batch_in_epoch, state.validation_due = epoch, 0, ""
-        if self.last_grad_norm is not None:
-            row["grad_norm"] = float(self.last_grad_norm)  # of the epoch's last step
+        if state.grad_norm is not None:
+            row["grad_norm"] = float(state.grad_norm)  # of the epoch's last step
         row["seconds"] = time.perf_counter() - start
         row.update(self.checkpointer.times.row())  # checkpoint_s: the steps' wait for saves
         # samples/s (tokens/s, MFU) of the training part; a GPU's peak memory
@@ -426,7 +428,7 @@ class Trainer:
                 self.watch.observe_step(total, state, len(micro))
             if self.profiler is not None:
                 self.profiler.step()
-            if (len(self.record.losses) - 1) % self.log_every == 0:  # the tutorial's "% 100"
+            if (self.record.steps - 1) % self.log_every == 0:  # the tutorial's "% 100"
                 self._log_step(total)
             for callback in self.callbacks:
                 callback.on_step_end(self, state.step, total)
@@ -555,8 +557,8 @@ class Trainer:
         if self.clip_grad_norm:
             # Returns the norm before clipping: what is logged as grad_norm.
             norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-            self.last_grad_norm = fsdp.full(norm)  # FSDP: the norm over every process's shard
-            checked.append(self.last_grad_norm)
+            self.state.grad_norm = fsdp.full(norm)  # FSDP: the norm over every process's shard
+            checked.append(self.state.grad_norm)
         if self.deferred_check:  # read at the next step row, checkpoint or epoch end
             self.watch.observe(*checked)
             return True
@@ -603,7 +605,7 @@ class Trainer:
         self.watch.check(self.state, self.world)  # (a NaN since the last row stops here)
         value = step_loss(loss, self.world)  # a host sync, only every log_every steps
         self.console.log_step(value, sum(self.record.sizes))
-        norm = None if self.last_grad_norm is None else float(self.last_grad_norm)
+        norm = None if self.state.grad_norm is None else float(self.state.grad_norm)
         self.run_log.write_step(loss=value, lr=self.optimizer.param_groups[0]["lr"], grad_norm=norm)
 
     # ------------------------------------------------------------ around the loop: hooks
@@ -665,6 +667,12 @@ class Trainer:
         resolved["task"] = self.heads or self.task  # (a task per head: the heads')
         given = (self.model, self.optimizer, self.loss_fn, self.scheduler, self.scheduler_interval)
         return python_config(*given, resolved)
+
+    @property
+    def last_grad_norm(self) -> torch.Tensor | float | None:
+        """The last step's gradient norm before clipping (``clip_grad_norm``; ``None``
+        without): what step rows and epoch rows report."""
+        return self.state.grad_norm
 
     @property
     def last_eval(self) -> dict[str, Any] | None:

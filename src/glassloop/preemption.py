@@ -16,10 +16,11 @@ file; the phases above change nothing that is saved, so leaving them at once is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any
 
@@ -73,7 +74,8 @@ class StopSignals:
     def __init__(self, names: Sequence[str] = DEFAULT) -> None:
         self.signals = [signal.Signals[f"SIG{name}"] for name in names]
         self.received: int | None = None
-        self.waiting = False  # in a wait for data the signal itself may end (see batches)
+        self.waiting = False  # in a wait for data the signal itself may end (data.position)
+        self.validating = False  # in a validation a stop signal abandons (validating())
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -84,66 +86,59 @@ class StopSignals:
             self.waiting = False
             raise StopRequested(signum)
 
-    def batches(
-        self, loader: Iterable[Any], window: int, *, cut: bool, position: Any = None
-    ) -> Iterator[Any]:
-        """``loader``'s batches; with ``cut``, a stop signal that arrives while the loop waits
-        for one raises :class:`StopRequested` at once: a slow loader (a network dataset,
-        workers starting) must not outlast a scheduler's grace. The step being gathered
-        (``window`` micro-batches) is dropped whole, so the data position is the last
-        completed step's: the loop counts only completed steps' batches, and ``position`` (a
-        loader that counts what it handed over; its ``state_dict()`` is two integers, read
-        at each window's start) is put back as it was there. ``cut`` is off with several
-        processes (they agree on a stop at the next step's collective instead) and for a
-        loader with a position of its own that is not ``position``."""
-        iterator = iter(loader)
-        handed, saved = 0, None
-        while True:
-            if cut and position is not None and handed % window == 0:
-                saved = position.state_dict()
-            try:
-                self.waiting = cut and self.received is None
-                try:
-                    batch = next(iterator)
-                finally:
-                    self.waiting = False
-            except StopIteration:
-                return
-            except StopRequested:  # (also one raised as next() returned: the batch is dropped)
-                if saved is not None:
-                    position.load_state_dict(saved)
-                raise
-            handed += 1
-            yield batch
-
     def __enter__(self) -> StopSignals:
-        global _active
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
-            _active = self
+            _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        global _active
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-        if _active is self:
-            _active = None
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
 
 
-_active: StopSignals | None = None  # the fit whose signals are being watched (main thread)
-
-
-def watching() -> bool:
-    """Whether a fit is watching for stop signals (alike in every process of a job)."""
-    return _active is not None
+# The fits watching for stop signals, innermost last (a fit inside a callback's: its own
+# handlers while it runs, the outer one's again after). Signals are the process's, hence
+# module state; what reads it: a validation in progress (glassloop.validator, fsdp).
+_ACTIVE: list[StopSignals] = []
 
 
 def requested() -> int:
-    """The stop signal this process received during the current fit (0: none)."""
-    return (_active.received or 0) if _active is not None else 0
+    """The stop signal this process received during the current fit (0: none).
+
+    >>> with StopSignals(["USR2"]) as signals:
+    ...     signals.received = signal.SIGUSR2  # (what the handler does)
+    ...     requested() == signal.SIGUSR2
+    True
+    >>> requested()
+    0
+    """
+    return (_ACTIVE[-1].received or 0) if _ACTIVE else 0
+
+
+@contextlib.contextmanager
+def validating() -> Iterator[None]:
+    """The scope of a validation inside ``fit`` that a stop signal abandons (what an FSDP
+    evaluation's evened forwards agree on, :func:`glassloop.fsdp.agree_on_a_stop`; an
+    evaluation a callback runs is never abandoned)."""
+    signals = _ACTIVE[-1] if _ACTIVE else None
+    if signals is not None:
+        signals.validating = True
+    try:
+        yield
+    finally:
+        if signals is not None:
+            signals.validating = False
+
+
+def abandoning() -> bool:
+    """Whether a validation that a stop signal abandons is in progress (alike in every
+    process of a job)."""
+    return bool(_ACTIVE) and _ACTIVE[-1].validating
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:

@@ -35,9 +35,15 @@ class TrainState:
     # A validation a stop signal cut short, run first on resume: "step" (mid-epoch, at this
     # step) or "epoch" (the epoch's end: its training is done, its row not yet written).
     validation_due: str = ""
+    # The last step's gradient norm (clipping), as the loop holds it: a tensor on the device
+    # (no host read per step), a float in a checkpoint, so an epoch row written after a
+    # resume that took no step of the epoch (an owed validation) still reports it.
+    grad_norm: torch.Tensor | float | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        state = asdict(self)
+        state["grad_norm"] = None if self.grad_norm is None else float(self.grad_norm)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
@@ -48,6 +54,8 @@ class TrainState:
         self.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
         self.stopped = bool(state.get("stopped", False))
         self.validation_due = str(state.get("validation_due", ""))
+        norm = state.get("grad_norm")
+        self.grad_norm = None if norm is None else float(norm)
         best = state.get("best_metric")
         self.best_metric = None if best is None else float(best)
 
@@ -66,6 +74,7 @@ class EpochRecord:
         self.losses: list[torch.Tensor] = []
         self.weights: list[float] = []
         self.sizes: list[int] = []
+        self.steps = 0  # steps recorded this epoch, alike in every process (the step rows')
         self.epoch_rng: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
 
@@ -89,6 +98,7 @@ class EpochRecord:
         self.losses.append(loss)
         self.sizes.append(samples)
         self.weights.append(step_samples / processes)
+        self.steps += 1
         return loss[0] if loss.ndim else loss
 
     def stack_named(self, losses: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -107,7 +117,7 @@ class EpochRecord:
 
     def end_epoch(self, row: dict[str, Any]) -> None:
         self.history.append(row)
-        self.losses, self.weights, self.sizes = [], [], []
+        self.losses, self.weights, self.sizes, self.steps = [], [], [], 0
 
     def mean_loss(self) -> float | None:
         """This process's mean training loss of the epoch so far (a host sync), for the
@@ -122,13 +132,15 @@ class EpochRecord:
         """The epoch's mean training loss over every process's samples (``train_loss``; NaN
         when every step of the epoch was skipped) and each named loss's (``train_<name>``)."""
         keys = ["train_loss", *(f"train_{name}" for name in self.names)]
-        if not self.losses:
-            return {key: float("nan") for key in keys}
-        weights = torch.tensor(self.weights, dtype=torch.float64, device=device)
-        means = torch.stack(self.losses).to(torch.float64).reshape(len(self.losses), -1)
-        sums = torch.cat([weights @ means, weights.sum().reshape(1)]).cpu()
+        sums = torch.zeros(len(keys) + 1, dtype=torch.float64)  # (none: a resume's other ranks)
+        if self.losses:
+            weights = torch.tensor(self.weights, dtype=torch.float64, device=device)
+            means = torch.stack(self.losses).to(torch.float64).reshape(len(self.losses), -1)
+            sums = torch.cat([weights @ means, weights.sum().reshape(1)]).cpu()
         if world.distributed:  # the mean over every process's samples
             sums = all_reduce(sums)
+        if not sums[len(keys)]:  # every step of the epoch skipped
+            return {key: float("nan") for key in keys}
         return {key: float(sums[i] / sums[len(keys)]) for i, key in enumerate(keys)}
 
     def _steps(self) -> dict[str, Any]:
@@ -137,6 +149,7 @@ class EpochRecord:
             **({"epoch_loss_names": list(self.names)} if self.names else {}),
             "epoch_sizes": list(self.sizes),
             "epoch_weights": list(self.weights),
+            "epoch_steps": self.steps,
         }
 
     def state_dict(self, world: World | None = None) -> dict[str, Any]:
@@ -153,17 +166,41 @@ class EpochRecord:
         self, state: dict[str, Any], device: torch.device, world: World | None = None
     ) -> None:
         steps = state
-        per_rank = state.get("epoch_per_rank") or []
-        if world is not None and len(per_rank) == world.size:  # this process's own steps
-            steps = per_rank[world.rank]
+        per_rank = state.get("epoch_per_rank") or [state]  # (one process: its own, at the top)
+        size, rank = (world.size, world.rank) if world is not None else (1, 0)
+        # This process's own steps, or, written by another number of processes, merged.
+        steps = per_rank[rank] if len(per_rank) == size else _merged(per_rank, size, rank)
         losses = steps["epoch_losses"]
         self.losses = list(losses.to(device).unbind()) if losses is not None else []
         self.names = [str(name) for name in steps.get("epoch_loss_names", [])]
         self.sizes = [int(n) for n in steps["epoch_sizes"]]
         # (checkpoints written before weights were kept: each step weighed its samples)
         self.weights = [float(w) for w in steps.get("epoch_weights", self.sizes)]
+        self.steps = int(steps.get("epoch_steps", len(self.losses)))
         self.epoch_rng = state.get("epoch_rng")
         self.history = list(state["history"])
+
+
+def _merged(per_rank: list[dict[str, Any]], size: int, rank: int) -> dict[str, Any]:
+    """The epoch's steps of a checkpoint written by another number of processes, for process
+    ``rank`` of ``size``: every saved process's losses with their weights on rank 0 (the
+    epoch's mean is a weighted sum over all processes, so where the terms sit does not
+    change it) and none elsewhere; the samples done so far shared out evenly (the bar)."""
+    done = sum(int(n) for steps in per_rank for n in steps["epoch_sizes"])
+    share = [done // size + (r < done % size) for r in range(size)]
+    merged: dict[str, Any] = {"epoch_losses": None, "epoch_sizes": [share[rank]] if done else []}
+    merged["epoch_loss_names"] = per_rank[0].get("epoch_loss_names", [])
+    merged["epoch_weights"] = []
+    first = per_rank[0]  # (every saved process recorded the same steps)
+    losses = first["epoch_losses"]
+    merged["epoch_steps"] = first.get("epoch_steps", 0 if losses is None else len(losses))
+    if rank == 0:
+        kept = [s["epoch_losses"] for s in per_rank if s["epoch_losses"] is not None]
+        merged["epoch_losses"] = torch.cat(kept) if kept else None
+        merged["epoch_weights"] = [
+            float(w) for s in per_rank for w in s.get("epoch_weights", s["epoch_sizes"])
+        ]
+    return merged
 
 
 def step_loss(loss: torch.Tensor, world: World) -> float:

@@ -81,11 +81,13 @@ class Validator:
     def row(self, trainer: Validating) -> dict[str, Any]:
         """Evaluate every set; its numbers as they go into a history row. Abandoned on a stop
         signal (:class:`~glassloop.preemption.StopRequested`, see :class:`Abandonable`) with
-        the RNG put back as it found it: the resumed run validates again, drawing what this
-        validation drew (a ``DataLoader`` draws its workers' seed even unshuffled), so its
-        numbers and everything after are the uninterrupted run's."""
+        what it changed put back (the RNG, the callbacks' states, the last metrics): the
+        resumed run validates again, drawing what this validation drew (a ``DataLoader``
+        draws its workers' seed even unshuffled), so its numbers and everything after are
+        the uninterrupted run's. (A set abandoned gets no ``on_validation_end``.)"""
         row: dict[str, Any] = {}
-        rng = capture_rng_state()
+        rng, last = capture_rng_state(), self.last
+        states = [c.state_dict() if hasattr(c, "state_dict") else None for c in trainer.callbacks]
         try:
             for i, (name, loader) in enumerate(self.sets.items()):
                 metrics = self.validate(trainer, loader)
@@ -97,6 +99,10 @@ class Validator:
                     row.update({f"val_{name}_{k}": v for k, v in numbers.items()})
         except StopRequested:
             restore_rng_state(rng)
+            self.last = last
+            for callback, state in zip(trainer.callbacks, states, strict=True):
+                if state is not None and hasattr(callback, "load_state_dict"):
+                    callback.load_state_dict(state)
             raise
         return row
 
@@ -119,11 +125,14 @@ class Validator:
             callback.on_validation_start(trainer)
         limit = self.limit
         shown = first_batches(loader, limit, counted=self.counted) if limit else loader
-        if preemption.watching():  # (FSDP: checked in its evened forwards, fsdp.even_batches)
-            shown = abandonable(shown, trainer.world, agreed=not self.counted)
-        metrics = trainer.evaluate(shown)
-        if limit and hasattr(loader, "finish_epoch"):
-            loader.finish_epoch()  # the next validation starts at the first batch again
+        if not (self.counted and trainer.world.distributed):  # (FSDP: in its evened forwards)
+            shown = abandonable(shown, trainer.world)
+        try:
+            with preemption.validating():
+                metrics = trainer.evaluate(shown)
+        finally:  # (also when abandoned: a glassloop loader left in the middle of its set)
+            if hasattr(loader, "finish_epoch"):
+                loader.finish_epoch()  # the next validation starts at the first batch again
         for callback in trainer.callbacks:
             callback.on_validation_end(trainer, metrics)
         return metrics
@@ -139,26 +148,32 @@ class Validator:
 
 
 class Abandonable:
-    """``loader`` as a validation in ``fit`` iterates it: before each batch the stop flag is
-    read, and a stop signal abandons the validation (:class:`StopRequested`) within one
-    batch instead of after the whole set (a scheduler's grace is often shorter than a long
-    validation). One process reads its own flag; several (``agreed``) agree in one small
+    """``loader`` as a validation in ``fit`` iterates it: before each batch is fetched the
+    stop flag is read, and a stop signal abandons the validation (:class:`StopRequested`)
+    within one batch instead of after the whole set (a scheduler's grace is often shorter
+    than a long validation). One process reads its own flag; several agree in one small
     collective per batch (:func:`glassloop.distributed.agreed_stop`), a process that has run
     out of batches taking part until every one has, so all leave at the same batch and none
-    waits in the metrics' reduction for the others. Under FSDP (``agreed=False`` there) the
-    evened forwards agree instead. (:func:`abandonable`: with the loader's ``len()``.)"""
+    waits in the metrics' reduction for the others. (FSDP's evened forwards agree instead:
+    :func:`glassloop.fsdp.agree_on_a_stop`.) Outside a fit's validation it only iterates."""
 
-    def __init__(self, loader: Iterable[Any], world: World, *, agreed: bool) -> None:
-        self.loader, self.world, self.agreed = loader, world, agreed and world.distributed
+    def __init__(self, loader: Iterable[Any], world: World) -> None:
+        self.loader, self.world = loader, world
 
     def __iter__(self) -> Iterator[Any]:
         end = object()
         iterator = iter(self.loader)
-        while True:
+        while not self.world.distributed:  # one process: the flag, then the next batch
+            if signum := preemption.requested() if preemption.abandoning() else 0:
+                raise StopRequested(signum)
             batch = next(iterator, end)
-            signum, more = preemption.requested(), batch is not end
-            if self.agreed:  # (also after this process's last batch, until all are done)
-                signum, more = agreed_stop(signum, more)
+            if batch is end:
+                return
+            yield batch
+        while True:  # several: each fetches, then all agree (the batch dropped on a stop)
+            batch = next(iterator, end)
+            signum = preemption.requested() if preemption.abandoning() else 0
+            signum, more = agreed_stop(signum, batch is not end)
             if signum:
                 raise StopRequested(signum)
             if not more:
@@ -168,13 +183,13 @@ class Abandonable:
 
 
 class SizedAbandonable(Abandonable):
-    """An :class:`Abandonable` of a loader with a ``len()`` (the bar, FSDP's evening)."""
+    """An :class:`Abandonable` of a loader with a ``len()`` (the bar reads it)."""
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
 
-def abandonable(loader: Iterable[Any], world: World, *, agreed: bool) -> Abandonable:
+def abandonable(loader: Iterable[Any], world: World) -> Abandonable:
     """``loader`` as a validation in ``fit`` iterates it (:class:`Abandonable`)."""
     kind = SizedAbandonable if isinstance(loader, Sized) else Abandonable
-    return kind(loader, world, agreed=agreed)
+    return kind(loader, world)

@@ -1,7 +1,8 @@
 """A user model for the kill tests: an MLP with dropout that SIGKILLs its own process at the
 training forward number KILL_AT_FORWARD (in the process whose RANK is KILL_RANK, when that is
-set), so a kill -9 lands at an exact step, in the middle of it. Tests copy this file next to
-their config and point model.target at it."""
+set), so a kill -9 lands at an exact step, in the middle of it; under torchrun's elastic mode
+only in its first attempt (TORCHELASTIC_RESTART_COUNT 0), so the restarted job goes on.
+Tests copy this file next to their config and point model.target at it."""
 
 import os
 import signal
@@ -19,6 +20,7 @@ class KillableMLP(nn.Module):
         self.calls = 0
         rank = os.environ.get("KILL_RANK")
         mine = rank is None or os.environ.get("RANK", "0") == rank
+        mine = mine and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.kill_at = int(os.environ.get("KILL_AT_FORWARD", "0")) if mine else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

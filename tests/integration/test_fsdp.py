@@ -136,20 +136,20 @@ def test_kill_and_resume_with_the_same_processes_is_bitwise(workdir: Path) -> No
 
 
 def test_a_checkpoint_reshards_from_two_processes_to_one_and_back(workdir: Path, two: Path) -> None:
-    # Epoch 2 of the two-process run, continued in one process with the same global batch.
-    one = train(workdir, "--run-dir", "to-one", "--resume", str(two / "checkpoints/step-00000020"),
-                "--set", "data.batch_size=32", "--allow-config-change")  # fmt: skip
+    """Epoch 2 of the two-process run continued by one process, and a one-process run by
+    two, each with the config it started with: the run keeps its global batch (32)."""
+    one = train(workdir, "--run-dir", "to-one", "--resume", str(two / "checkpoints/step-00000020"))
     assert one.returncode == 0, one.stderr
-    assert "resharding" in one.stdout and "from 2 to 1 process(es)" in one.stdout
+    assert "(written by 2 process(es)) with 1: the weights and the optimizer state are " \
+        "resharded; the global batch 32 is kept (32 per process)" in one.stdout  # fmt: skip
     close(workdir / "to-one" / "model.safetensors", two / "model.safetensors")
-    # And a one-process checkpoint continued by two processes.
     first = train_here(workdir, "--run-dir", "single", "--set", "data.batch_size=32")
     assert first.returncode == 0, first.stderr
-    back = train(workdir, "--run-dir", "to-two", "--resume",
-                 str(workdir / "single" / "checkpoints/step-00000020"), "--allow-config-change",
-                 nproc=2)  # fmt: skip
+    back = train(workdir, "--run-dir", "to-two", "--resume", "--set", "data.batch_size=32",
+                 str(workdir / "single" / "checkpoints/step-00000020"), nproc=2)  # fmt: skip
     assert back.returncode == 0, back.stderr
-    assert "from 1 to 2 process(es)" in back.stdout
+    assert "(written by 1 process(es)) with 2" in back.stdout
+    assert "the global batch 32 is kept (16 per process)" in back.stdout
     close(workdir / "to-two" / "model.safetensors", two / "model.safetensors")
 
 

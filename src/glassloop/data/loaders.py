@@ -24,7 +24,7 @@ from glassloop.data.augment import BatchAugment
 from glassloop.data.splits import Splits
 from glassloop.distributed import SINGLE, World
 from glassloop.errors import ConfigError, DataError, GlassloopError
-from glassloop.preemption import ignore_stop_signals
+from glassloop.preemption import StopRequested, ignore_stop_signals
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -54,6 +54,7 @@ class EpochSampler(Sampler[int]):
         self.shard = shard
         self.epoch = 0
         self.start = 0
+        self.offset = 0  # samples of the epoch's order taken before a change of global batch
 
     def indices(self) -> torch.Tensor:
         """This epoch's remaining indices for this process, as a tensor."""
@@ -62,6 +63,7 @@ class EpochSampler(Sampler[int]):
             order = torch.randperm(self.num_samples, generator=generator)
         else:
             order = torch.arange(self.num_samples)
+        order = order[self.offset :]
         if self.world.distributed:
             order = self._shard(order)
         return order[self.start :]
@@ -114,19 +116,60 @@ class EpochSampler(Sampler[int]):
 
 
 class LoaderPosition:
-    """Where a loader stands: its epoch and the batches of it already handed to the loop.
-    That is the whole resumable state of glassloop's loaders (the order is a function of the
-    seed and the epoch)."""
+    """Where a loader stands: its epoch, the batches of it already handed to the loop and
+    the global batch they were (``batch_size`` x processes). That is the whole resumable
+    state of glassloop's loaders (the order is a function of the seed and the epoch).
+
+    The global batch is what a run keeps when it resumes on another number of processes:
+    global batch ``k`` is the same slice of the epoch's order whatever the number of
+    processes (:meth:`EpochSampler._shard`), so a loader restored with a different one takes
+    ``global // processes`` per process and goes on at the same sample. When it does not
+    divide, each process keeps its own ``batch_size`` and the epoch goes on from the same
+    sample in the new global batches (``sampler.offset``).
+
+    >>> from glassloop.distributed import World
+    >>> two = make_loader((torch.arange(12),), batch_size=3, shuffle=True, world=World(0, 2))
+    >>> _ = next(iter(two))  # one global batch of 6 (3 per process)
+    >>> one = make_loader((torch.arange(12),), batch_size=3, shuffle=True)
+    >>> one.load_state_dict(two.state_dict())
+    >>> one.batch_size, len(next(iter(one))[0])
+    (6, 6)
+    """
 
     epoch: int = 0
     batches_consumed: int = 0
+    batch_size: int
+    sampler: EpochSampler
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.sampler.world.size
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batches_consumed": self.batches_consumed}
+        return {
+            "epoch": self.epoch,
+            "batches_consumed": self.batches_consumed,
+            "global_batch": self.global_batch,
+            "offset": self.sampler.offset,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch = int(state["epoch"])
         self.batches_consumed = int(state["batches_consumed"])
+        self.sampler.offset = int(state.get("offset", 0))
+        saved = int(state.get("global_batch", self.global_batch))  # (older: as it is)
+        if saved == self.global_batch:
+            return
+        processes = self.sampler.world.size
+        if saved % processes == 0:  # the run's global batch, split anew
+            self.resize(saved // processes)
+        else:  # this process's own batch; the epoch goes on from the same sample
+            self.sampler.offset += self.batches_consumed * saved
+            self.batches_consumed = 0
+
+    def resize(self, batch_size: int) -> None:
+        """Take ``batch_size`` per process from now on (a resume keeping the global batch)."""
+        self.batch_size = self.sampler.batch_size = batch_size
 
     def finish_epoch(self) -> None:
         """End an epoch the loop stopped early (``limit_batches``): the next iteration starts
@@ -136,7 +179,7 @@ class LoaderPosition:
         validation through the validation set, until it came up empty."""
         if self.batches_consumed:
             self.epoch += 1
-            self.batches_consumed = 0
+            self.batches_consumed = self.sampler.offset = 0
 
 
 class ResumableLoader(LoaderPosition):
@@ -194,20 +237,32 @@ class ResumableLoader(LoaderPosition):
         # Worker seeds come from this generator; it is reseeded per epoch in __iter__, so a
         # resumed epoch gives its workers the same seeds as the uninterrupted one.
         self._generator = torch.Generator()
+        self._workers = {
+            "num_workers": num_workers,
+            "pin_memory": pin_memory,
+            "collate_fn": collate_fn,
+            "generator": self._generator,
+            "worker_init_fn": ignore_stop_signals if num_workers > 0 else None,
+        }
+        self.loader = self._data_loader()
+
+    def _data_loader(self) -> DataLoader[Any]:
         batching: dict[str, Any] = (
             {"batch_sampler": self.buckets}
             if self.buckets is not None
-            else {"batch_size": batch_size, "sampler": self.sampler, "drop_last": drop_last}
+            else {
+                "batch_size": self.batch_size,
+                "sampler": self.sampler,
+                "drop_last": self.drop_last,
+            }
         )
-        self.loader: DataLoader[Any] = DataLoader(
-            dataset,
-            **batching,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            collate_fn=collate_fn,
-            generator=self._generator,
-            worker_init_fn=ignore_stop_signals if num_workers > 0 else None,
-        )
+        return DataLoader(self.dataset, **batching, **self._workers)
+
+    def resize(self, batch_size: int) -> None:
+        super().resize(batch_size)
+        if self.buckets is not None:
+            self.buckets.batch_size = batch_size
+        self.loader = self._data_loader()  # (a DataLoader's batch size is fixed when built)
 
     def __iter__(self) -> Iterator[Any]:
         self.sampler.epoch = self.epoch
@@ -222,6 +277,9 @@ class ResumableLoader(LoaderPosition):
                 yield batch
         except GlassloopError as err:  # raised in a worker: its own line, not the wrapping
             raise type(err)(worker_message(str(err))) from None
+        except StopRequested:  # a stop signal cut the wait short: no 5 s per worker either
+            close_workers(iterator, at_once=True)
+            raise
         finally:  # whatever ends the iteration (an error, a limited epoch): no worker stays
             close_workers(iterator)
         self.epoch += 1
@@ -234,15 +292,26 @@ class ResumableLoader(LoaderPosition):
         return self.sampler.num_batches(self.drop_last)
 
 
-def close_workers(iterator: Any) -> None:
+def close_workers(iterator: Any, *, at_once: bool = False) -> None:
     """Stop a DataLoader iterator's worker processes now, and kill those that do not stop
     (they ignore SIGTERM, see :func:`glassloop.preemption.ignore_stop_signals`; one may be
     stuck on a file). Left to garbage collection, an iterator whose epoch ended in an error
-    kept its workers alive, and the process then hung at exit joining them."""
+    kept its workers alive, and the process then hung at exit joining them. ``at_once``:
+    killed without asking (a stop signal's grace has no 5 s per worker to wait)."""
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if shutdown is None:  # no worker processes
         return
     workers = list(getattr(iterator, "_workers", ()))
+    if at_once and getattr(iterator, "_worker_pids_set", False):
+        # torch raises "DataLoader worker is killed" from its SIGCHLD handler for a worker
+        # it still watches: stop watching first, as its own shutdown does before killing.
+        from torch.utils.data._utils import signal_handling
+
+        signal_handling._remove_worker_pids(id(iterator))  # type: ignore[attr-defined]
+        iterator._worker_pids_set = False
+    for worker in workers if at_once else ():
+        if worker.is_alive():
+            worker.kill()
     shutdown()  # (asks them to stop, waits up to 5 s each)
     for worker in workers:
         if worker.is_alive():
@@ -268,9 +337,11 @@ def worker_message(text: str) -> str:
 class BucketBatchSampler(Sampler[list[int]]):
     """Batches of indices of similar length, to reduce padding.
 
-    Each epoch: a seeded shuffle, then chunks of ``batch_size * 50`` indices are sorted by
-    length and cut into batches, and the batches are shuffled (so the model does not see
-    lengths in order). Deterministic per ``(seed, epoch)``; ``start`` skips batches (resume).
+    Each epoch: a seeded shuffle, then chunks of 50 global batches (``batch_size`` x
+    processes) are sorted by length and cut into global batches, and those are shuffled (so
+    the model does not see lengths in order); each process takes its slice of each global
+    batch. Deterministic per ``(seed, epoch)`` and the same global batches for any number of
+    processes (a resume on another number keeps them); ``start`` skips batches (resume).
 
     >>> sampler = BucketBatchSampler([5, 1, 4, 2, 3, 6], batch_size=2, shuffle=False)
     >>> list(sampler)
@@ -294,33 +365,34 @@ class BucketBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
-        self.chunk = batch_size * chunk_batches
+        self.chunk_batches = chunk_batches
         self.epoch = 0
         self.start = 0
 
     def batches(self) -> list[list[int]]:
-        n = len(self.lengths)
+        n, size = len(self.lengths), self.world.size
+        per_step = self.batch_size * size  # the global batch
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
         order = torch.randperm(n, generator=generator) if self.shuffle else torch.arange(n)
-        batches: list[list[int]] = []
-        for chunk in torch.split(order, self.chunk):
+        batches: list[torch.Tensor] = []
+        for chunk in torch.split(order, per_step * self.chunk_batches):
             # stable sort: equal lengths keep the shuffled order
             chunk = chunk[torch.sort(self.lengths[chunk], stable=True).indices]
-            batches += [b.tolist() for b in torch.split(chunk, self.batch_size)]
-        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
+            batches += torch.split(chunk, per_step)
+        if self.drop_last and batches and len(batches[-1]) < per_step:
             batches.pop()
         if self.shuffle:
             perm = torch.randperm(len(batches), generator=generator).tolist()
             batches = [batches[i] for i in perm]
-        if self.world.distributed:  # every process takes the same number of batches
-            size = self.world.size
-            batches = batches[: len(batches) // size * size][self.world.rank :: size]
-        return batches
+        if self.world.distributed:  # every process its slice of each (one per process at least)
+            rank = self.world.rank
+            batches = [torch.tensor_split(b, size)[rank] for b in batches if len(b) >= size]
+        return [b.tolist() for b in batches]
 
     def num_batches(self) -> int:
-        n = len(self.lengths)
-        total = n // self.batch_size if self.drop_last else -(-n // self.batch_size)
-        return total // self.world.size
+        n, size = len(self.lengths), self.world.size
+        full, rest = divmod(n, self.batch_size * size)
+        return full + int(bool(rest) and not self.drop_last and rest >= size)
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.batches()[self.start :])

@@ -11,8 +11,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from glassloop.data.loaders import LoaderPosition
+from glassloop.data.loaders import InMemoryLoader, LoaderPosition, close_workers
 from glassloop.distributed import World
+from glassloop.preemption import StopRequested, StopSignals
 from glassloop.rng import capture_rng_state, loader_generators, restore_rng_state
 
 
@@ -102,15 +103,100 @@ def replay_caveat(loader: Iterable[Any], batches: int) -> str | None:
     )
 
 
-def cut_waits(loader: Iterable[Any], world: World) -> tuple[bool, LoaderPosition | None]:
-    """Whether a stop signal may cut a wait for ``loader``'s next batch short, and the
-    position to put back when it does (:meth:`glassloop.preemption.StopSignals.batches`):
-    in one process, for a loader whose position is the loop's count of batches (a
-    ``DataLoader``, a list: nothing to put back) or one of glassloop's (two integers). Not
-    for another loader with a ``state_dict()`` (what a cut would leave in it is unknown),
-    nor with several processes (they agree on a stop at the next step's collective)."""
-    if world.distributed:
-        return False, None
+def waits_cut(
+    loader: Iterable[Any], batches: Iterable[Any], signals: StopSignals, window: int, world: World
+) -> Iterator[Any]:
+    """``batches`` (an epoch of ``loader``); in one process, a stop signal that arrives
+    while the loop waits for one raises :class:`~glassloop.preemption.StopRequested` at
+    once (``signals.waiting``): a slow loader (a network dataset, workers starting, a cold
+    cache) must not outlast a scheduler's grace. The step being gathered (``window``
+    micro-batches) is dropped whole and the checkpoint is the last completed step's, so
+    what the dropped fetch changed is put back: a glassloop loader's position (two
+    integers, read at each window's start) and, in an epoch's first wait, every RNG as it
+    was before ``iter()`` (a ``DataLoader`` draws its shuffle and worker seeds there).
+
+    Which waits are cut: an epoch's first, always; a later one only when the fetch leaves
+    the main process's RNGs alone (worker processes, an in-memory glassloop loader, a
+    list), as the RNGs are not captured at every step (68 us: more than a small step). Not
+    with several processes (they agree on a stop at the next step's collective), nor for a
+    loader with a ``state_dict()`` of its own that is not glassloop's (what a cut leaves
+    in it is unknown)."""
+    position = loader if isinstance(loader, LoaderPosition) else None
+    if world.distributed or (position is None and hasattr(loader, "state_dict")):
+        yield from batches
+        return
+    later = isinstance(loader, (InMemoryLoader, list, tuple)) or workers_of(loader) > 0
+    rng = capture_loader_rng(loader)  # (before iter(): what an epoch's first fetch draws)
+    iterator = iter(batches)
+    handed, saved = 0, None
+    while True:
+        if position is not None and handed % window == 0:
+            saved = position.state_dict()
+        try:
+            signals.waiting = signals.received is None and (handed == 0 or later)
+            try:
+                batch = next(iterator)
+            finally:
+                signals.waiting = False
+        except StopIteration:
+            return
+        except StopRequested:  # (also one raised as next() returned: the batch is dropped)
+            if handed == 0:
+                restore_loader_rng(loader, rng)
+            if saved is not None:
+                position.load_state_dict(saved)  # type: ignore[union-attr]
+            close_workers(iterator, at_once=True)
+            raise
+        handed += 1
+        yield batch
+
+
+def workers_of(loader: Any) -> int:
+    """The worker processes ``loader`` (or the ``DataLoader`` inside a glassloop one) has."""
+    inner = getattr(loader, "loader", loader)
+    return int(getattr(inner, "num_workers", 0) or 0)
+
+
+def global_batch(loader: Any, world: World) -> int | None:
+    """The samples one micro-batch takes over every process (``batch_size`` x processes),
+    recorded in each checkpoint's meta.json; ``None`` for a loader without a batch size."""
+    size = getattr(loader, "batch_size", None)
+    return size * world.size if isinstance(size, int) and size > 0 else None
+
+
+def resized_note(
+    loader: Any, world: World, saved: int | None, position: dict[str, Any] | None
+) -> str:
+    """What a resume on another number of processes does to the sample stream, in words.
+
+    The run keeps its global batch: glassloop's loaders split the saved one anew
+    (:class:`~glassloop.data.loaders.LoaderPosition`); another loader (a ``DataLoader``) is
+    iterated as given, so its ``batch_size`` decides and the note says which one keeps it.
+    """
+    processes = f"{world.size} process{'es' if world.size > 1 else ''}"
+    if saved is None:
+        return "the global batch of the saved run is not recorded (an older glassloop)"
     if isinstance(loader, LoaderPosition):
-        return True, loader
-    return not hasattr(loader, "state_dict"), None
+        if saved % world.size:
+            return (
+                f"the global batch {saved} does not divide among {processes}: each takes its "
+                f"batch_size {loader.batch_size} (global {loader.batch_size * world.size}) "
+                "from here, the epoch going on from the same sample; the steps after it and "
+                "their number differ from the uninterrupted run's"
+            )
+        consumed = int((position or {}).get("batches_consumed", 0))
+        return (
+            f"the global batch {saved} is kept ({saved // world.size} per process), the epoch "
+            f"going on at its sample {consumed * saved} in the same order"
+        )
+    size = getattr(loader, "batch_size", None)
+    if isinstance(size, int) and size * world.size == saved:
+        return f"the global batch {saved} is kept ({size} per process)"
+    if isinstance(size, int):
+        keep = f"batch_size={saved // world.size}" if saved % world.size == 0 else "none"
+        return (
+            f"the training loader's batch_size {size} x {processes} is not the run's global "
+            f"batch {saved}: the samples of each step change from here (a loader that keeps "
+            f"it: {keep})"
+        )
+    return "the training loader has no batch_size: the global batch cannot be checked"
