@@ -1,13 +1,14 @@
-"""One launch of the elastic-resume chain (test_elastic.py): train two runs, one fed by
-glassloop's own loader, one by a ``DataLoader`` over a ``DistributedSampler``, each resumed from
-its run directory, recording the sample ids every step trains on, and stopped by a real
-SIGTERM from rank 0 at a chosen moment. Run under torchrun (any number of processes) or as a
-plain script (one process):
+"""One launch of the elastic-resume chain (test_elastic.py): train runs fed by glassloop's
+own loader (DDP, and FSDP2), and by a ``DataLoader`` over a ``DistributedSampler``, each
+resumed from its run directory, recording the sample ids every step trains on, and stopped by
+a real SIGTERM to rank 0 alone at a chosen moment. Run under torchrun (any number of
+processes) or as a plain script (one process):
 
-    python elastic_script.py ROOT LAUNCH STOP_GLASSLOOP STOP_DATALOADER
+    python elastic_script.py ROOT LAUNCH KIND=STOP ...
 
-``STOP_*``: ``step:K`` (SIGTERM after step K), ``validation:N`` (inside the N-th validation)
-or ``none``. Each sample's id is its input's first column, which the model does not read.
+``KIND``: ``glassloop``, ``fsdp`` or ``dataloader``; ``STOP``: ``step:K`` (SIGTERM after
+step K), ``validation:N`` (inside the N-th validation) or ``none``. Each sample's id is its
+input's first column, which the model does not read.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from glassloop.loop import StepLoss
 GLOBAL_BATCH = 24  # 1, 2 or 3 processes: 24, 12 or 8 each
 # What a config says (data.batch_size, per process): 12 x 2 processes at the chain's start
 # (the one-process reference: 24); a resume keeps the run's global batch whatever it says.
-PER_PROCESS_AT_START = int(os.environ.get("START_BATCH", "12"))
+PER_PROCESS_AT_START = 12
 SAMPLES, EPOCHS = 240, 2  # 10 steps per epoch
 
 
@@ -83,12 +84,14 @@ class StopAt(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def train(root: Path, kind: str, launch: str, stop: str) -> str:
+def train(
+    root: Path, kind: str, launch: str, stop: str, start_batch: int = PER_PROCESS_AT_START
+) -> str:
     """One run (``kind``), resumed when it has checkpoints; what ended it."""
     world = init_from_env(torch.device("cpu"))
     x, y = data(SAMPLES, 1)
-    if kind == "glassloop":  # built as a config builds it: data.batch_size per process
-        loader: Any = make_loader((x, y), batch_size=PER_PROCESS_AT_START, shuffle=True, seed=3,
+    if kind in ("glassloop", "fsdp"):  # built as a config builds it: data.batch_size per process
+        loader: Any = make_loader((x, y), batch_size=start_batch, shuffle=True, seed=3,
                                   world=world)  # fmt: skip
     else:  # the user's own: they pass the global batch's share
         sampler = DistributedSampler(TensorDataset(x, y), num_replicas=world.size,
@@ -106,6 +109,7 @@ def train(root: Path, kind: str, launch: str, stop: str) -> str:
         run_dir=root / kind,
         checkpoint=CheckpointConfig(every_n_steps=5),
         validate_every_n_steps=4,
+        strategy="fsdp" if kind == "fsdp" else "auto",
         callbacks=[StopAt(stop, world.rank)],
         progress="none",
     )
@@ -113,8 +117,8 @@ def train(root: Path, kind: str, launch: str, stop: str) -> str:
     ended = "finished"
     try:
         trainer.fit(loader, val, epochs=EPOCHS, resume="auto")
-    except Preempted as stopped:
-        ended = f"stopped after step {stopped.step}"
+    except Preempted as stopped:  # (and what its checkpoint owes: an abandoned validation)
+        ended = f"stopped after step {stopped.step}, owed {trainer.state.validation_due!r}"
     finally:
         out = root / f"seen-{kind}-{launch}-{world.rank}.json"
         out.write_text(json.dumps(trainer.seen))
@@ -122,6 +126,7 @@ def train(root: Path, kind: str, launch: str, stop: str) -> str:
 
 
 if __name__ == "__main__":
-    folder, launch_name, stops = Path(sys.argv[1]), sys.argv[2], sys.argv[3:5]
-    for run_kind, stop_at in zip(("glassloop", "dataloader"), stops, strict=True):
+    folder, launch_name = Path(sys.argv[1]), sys.argv[2]
+    for spec in sys.argv[3:]:
+        run_kind, _, stop_at = spec.partition("=")
         print(f"{run_kind}: {train(folder, run_kind, launch_name, stop_at)}", flush=True)
