@@ -155,7 +155,7 @@ class RunLog:
         if self.tensorboard:
             self._sinks.append(TensorBoardSink(own_dir(self.run_dir / "tensorboard")))
         if self._tracker is not None:
-            self._tracker.start(self.run_dir, config, resume=not fresh)
+            self._tracker.start(self.run_dir, config, resume=not fresh, step=step)
 
     def write(self, row: dict[str, Any]) -> None:
         """One metrics row to every sink; a full disk is a write failure (exit 3). A key

@@ -20,7 +20,12 @@ around its fluent global state, so two trainers in one process never mix their r
   with ``WANDB_MODE=offline`` that is all it does (``wandb sync RUN_DIR/wandb/offline-run-*``
   uploads them later).
 * Rank 0 only, like every file of the run directory. A resumed run continues the same
-  tracked run (its id is kept in ``RUN_DIR/tracking.json``).
+  tracked run (its id is kept in ``RUN_DIR/tracking.json``) and logs the steps after its
+  checkpoint again, as metrics.csv has them: MLflow keeps both values of such a step, the
+  resumed one logged last (:func:`check_tracked`, ``glassloop runs --tracking``, reads each
+  step's last and compares it with metrics.jsonl); W&B, which keeps one value per step,
+  rewinds the run to the checkpoint's step (``resume_from``) where its server allows, and
+  otherwise keeps the first values, which one line at resume says.
 * A backend that fails (server gone, disk full) never stops training: one warning, then
   tracking is off for the rest of the run; the run directory has everything.
 """
@@ -28,6 +33,7 @@ around its fluent global state, so two trainers in one process never mix their r
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,27 +62,22 @@ class Tracker:
         self.run_id: str | None = None
         self.failed = False
 
-    def start(self, run_dir: Path, params: dict[str, Any], *, resume: bool) -> None:
-        """Create the run (or, resuming, continue the one ``tracking.json`` names) and log
-        the flattened config as its params."""
+    def start(self, run_dir: Path, params: dict[str, Any], *, resume: bool, step: int = 0) -> None:
+        """Create the run (or, resuming at ``step``, continue the one ``tracking.json``
+        names) and log the flattened config as its params."""
         saved = read_json_object(run_dir / "tracking.json") if resume else {}
         previous = str(saved["run_id"]) if saved.get("run_id") else None
-        self.run_id = self._call(self._open, run_dir, dotted(params), previous)
+        self.run_id = self._call(self._open, run_dir, dotted(params), previous, step)
         if self.run_id is not None and previous is None:
+            record = {"backend": self.name, "run_id": self.run_id, **self._where()}
             with atomic_path(run_dir / "tracking.json") as tmp:
-                tmp.write_text(json.dumps({"backend": self.name, "run_id": self.run_id}))
+                tmp.write_text(json.dumps(record))
 
     def log(self, row: dict[str, Any]) -> None:
-        """The numbers of a metrics row, at its optimizer step (a step row's as ``step/*``:
-        its loss is not the epoch's)."""
+        """The numbers of a metrics row, at its optimizer step (:func:`tracked_numbers`)."""
         if self.run_id is None or self.failed:
             return
-        prefix = "step/" if row.get("kind") == "step" else ""
-        numbers = {
-            prefix + key: float(value)
-            for key, value in row.items()
-            if key not in ("kind", "step") and _is_number(value)
-        }
+        numbers = tracked_numbers(row)
         if numbers:
             self._call(self._log, numbers, int(row.get("step") or 0))
 
@@ -87,8 +88,12 @@ class Tracker:
             return
         self._call(self._finish, status, files if status == "finished" else [])
 
-    def _open(self, run_dir: Path, params: dict[str, Any], previous: str | None) -> str:
+    def _open(self, run_dir: Path, params: dict[str, Any], previous: str | None, step: int) -> str:
         raise NotImplementedError
+
+    def _where(self) -> dict[str, str]:
+        """What tracking.json keeps besides the run's id, to find it again."""
+        return {}
 
     def _log(self, numbers: dict[str, float], step: int) -> None:
         raise NotImplementedError
@@ -150,7 +155,7 @@ class MLflowTracker(Tracker):
             else ""
         )
 
-    def _open(self, run_dir: Path, params: dict[str, Any], previous: str | None) -> str:
+    def _open(self, run_dir: Path, params: dict[str, Any], previous: str | None, step: int) -> str:
         uri = self.config.uri or "sqlite:///mlflow.db"
         if "://" not in uri and redact(uri, uri=True) != uri:
             # MLflow (before 3) would take it for a local folder named after the secret.
@@ -189,6 +194,13 @@ class MLflowTracker(Tracker):
         state = {"finished": "FINISHED", "interrupted": "KILLED"}.get(status, "FAILED")
         self.client.set_terminated(self.run_id, status=state)
 
+    def _where(self) -> dict[str, str]:
+        """The store's URI when it holds no secret (a SQLite file: its absolute path)."""
+        uri = str(self.client.tracking_uri)
+        if uri.startswith("sqlite:///"):
+            uri = "sqlite:///" + str(Path(uri.removeprefix("sqlite:///")).resolve())
+        return {"uri": uri} if redact(uri, uri=True) == uri else {}
+
     def _experiment_id(self) -> str:
         found = self.client.get_experiment_by_name(self.config.experiment)
         if found is not None:
@@ -226,27 +238,40 @@ class WandbTracker(Tracker):
         self.wandb = wandb
         self.run: Any = None
 
-    def _open(self, run_dir: Path, params: dict[str, Any], previous: str | None) -> str:
+    def _open(self, run_dir: Path, params: dict[str, Any], previous: str | None, step: int) -> str:
         # console="off": glassloop's own output stays as it is (W&B would wrap stdout).
         settings = self.wandb.Settings(console="off", silent=True)
         if self.config.uri:
             settings.base_url = self.config.uri  # checked by W&B: a bad one fails here
-        self.run = self.wandb.init(
-            project=self.config.experiment,
-            name=self.config.run_name or run_dir.name,
-            tags=[f"{k}={v}" for k, v in self.config.tags.items()],
-            config=params,
-            dir=str(run_dir),
-            id=previous,
-            resume="allow" if previous else None,
-            settings=settings,
-            reinit="create_new",
-        )
+        common: dict[str, Any] = {
+            "project": self.config.experiment,
+            "name": self.config.run_name or run_dir.name,
+            "tags": [f"{k}={v}" for k, v in self.config.tags.items()],
+            "config": params,
+            "dir": str(run_dir),
+            "settings": settings,
+            "reinit": "create_new",
+        }
+        offline = os.environ.get("WANDB_MODE", "online") in ("offline", "dryrun", "disabled")
+        if previous is not None and not offline:
+            # W&B keeps one value per step and drops a step below its last: rewound to the
+            # checkpoint's step, the steps logged again after it are the resumed run's.
+            try:
+                self.run = self.wandb.init(**common, resume_from=f"{previous}?_step={step}")
+                return str(self.run.id)
+            except Exception:  # (a server without rewinding: continued as it is, below)
+                pass
+        self.run = self.wandb.init(**common, id=previous, resume="allow" if previous else None)
+        if previous is not None:
+            self.warn(
+                f"tracking (wandb): the run goes on from step {step}, but W&B keeps the "
+                "values it already has for the steps after it that the stopped run logged "
+                "(it keeps one per step; rewinding, resume_from, needs a server that allows "
+                "it, and an offline run); metrics.csv has the resumed ones"
+            )
         return str(self.run.id)
 
     def _log(self, numbers: dict[str, float], step: int) -> None:
-        # (W&B keeps one row per step and drops a step lower than one it has: after a
-        # resume, the steps between the checkpoint and the kill are already there.)
         self.run.log(numbers, step=step)
 
     def _finish(self, status: str, files: list[Path]) -> None:
@@ -300,3 +325,69 @@ def make_tracker(
 
 def _is_number(value: Any) -> bool:
     return is_number(value) and value == value  # (NaN: not sent, backends refuse it)
+
+
+def tracked_numbers(row: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a metrics row as a tracker logs them at the row's step: a step row's
+    as ``step/*`` (its loss is not the epoch's), NaN left out (backends refuse it).
+
+    >>> tracked_numbers({"kind": "step", "step": 3, "loss": 0.5, "lr": None})
+    {'step/loss': 0.5}
+    """
+    prefix = "step/" if row.get("kind") == "step" else ""
+    return {
+        prefix + key: float(value)
+        for key, value in row.items()
+        if key not in ("kind", "step") and _is_number(value)
+    }
+
+
+def check_tracked(run_dir: Path, uri: str = "") -> tuple[bool, str]:
+    """Whether the run's MLflow history says what its ``metrics.jsonl`` says, and a line
+    about it. Each step's value is the last logged (a resumed run logs the steps after its
+    checkpoint again); a number in one and not the other, or another value, is a
+    difference (the first three are named); wall-clock numbers (samples/s, seconds) are
+    each run's own measure and not compared. ``uri``: the store (default: what
+    ``tracking.json`` recorded, then ``MLFLOW_TRACKING_URI``)."""
+    saved = read_json_object(run_dir / "tracking.json")
+    backend, run_id = saved.get("backend"), saved.get("run_id")
+    if backend != "mlflow" or not run_id:
+        what = "no tracked run" if not run_id else f"tracked in {backend}: not read here"
+        return True, f"{run_dir.name}: {what}"
+    try:
+        from mlflow.tracking import MlflowClient
+    except ImportError as err:
+        raise ConfigError("runs --tracking reads MLflow: pip install 'glassloop[mlflow]'") from err
+
+    uri = uri or str(saved.get("uri") or os.environ.get("MLFLOW_TRACKING_URI") or "")
+    client = MlflowClient(tracking_uri=uri or None)
+    tracked: dict[tuple[str, int], float] = {}
+    with redacted_output():
+        for key in client.get_run(run_id).data.metrics:
+            history = client.get_metric_history(run_id, key)
+            for metric in sorted(history, key=lambda m: m.timestamp):  # (stable: last wins)
+                tracked[(key, int(metric.step))] = float(metric.value)
+    local: dict[tuple[str, int], float] = {}
+    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        for key, value in tracked_numbers(row).items():
+            local[(key, int(row.get("step") or 0))] = value
+    from glassloop.throughput import TIMING  # (wall-clock numbers: each run's own, not compared)
+
+    differ = [
+        f"{key} at step {step}: {tracked.get((key, step))} tracked, {local.get((key, step))} "
+        "in metrics.jsonl"
+        for key, step in sorted(tracked.keys() | local.keys(), key=lambda k: (k[1], k[0]))
+        if tracked.get((key, step)) != local.get((key, step))
+        and key.removeprefix("step/") not in TIMING
+    ]
+    steps = len({step for _, step in local})
+    if not differ:
+        return True, (
+            f"{run_dir.name}: mlflow run {run_id}: {len(local)} numbers at {steps} steps, "
+            "each step's last value equal to metrics.jsonl"
+        )
+    return False, (
+        f"{run_dir.name}: mlflow run {run_id}: {len(differ)} numbers differ from "
+        f"metrics.jsonl: {'; '.join(differ[:3])}"
+    )

@@ -203,3 +203,45 @@ def test_a_tracking_uri_mlflow_refuses_or_a_server_that_is_down_costs_one_warnin
     else:
         assert "'sqlite:///mlflow.db'" in said[0]
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "finished"
+
+
+def test_after_a_kill_9_and_a_resume_each_tracked_step_ends_with_the_resumed_value(
+    tmp_path: Path,
+) -> None:
+    """A run killed at step 7 (checkpoint at 4) logged steps 5..7 to MLflow; the resumed run
+    logs them again. MLflow keeps both; the last of each step equals metrics.jsonl, as
+    ``glassloop runs --tracking`` checks through MLflow's own client."""
+    import subprocess
+    import sys
+
+    from cli_runner import run_glassloop, sets
+
+    uri = f"sqlite:///{tmp_path / 'kill.db'}"
+    given = sets(["data.name=synthetic", "data.num_samples=400", "data.batch_size=32",
+                  "train.epochs=2", "train.progress=none", "train.log_every=1",
+                  "checkpoint.every_n_steps=4", "tracking.backend=mlflow", f"tracking.uri={uri}"])  # fmt: skip
+    run = tmp_path / "runs" / "killed"
+    killed = subprocess.run(
+        [sys.executable, "-m", "glassloop", "train", "--run-dir", str(run), *given,
+         "--kill-at-step", "7"], capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert killed.returncode == -9, killed.stderr
+    resumed = run_glassloop("train", "--run-dir", str(run), "--resume", *given)
+    assert resumed.returncode == 0, resumed.stderr
+    history = MlflowClient(tracking_uri=uri).get_metric_history(run_id(run), "step/loss")
+    steps = [m.step for m in history]
+    assert sorted(steps) == sorted([*range(1, 21), 5, 6, 7])  # steps 5..7 twice
+    checked = run_glassloop("runs", str(tmp_path / "runs"), "--tracking")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "killed: mlflow run" in checked.stdout
+    assert "each step's last value equal to metrics.jsonl" in checked.stdout
+    # A number changed in the run directory is a difference, named, and exit 1.
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[5] = lines[5].replace('"loss": ', '"loss": 1e3 + ', 1)
+    row = json.loads(lines[5].replace("1e3 + ", ""))
+    row["loss"] += 1
+    lines[5] = json.dumps(row)
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    differs = run_glassloop("runs", str(tmp_path / "runs"), "--tracking")
+    assert differs.returncode == 1
+    assert f"step/loss at step {row['step']}:" in differs.stdout

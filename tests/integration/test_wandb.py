@@ -102,7 +102,7 @@ def trainer(run_dir: Path, tracking: TrackingConfig) -> glassloop.Trainer:
 
 
 def test_an_offline_run_holds_params_metrics_files_weights_status_and_a_resume_continues(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     tracking = TrackingConfig(backend="wandb", experiment="tests", tags={"team": "a"})
     run = tmp_path / "run"
@@ -131,6 +131,8 @@ def test_an_offline_run_holds_params_metrics_files_weights_status_and_a_resume_c
     time.sleep(1.1)
     trainer(run, tracking).fit(batches(), batches(), epochs=3, resume="auto")
     wandb.teardown()
+    # Offline, W&B cannot rewind: one line says which steps keep their first values.
+    assert "tracking (wandb): the run goes on from step 6, but W&B keeps" in capsys.readouterr().out
     both = logged(run)
     assert both["ids"] == [run_id, run_id]  # the same W&B run, continued
     assert both["history"][9]["val_loss"] == pytest.approx(

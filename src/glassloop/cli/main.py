@@ -261,6 +261,12 @@ def make_parser() -> Parser:
         "interrupted, failed or running/killed, the last step and the best metric.",
     )
     runs.add_argument("root", nargs="?", default="runs", metavar="DIR", help="default: runs/")
+    runs.add_argument(
+        "--tracking",
+        action="store_true",
+        help="read each run's MLflow history back (each step's last value) and compare it "
+        "with its metrics.jsonl; exit 1 when one differs",
+    )
 
     export = commands.add_parser(
         "export",
@@ -510,7 +516,14 @@ def cmd_runs(args: argparse.Namespace) -> int:
         raise GlassloopError(f"runs: '{root}' is not a directory")
     summaries = list_runs(root)
     print(format_runs(summaries) if summaries else f"no runs under '{root}'")
-    return EXIT_OK
+    if not args.tracking:
+        return EXIT_OK
+    from glassloop.tracking import check_tracked
+
+    checked = [check_tracked(path.parent) for path in sorted(root.glob("*/tracking.json"))]
+    for _, line in checked:
+        print(line)
+    return EXIT_OK if all(same for same, _ in checked) else 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:
