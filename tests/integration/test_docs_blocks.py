@@ -37,6 +37,9 @@ NOT_RUN = {
     ("docs/distributed.md", "#SBATCH"): "needs a SLURM cluster",
     ("docs/distributed.md", "torchrun --standalone --nproc-per-node 4"): "four processes: "
     "the README runs the same command with --nproc 2",
+    ("docs/distributed.md", "kubectl apply"): "needs a Kubernetes cluster",
+    ("docs/distributed.md", "--max-restarts 3"): "eight processes: test_distributed.py "
+    "runs torchrun's restarts with two",
     ("docs/recipes.md", "recipes/NAME.toml"): "a template: test_recipes.py trains the recipes",
     ("docs/datasets.md", "from glassloop.data import make_loader, pad_collate"): "an API "
     "sketch over your own data; test_loaders.py checks each call",
