@@ -20,10 +20,12 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from glassloop.callbacks import Callback, EarlyStopping
+from glassloop.checkpoint import latest_pointer
 from glassloop.config import Config, config_task, to_dict
 from glassloop.data import Splits, load_splits, loaders_for_splits, make_loader, pad_collate
 from glassloop.data.datasets import npz_validation_sets
 from glassloop.data.loaders import InMemoryLoader, ResumableLoader
+from glassloop.data.position import keep_global_batch
 from glassloop.data.text import TextData, load_text
 from glassloop.errors import ConfigError, DataError, ModelError
 
@@ -353,10 +355,16 @@ def trainer_options(cfg: Config) -> dict[str, Any]:
 BUILT_HERE = frozenset({"seed", "device", "task"})
 
 
-def build(cfg: Config, *, run_dir: str | Path | None = None, files_from: Path | None = None) -> Run:
+def build(
+    cfg: Config,
+    *,
+    run_dir: str | Path | None = None,
+    files_from: Path | None = None,
+    resume: str | Path | None = None,
+) -> Run:
     """Join torchrun's process group (if any), build the parts (:func:`build_parts`, with
     ``files_from``), the optimizer and scheduler, and return a :class:`Run` with its
-    Trainer."""
+    Trainer; ``resume``: what the run will resume from (a loader keeps its global batch)."""
     device = resolve_device(cfg.train.device)
     world = init_from_env(device, strategy=cfg.train.strategy, timeout_s=cfg.train.dist_timeout_s)
     parts = build_parts(cfg, world=world, files_from=files_from)
@@ -364,6 +372,9 @@ def build(cfg: Config, *, run_dir: str | Path | None = None, files_from: Path | 
     # What the run records and a resume compares: the paths as written, not as located.
     cfg = copy.deepcopy(cfg)
     train_loader, val_loader = parts.train_loader, parts.val_loader
+    if resume is not None and isinstance(run_dir, Path):  # (a bucket's run: its copy later)
+        found = latest_pointer(run_dir) if resume == "auto" else Path(resume)
+        keep_global_batch(train_loader, world, found)
     optimizer = build_optimizer(model, cfg.optim)
     # Optimizer steps per epoch: one per window of grad_accum_steps batches (the last may be
     # shorter).

@@ -486,17 +486,17 @@ class Checkpointer:
                 "written with (its weights start an FSDP run: glassloop.load_weights)"
             )
         saved_world = checkpoint.meta.get("world_size", 1)  # checked to be an int >= 1
-        if saved_world != self.world.size:
-            saved_batch = checkpoint.meta.get("global_batch")
-            data = resized_note(self.loader, self.world, saved_batch, checkpoint.state.get("data"))
-            state = "resharded" if sharded else "loaded whole (every process holds them)"
-            warn(
-                f"resuming '{checkpoint.path}' (written by {saved_world} process(es)) with "
-                f"{self.world.size}: the weights and the optimizer state are {state}; {data}; "
-                "each process's RNG is rank 0's (dropout masks differ), so the numbers equal "
-                "the uninterrupted run's to rounding (gradients add up in another order), "
-                "not bit for bit"
+        saved_batch = checkpoint.meta.get("global_batch")
+        if saved_world != self.world.size and saved_batch is None and not sharded:
+            raise ConfigError(
+                f"config: '{checkpoint.path}' was written by {saved_world} process(es), this "
+                f"job has {self.world.size}, and by a glassloop that did not record its "
+                f"global batch; resume with the same number (--nproc {saved_world})"
             )
+        if saved_world != self.world.size:
+            data = checkpoint.state.get("data")
+            note = resized_note(self.loader, self.world, saved_batch, data, sharded=sharded)
+            warn(f"resuming '{checkpoint.path}' (written by {saved_world} process(es)) {note}")
         changes = config_differences(checkpoint.meta.get("config"), config)
         newer = [change for change in changes if ": <unset> -> " in change]
         if newer:

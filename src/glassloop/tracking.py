@@ -44,7 +44,7 @@ from glassloop.best import is_number
 from glassloop.errors import ConfigError
 from glassloop.options import TrackingConfig as TrackingConfig  # (re-exported: its old home)
 from glassloop.redaction import redact, redacted_output
-from glassloop.runs import read_json_object
+from glassloop.runs import read_json_object, read_rows
 from glassloop.serialization import dotted
 
 
@@ -360,18 +360,27 @@ def check_tracked(run_dir: Path, uri: str = "") -> tuple[bool, str]:
         raise ConfigError("runs --tracking reads MLflow: pip install 'glassloop[mlflow]'") from err
 
     uri = uri or str(saved.get("uri") or os.environ.get("MLFLOW_TRACKING_URI") or "")
-    client = MlflowClient(tracking_uri=uri or None)
+    if not uri:  # (MLflow's default would make a store here: never one that is not ours)
+        return False, (
+            f"{run_dir.name}: mlflow run {run_id}: its store is not recorded (its URI held "
+            "a secret, or an older glassloop): set MLFLOW_TRACKING_URI"
+        )
     tracked: dict[tuple[str, int], float] = {}
-    with redacted_output():
-        for key in client.get_run(run_id).data.metrics:
-            history = client.get_metric_history(run_id, key)
-            for metric in sorted(history, key=lambda m: m.timestamp):  # (stable: last wins)
-                tracked[(key, int(metric.step))] = float(metric.value)
+    try:
+        with redacted_output():
+            client = MlflowClient(tracking_uri=uri)
+            for key in client.get_run(run_id).data.metrics:
+                history = client.get_metric_history(run_id, key)
+                for metric in sorted(history, key=lambda m: m.timestamp):  # (last wins)
+                    tracked[(key, int(metric.step))] = float(metric.value)
+    except Exception as err:  # (the store's own errors: HTTP, SQL, a run it does not have)
+        reason = " ".join(redact(str(err)).split())[:200]
+        return False, f"{run_dir.name}: mlflow run {run_id} could not be read: {reason}"
     local: dict[tuple[str, int], float] = {}
-    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-        row = json.loads(line)
-        for key, value in tracked_numbers(row).items():
-            local[(key, int(row.get("step") or 0))] = value
+    for kind in ("step", "val", "epoch"):  # (a line a kill cut short: skipped)
+        for row in read_rows(run_dir, kind):
+            for key, value in tracked_numbers(row).items():
+                local[(key, int(row.get("step") or 0))] = value
     from glassloop.throughput import TIMING  # (wall-clock numbers: each run's own, not compared)
 
     differ = [

@@ -145,8 +145,9 @@ def test_a_checkpoint_reshards_from_two_processes_to_one_and_back(workdir: Path,
     close(workdir / "to-one" / "model.safetensors", two / "model.safetensors")
     first = train_here(workdir, "--run-dir", "single", "--set", "data.batch_size=32")
     assert first.returncode == 0, first.stderr
-    back = train(workdir, "--run-dir", "to-two", "--resume", "--set", "data.batch_size=32",
-                 str(workdir / "single" / "checkpoints/step-00000020"), nproc=2)  # fmt: skip
+    back = train(workdir, "--run-dir", "to-two", "--resume",
+                 str(workdir / "single" / "checkpoints/step-00000020"),
+                 "--set", "data.batch_size=32", nproc=2)  # fmt: skip
     assert back.returncode == 0, back.stderr
     assert "(written by 1 process(es)) with 2" in back.stdout
     assert "the global batch 32 is kept (16 per process)" in back.stdout

@@ -236,12 +236,22 @@ def test_after_a_kill_9_and_a_resume_each_tracked_step_ends_with_the_resumed_val
     assert "killed: mlflow run" in checked.stdout
     assert "each step's last value equal to metrics.jsonl" in checked.stdout
     # A number changed in the run directory is a difference, named, and exit 1.
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    lines[5] = lines[5].replace('"loss": ', '"loss": 1e3 + ', 1)
-    row = json.loads(lines[5].replace("1e3 + ", ""))
+    original = (run / "metrics.jsonl").read_text()
+    lines = original.splitlines()
+    row = json.loads(lines[5])
     row["loss"] += 1
     lines[5] = json.dumps(row)
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     differs = run_glassloop("runs", str(tmp_path / "runs"), "--tracking")
     assert differs.returncode == 1
     assert f"step/loss at step {row['step']}:" in differs.stdout
+    # A last line a kill cut short is skipped, and one run's folder is checked as itself.
+    (run / "metrics.jsonl").write_text(original + '{"kind": "st')
+    single = run_glassloop("runs", str(run), "--tracking")
+    assert single.returncode == 0 and "killed: mlflow run" in single.stdout, single.stdout
+    # A store not recorded (its URI held a secret) is asked for, never made here.
+    recorded = json.loads((run / "tracking.json").read_text())
+    (run / "tracking.json").write_text(json.dumps({k: recorded[k] for k in ("backend", "run_id")}))
+    unknown = run_glassloop("runs", str(run), "--tracking", cwd=tmp_path)
+    assert unknown.returncode == 1 and "set MLFLOW_TRACKING_URI" in unknown.stdout
+    assert not (tmp_path / "mlflow.db").exists()

@@ -14,6 +14,7 @@ from glassloop.data import (
     pad_collate,
 )
 from glassloop.data.collate import padding_fraction
+from glassloop.distributed import World
 
 
 def tensors(n: int = 103) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +47,8 @@ def test_resume_mid_epoch_gives_the_same_remaining_batches(kind: str) -> None:
     iterator = iter(first)
     seen += [next(iterator)[1].tolist() for _ in range(4)]  # 4 batches into epoch 2
     state = first.state_dict()
-    assert state == {"epoch": 1, "batches_consumed": 4}
+    assert state == {"epoch": 1, "batches_consumed": 4, "global_batch": 10, "offset": 0,
+                     "processes": 1, "run_batch": 10}  # fmt: skip
     resumed = make()
     resumed.load_state_dict(state)
     seen += epochs(resumed, 2)
@@ -184,3 +186,63 @@ def test_epoch_size_by_arithmetic_equals_the_shard_drawn() -> None:
                         n, shuffle=True, seed=0, world=World(rank, size), batch_size=4, shard=shard
                     )
                     assert sampler.epoch_size() == len(sampler.indices()), (n, size, rank, shard)
+
+
+def steps_of(loaders: list[object], steps: int | None = None) -> list[list[int]]:
+    """The global batches (every process's samples, sorted) of ``loaders`` (one per rank)
+    iterated together, for ``steps`` steps or to the epoch's end."""
+    iterators = [iter(loader) for loader in loaders]  # type: ignore[call-overload]
+    out: list[list[int]] = []
+    while steps is None or len(out) < steps:
+        parts = [next(it, None) for it in iterators]
+        if parts[0] is None:
+            break
+        out.append(sorted(i for part in parts if part is not None for i in part[1].tolist()))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["fast", "workers-0", "buckets"])
+@pytest.mark.parametrize("after", [1, 2, 3, 5])
+def test_another_number_of_processes_keeps_each_sample_once_per_epoch(
+    kind: str, after: int
+) -> None:
+    """Global batch 24 at 2 processes, 3 steps, then resumed at 1, 2, 3 or 5 processes
+    (5: 24 does not divide: glassloop's loaders keep their batch of 12 from the same sample,
+    bucketed ones the run's global batches in uneven slices): the rest of the epoch and the
+    next two have every sample once; with a divisible number, the same global batches as
+    the uninterrupted run. (101 samples: each epoch's short last global batch has at least
+    one sample per process, or it would be dropped.)"""
+
+    def make(world: World, batch: int) -> InMemoryLoader | ResumableLoader:
+        data = tensors(101)
+        if kind == "fast":
+            return InMemoryLoader(data, batch_size=batch, shuffle=True, seed=3, world=world)
+        lengths = [int(n) % 7 for n in data[1]] if kind == "buckets" else None
+        return ResumableLoader(TensorDataset(*data), batch_size=batch, shuffle=True, seed=3,
+                               world=world, lengths=lengths)  # fmt: skip
+
+    straight = [make(World(r, 2, r), 12) for r in range(2)]
+    reference = [steps_of(straight) for _ in range(3)]
+    first = [make(World(r, 2, r), 12) for r in range(2)]
+    done = steps_of(first, 3)
+    state = first[0].state_dict()
+    resumed = [make(World(r, after, r), 12) for r in range(after)]
+    for loader in resumed:
+        loader.load_state_dict(state)
+    epochs_after = [steps_of(resumed) for _ in range(3)]
+    for epoch, steps in enumerate([done + epochs_after[0], *epochs_after[1:]]):
+        assert sorted(i for step in steps for i in step) == list(range(101)), (after, epoch)
+    if (
+        24 % after == 0 or kind == "buckets"
+    ):  # the run's global batch kept: the same steps as the straight run
+        assert [done + epochs_after[0], *epochs_after[1:]] == reference
+
+
+def test_a_batch_size_changed_on_purpose_stays_and_goes_on_from_the_same_sample() -> None:
+    first = InMemoryLoader(tensors(100), batch_size=24, shuffle=True, seed=3)
+    seen = [i for batch in steps_of([first], 2) for i in batch]
+    resumed = InMemoryLoader(tensors(100), batch_size=32, shuffle=True, seed=3)
+    resumed.load_state_dict(first.state_dict())
+    rest = steps_of([resumed])
+    assert resumed.batch_size == 32 and {len(b) for b in rest[:-1]} == {32}
+    assert sorted(seen + [i for batch in rest for i in batch]) == list(range(100))

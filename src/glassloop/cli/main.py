@@ -334,7 +334,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not args.run_dir and "WORLD_SIZE" in os.environ:
         raise GlassloopError("with several processes, pass --run-dir: every process must agree")
     files_from = started_in(args)
-    run = build(cfg, run_dir=run_dir, files_from=files_from)
+    run = build(cfg, run_dir=run_dir, files_from=files_from, resume=args.resume)
     if args.kill_at_step:
         from glassloop.verify_resume import KillAfterStep
 
@@ -520,7 +520,9 @@ def cmd_runs(args: argparse.Namespace) -> int:
         return EXIT_OK
     from glassloop.tracking import check_tracked
 
-    checked = [check_tracked(path.parent) for path in sorted(root.glob("*/tracking.json"))]
+    found = [root / "tracking.json"] if (root / "tracking.json").is_file() else []
+    found += sorted(root.glob("*/tracking.json"))  # (DIR itself may be one run)
+    checked = [check_tracked(path.parent) for path in found]
     for _, line in checked:
         print(line)
     return EXIT_OK if all(same for same, _ in checked) else 1

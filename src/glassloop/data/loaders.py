@@ -140,6 +140,7 @@ class LoaderPosition:
     batches_consumed: int = 0
     batch_size: int
     sampler: EpochSampler
+    run_batch: int = 0  # the global batch the run started with (0: this one)
 
     @property
     def global_batch(self) -> int:
@@ -151,6 +152,8 @@ class LoaderPosition:
             "batches_consumed": self.batches_consumed,
             "global_batch": self.global_batch,
             "offset": self.sampler.offset,
+            "processes": self.sampler.world.size,
+            "run_batch": self.run_batch or self.global_batch,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -158,12 +161,13 @@ class LoaderPosition:
         self.batches_consumed = int(state["batches_consumed"])
         self.sampler.offset = int(state.get("offset", 0))
         saved = int(state.get("global_batch", self.global_batch))  # (older: as it is)
-        if saved == self.global_batch:
-            return
+        self.run_batch = int(state.get("run_batch", saved))
         processes = self.sampler.world.size
-        if saved % processes == 0:  # the run's global batch, split anew
-            self.resize(saved // processes)
-        else:  # this process's own batch; the epoch goes on from the same sample
+        # Another number of processes (only: a batch size changed on purpose stays): the
+        # run's global batch split anew when it divides, else this process's own batch.
+        if int(state.get("processes", processes)) != processes and self.run_batch % processes == 0:
+            self.resize(self.run_batch // processes)
+        if self.global_batch != saved:  # the position in samples of the order from here
             self.sampler.offset += self.batches_consumed * saved
             self.batches_consumed = 0
 
@@ -258,6 +262,15 @@ class ResumableLoader(LoaderPosition):
         )
         return DataLoader(self.dataset, **batching, **self._workers)
 
+    @property
+    def global_batch(self) -> int:
+        return super().global_batch if self.buckets is None else self.buckets.global_batch
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if self.buckets is not None:  # (global batches formed as the run formed them)
+            self.buckets.global_batch = int(state.get("run_batch", self.global_batch))
+        super().load_state_dict(state)
+
     def resize(self, batch_size: int) -> None:
         super().resize(batch_size)
         if self.buckets is not None:
@@ -283,7 +296,7 @@ class ResumableLoader(LoaderPosition):
         finally:  # whatever ends the iteration (an error, a limited epoch): no worker stays
             close_workers(iterator)
         self.epoch += 1
-        self.batches_consumed = 0
+        self.batches_consumed = self.sampler.offset = 0
 
     def __len__(self) -> int:
         """Batches in a full epoch (of this process)."""
@@ -366,12 +379,15 @@ class BucketBatchSampler(Sampler[list[int]]):
         self.seed = seed
         self.drop_last = drop_last
         self.chunk_batches = chunk_batches
+        # The run's global batch: kept when a resume has another number of processes, also
+        # one it does not divide among (their slices then differ by one sample at most).
+        self.global_batch = batch_size * world.size
         self.epoch = 0
         self.start = 0
 
     def batches(self) -> list[list[int]]:
         n, size = len(self.lengths), self.world.size
-        per_step = self.batch_size * size  # the global batch
+        per_step = self.global_batch
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
         order = torch.randperm(n, generator=generator) if self.shuffle else torch.arange(n)
         batches: list[torch.Tensor] = []
@@ -391,7 +407,7 @@ class BucketBatchSampler(Sampler[list[int]]):
 
     def num_batches(self) -> int:
         n, size = len(self.lengths), self.world.size
-        full, rest = divmod(n, self.batch_size * size)
+        full, rest = divmod(n, self.global_batch)
         return full + int(bool(rest) and not self.drop_last and rest >= size)
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -462,7 +478,7 @@ class InMemoryLoader(LoaderPosition):
             self.batches_consumed += 1
             yield batch
         self.epoch += 1
-        self.batches_consumed = 0
+        self.batches_consumed = self.sampler.offset = 0
 
     def __len__(self) -> int:
         """Batches in a full epoch (of this process)."""

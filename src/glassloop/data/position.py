@@ -6,7 +6,9 @@ generator of batches) the epoch's order is replayed from the RNG it was drawn fr
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -165,38 +167,82 @@ def global_batch(loader: Any, world: World) -> int | None:
 
 
 def resized_note(
-    loader: Any, world: World, saved: int | None, position: dict[str, Any] | None
+    loader: Any,
+    world: World,
+    saved: int | None,
+    position: dict[str, Any] | None,
+    *,
+    sharded: bool = False,
 ) -> str:
-    """What a resume on another number of processes does to the sample stream, in words.
+    """What a resume on another number of processes does, in words (the end of one line):
+    the state, the sample stream, and whether the numbers go on as the uninterrupted run's.
 
-    The run keeps its global batch: glassloop's loaders split the saved one anew
+    The run keeps its global batch: glassloop's loaders split it anew
     (:class:`~glassloop.data.loaders.LoaderPosition`); another loader (a ``DataLoader``) is
     iterated as given, so its ``batch_size`` decides and the note says which one keeps it.
     """
+    kept, data = _stream_note(loader, world, saved, position or {})
+    state = "resharded" if sharded else "loaded whole (every process holds them)"
+    same = (
+        "; the numbers equal the uninterrupted run's to rounding (gradients add up in "
+        "another order), not bit for bit"
+        if kept
+        else ""
+    )
+    return (
+        f"with {world.size}: the weights and the optimizer state are {state}; {data}; each "
+        f"process's RNG is rank 0's (dropout masks differ){same}"
+    )
+
+
+def _stream_note(
+    loader: Any, world: World, saved: int | None, state: dict[str, Any]
+) -> tuple[bool, str]:
     processes = f"{world.size} process{'es' if world.size > 1 else ''}"
     if saved is None:
-        return "the global batch of the saved run is not recorded (an older glassloop)"
+        return False, "the global batch of the saved run is not recorded"
     if isinstance(loader, LoaderPosition):
-        if saved % world.size:
-            return (
-                f"the global batch {saved} does not divide among {processes}: each takes its "
-                f"batch_size {loader.batch_size} (global {loader.batch_size * world.size}) "
-                "from here, the epoch going on from the same sample; the steps after it and "
+        target = int(state.get("run_batch", saved))
+        at = int(state.get("offset", 0)) + int(state.get("batches_consumed", 0)) * saved
+        bucketed = getattr(loader, "buckets", None) is not None  # (uneven slices: kept)
+        if target % world.size and not bucketed:
+            return False, (
+                f"the global batch {target} does not divide among {processes}: each takes "
+                f"its batch_size {loader.batch_size} (global {loader.batch_size * world.size}) "
+                f"from here, the epoch going on at its sample {at}; the steps after it and "
                 "their number differ from the uninterrupted run's"
             )
-        consumed = int((position or {}).get("batches_consumed", 0))
-        return (
-            f"the global batch {saved} is kept ({saved // world.size} per process), the epoch "
-            f"going on at its sample {consumed * saved} in the same order"
+        each = target // world.size
+        share = f"{each}" if target % world.size == 0 else f"{each} or {each + 1}"
+        return True, (
+            f"the global batch {target} is kept ({share} per process), the epoch going on "
+            "where it stopped, in the same order"
         )
     size = getattr(loader, "batch_size", None)
     if isinstance(size, int) and size * world.size == saved:
-        return f"the global batch {saved} is kept ({size} per process)"
+        return True, f"the global batch {saved} is kept ({size} per process)"
     if isinstance(size, int):
         keep = f"batch_size={saved // world.size}" if saved % world.size == 0 else "none"
-        return (
+        return False, (
             f"the training loader's batch_size {size} x {processes} is not the run's global "
             f"batch {saved}: the samples of each step change from here (a loader that keeps "
             f"it: {keep})"
         )
-    return "the training loader has no batch_size: the global batch cannot be checked"
+    return False, "the training loader has no batch_size: the global batch cannot be checked"
+
+
+def keep_global_batch(loader: Any, world: World, checkpoint: Path | None) -> None:
+    """Before a resume sizes its schedule: a glassloop loader takes the global batch of
+    ``checkpoint`` (the one the resume will take; its meta.json) when that was written by
+    another number of processes, as its ``load_state_dict`` will, so the steps per epoch and
+    a schedule's length are the run's (they were the config's per-process batch times the
+    new number of processes, and the resume was refused as a config change)."""
+    if checkpoint is None or not isinstance(loader, LoaderPosition):
+        return
+    try:
+        meta = json.loads((checkpoint / "meta.json").read_text(encoding="utf-8"))
+        saved, processes = int(meta["global_batch"]), int(meta["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # (the resume itself reports what is wrong with it)
+    if processes != world.size and saved % world.size == 0:
+        loader.resize(saved // world.size)
