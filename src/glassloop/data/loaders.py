@@ -315,6 +315,9 @@ def close_workers(iterator: Any, *, at_once: bool = False) -> None:
     if shutdown is None:  # no worker processes
         return
     workers = list(getattr(iterator, "_workers", ()))
+    # (with a pin-memory thread, torch stops it before the workers: a worker killed while it
+    # writes could leave it stuck, so that iterator is shut down the usual way)
+    at_once = at_once and not hasattr(iterator, "_pin_memory_thread")
     if at_once and getattr(iterator, "_worker_pids_set", False):
         # torch raises "DataLoader worker is killed" from its SIGCHLD handler for a worker
         # it still watches: stop watching first, as its own shutdown does before killing.
