@@ -87,9 +87,31 @@ def init_from_env(
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(world.local_rank)
-        dist.init_process_group(
-            backend=backend_for(device), timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if restarted() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # A job torchrun restarted shares its agent's store with the attempt before:
+            # gloo read the dead processes' addresses from it and failed to connect ("Gloo
+            # connectFullMesh failed ... Connection refused", under load). Each attempt
+            # gets keys of its own.
+            store = dist.PrefixStore(  # type: ignore[attr-defined]
+                f"glassloop/attempt-{restarted()}",
+                dist.TCPStore(  # type: ignore[attr-defined]
+                    os.environ["MASTER_ADDR"],
+                    int(os.environ["MASTER_PORT"]),
+                    world.size,
+                    is_master=False,
+                    timeout=timeout,
+                ),
+            )
+            dist.init_process_group(
+                backend_for(device),
+                store=store,
+                rank=world.rank,
+                world_size=world.size,
+                timeout=timeout,
+            )
+        else:
+            dist.init_process_group(backend=backend_for(device), timeout=timeout)
         # A script that never leaves the group (the README's own-step example) must not
         # race gloo's teardown at exit (it aborts a process about 1 run in 3).
         atexit.register(shutdown)
