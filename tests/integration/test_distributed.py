@@ -213,9 +213,7 @@ def test_a_stop_signal_to_the_launcher_checkpoints_one_consistent_step(workdir: 
     latest = (root / "latest").read_text().strip()
     meta = json.loads((root / latest / "meta.json").read_text())
     assert meta["world_size"] == 2 and 10 <= meta["step"] < 40
-    refused = train(workdir, "--run-dir", "term", "--resume", "--set", "optim.lr=0.5", nproc=2)
-    assert refused.returncode == 2, refused.stderr  # a config refusal: 2, not torchrun's 1
-    assert "optim.lr: 0.001 -> 0.5" in refused.stderr
+    # (a refusal through the launcher is 2, not torchrun's 1: test_fsdp's corrupt shard)
     resumed = train(workdir, "--run-dir", "term", "--resume", nproc=2)
     assert resumed.returncode == 0, resumed.stderr
     assert f"at step {meta['step']}" in resumed.stdout
