@@ -78,7 +78,8 @@ def start_header(
     trainer: Described, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int
 ) -> str:
     device = trainer.device
-    where = f"{device} ({torch.get_num_threads()} threads)" if device.type == "cpu" else str(device)
+    where = f"{device} ({counted(torch.get_num_threads(), 'thread')})"
+    where = where if device.type == "cpu" else str(device)
     processes = f"{trainer.world.size} process{'es' if trainer.world.size > 1 else ''}"
     if trainer.world.size > 1:
         processes += " (FSDP)" if trainer.sharded is not None else " (DDP)"
@@ -100,7 +101,7 @@ def start_header(
         steps = f"; {count} step{'s' if count != 1 else ''} per epoch"
     except TypeError:
         steps = ""
-    lines.append(f"data: {', '.join(data)}{steps}, {epochs} epochs")
+    lines.append(f"data: {', '.join(data)}{steps}, {counted(epochs, 'epoch')}")
     batch = getattr(train_loader, "batch_size", None)
     if isinstance(batch, int):
         accum, size = trainer.grad_accum_steps, trainer.world.size
@@ -160,7 +161,10 @@ def loss_note(loss_fn: Any, reduction: str) -> str | None:
 
 def end_summary(trainer: Described, seconds: float, report: Path | None) -> str:
     history = trainer.history
-    parts = [f"done in {seconds:.1f} s: {trainer.state.epoch} epochs, {trainer.state.step} steps"]
+    state = trainer.state
+    parts = [
+        f"done in {seconds:.1f} s: {counted(state.epoch, 'epoch')}, {counted(state.step, 'step')}"
+    ]
     policy = trainer.checkpointer.policy
     best = best_epoch(history, policy.monitor, policy.mode)
     if best is not None:
@@ -180,3 +184,12 @@ def end_summary(trainer: Described, seconds: float, report: Path | None) -> str:
         where = f"weights: {trainer.run_dir / 'model.safetensors'}"
         lines.append(where + (f"; report: {report}" if report is not None else ""))
     return "\n".join(lines)
+
+
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless one ("1 thread", "2 epochs").
+
+    >>> counted(1, "epoch"), counted(3, "step")
+    ('1 epoch', '3 steps')
+    """
+    return f"{n} {noun}{'' if n == 1 else 's'}"

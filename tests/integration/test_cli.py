@@ -363,3 +363,23 @@ def test_train_writes_a_report_and_report_rewrites_it(
     assert result.returncode == 0, result.stderr
     assert (run_dir / "report" / "confusion.png").read_bytes()[:4] == b"\x89PNG"
     assert_user_error(glassloop("report", str(run_dir / "nope")), "is not a run directory")
+
+
+@pytest.mark.parametrize("command", [["runs"], ["config"]])
+def test_a_reader_that_went_away_is_a_normal_end(tmp_path: Path, command: list[str]) -> None:
+    """`glassloop runs | head -1`: head exits, the next write finds the pipe closed. That
+    ends the command with 0 and nothing on stderr, not a BrokenPipeError traceback (issue
+    37). The pipe is closed before the command writes, so the write always fails."""
+    import os
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # (the reader is gone before the first line)
+    args = [*command, str(tmp_path)] if command == ["runs"] else command
+    done = subprocess.run(
+        [sys.executable, "-m", "glassloop", *args], stdout=write, stderr=subprocess.PIPE,
+        text=True, timeout=120, check=False,
+    )  # fmt: skip
+    os.close(write)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""

@@ -239,7 +239,7 @@ def test_language_model_from_npz_token_windows(tmp_path: Path) -> None:
 def test_quick_checks_and_the_resolved_config(tmp_path: Path) -> None:
     fast = run_glassloop("train", "--fast-dev-run", *sets(["data.name=digits"]), cwd=tmp_path)
     assert fast.returncode == 0, fast.stderr + fast.stdout
-    assert "; 1 step per epoch, 1 epochs" in fast.stdout
+    assert "; 1 step per epoch, 1 epoch" in fast.stdout
     assert "epoch 1/1" in fast.stdout and fast.stdout.rstrip().endswith("fast dev run: ok")
     assert not (tmp_path / "runs").exists()  # nothing written
 

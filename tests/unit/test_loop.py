@@ -348,3 +348,16 @@ def test_limit_batches_takes_the_first_batches_of_every_epochs_order(workers: bo
     assert seen["train"] == [batch for order in orders for batch in order[:3]]
     first_val = [b[0][:, 0].tolist() for b in loader(False)][:3]
     assert seen["val"] == first_val * 4
+
+
+def test_counts_of_one_read_as_one(capsys: pytest.CaptureFixture[str]) -> None:
+    """The header and the end summary say "1 thread", "1 epoch", "1 step" (issue 37)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        make_trainer(progress="lines").fit([(torch.randn(4, 8), torch.zeros(4).long())], epochs=1)
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "cpu (1 thread)," in out and ", 1 epoch\n" in out
+    assert "done in " in out and ": 1 epoch, 1 step" in out

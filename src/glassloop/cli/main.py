@@ -593,7 +593,16 @@ def run_command(argv: Sequence[str] | None = None) -> int:
     }
     try:
         refuse_remote_paths(args)
-        return commands[args.command](args)
+        code = commands[args.command](args)
+        sys.stdout.flush()  # (a reader gone away is found here, not at the exit's flush)
+        return code
+    except BrokenPipeError:
+        if args.command in ("train", "verify-resume"):
+            raise  # (training cut by a closed pipe is not a normal end)
+        # The reader went away (`glassloop runs | head`): a normal end for a command that
+        # only prints; stdout goes nowhere from here, so the exit's flush is quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     # A config or data error quotes the value it refuses: a tracking URI's password too.
     except CheckpointWriteError as err:
         print(f"glassloop: error: {redact(str(err))}", file=sys.stderr)
