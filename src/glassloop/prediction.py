@@ -130,22 +130,28 @@ class Predictor:
         rows = read_csv_rows(path)
         if not rows:
             raise DataError(f"predict: '{path}' is empty")
-        header, body = rows[0], rows[1:]
+        # A first row with a value that is not a number is a header (names); one of numbers
+        # is the first input: never dropped (it once was, silently).
+        named = not all(_is_number(cell) for cell in rows[0])
+        header, body = (rows[0], rows[1:]) if named else ([], rows)
         if columns and set(columns) <= set(header):
             index = [header.index(c) for c in columns]
         else:
-            index = list(range(len(header)))
+            width = len(rows[0])
+            index = list(range(width))
             expected = int(np.prod(self.input_shape))
-            if len(header) != expected:
+            if width != expected:
                 raise DataError(
-                    f"predict: '{path}' has {len(header)} columns, the model takes {expected} "
+                    f"predict: '{path}' has {width} columns, the model takes {expected} "
                     f"features{' (' + ', '.join(columns) + ')' if columns else ''}"
+                    f"{'' if named else ' (its first row is numbers: no header)'}"
                 )
         try:
             values = np.array([[float(row[i]) for i in index] for row in body], dtype=np.float32)
         except (ValueError, IndexError) as err:
             raise DataError(f"predict: '{path}' has a non-numeric or missing value: {err}") from err
-        return values, [f"{path.name}:{n}" for n in range(2, len(body) + 2)]
+        first = 2 if named else 1  # (names are the file's line numbers)
+        return values, [f"{path.name}:{n}" for n in range(first, len(body) + first)]
 
     # ------------------------------------------------------------------------- prediction
     def predict(self, x: np.ndarray | torch.Tensor, names: list[str] | None = None) -> torch.Tensor:
@@ -302,3 +308,11 @@ def format_predictions(predictions: list[Prediction]) -> str:
 
 
 __all__ = ["Prediction", "Predictor", "format_predictions", "write_predictions"]
+
+
+def _is_number(cell: str) -> bool:
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True

@@ -105,6 +105,15 @@ def test_csv_rows_in_their_units(tmp_path: Path) -> None:
     (tmp_path / "val.csv").write_text("\n".join(lines) + "\n")
     _, probs = predictor.predict_files([tmp_path / "val.csv"])
     assert torch.allclose(probs, run.trainer.predict(run.splits.x_val), atol=2e-5)
+    # Without a header (numbers from the first line, in the training columns' order): every
+    # row predicted, the first one too, named by its line (issue 37: it was dropped).
+    lines = [f"{a!r},{b!r},{c!r}" for a, b, c in raw_val.tolist()[:3]]
+    (tmp_path / "bare.csv").write_text("\n".join(lines) + "\n")
+    names, bare = predictor.predict_files([tmp_path / "bare.csv"])
+    assert names == ["bare.csv:1", "bare.csv:2", "bare.csv:3"]
+    assert torch.allclose(bare, probs[:3], atol=2e-5)
+    (tmp_path / "one.csv").write_text(lines[0] + "\n")
+    assert predictor.predict_files([tmp_path / "one.csv"])[1].shape == (1, 3)
 
 
 def write_split_images(root: Path, per_class: tuple[int, int] = (10, 4)) -> list[Path]:
