@@ -266,6 +266,8 @@ def build_parts(cfg: Config, *, world: World = SINGLE, files_from: Path | None =
                 )
             standardize_targets(data)
         scale = target_scale_of(data.preprocessing)
+        if task == "classification":
+            warn_empty_classes(data)
         model = build_model(cfg.model, data.input_shape, data.num_classes, target_scale=scale)
         train_loader, val_loader = loaders_for_splits(
             data,
@@ -295,6 +297,25 @@ def build_parts(cfg: Config, *, world: World = SINGLE, files_from: Path | None =
     return Built(
         cfg, data, train_loader, val_loader, model, loss_fn.to(device), device, task, val_sets
     )
+
+
+def warn_empty_classes(data: Splits) -> None:
+    """One line when a class the model gets an output for has no training sample: labels
+    1..10 make 11 outputs, and class 0 is never learned (what ``glassloop doctor`` calls the
+    class balance; a model of the user's, with 10 outputs, is stopped by the first-batch
+    guard instead)."""
+    labels = data.y_train
+    if labels.ndim != 1 or labels.is_floating_point() or not len(labels):
+        return
+    counts = torch.bincount(labels.clamp(min=0), minlength=data.num_classes)
+    empty = (counts[: data.num_classes] == 0).nonzero().flatten().tolist()
+    if empty:
+        low, high = int(labels.min()), int(labels.max())
+        start = "; labels that start at 1 need 1 subtracted" if empty[0] == 0 and low == 1 else ""
+        print(
+            f"warning: data: classes {empty[:10]} have no training samples (labels "
+            f"{low}..{high}, {data.num_classes} outputs): they can never be learned{start}"
+        )
 
 
 def standardize_targets(data: Splits) -> None:

@@ -383,3 +383,19 @@ def test_a_reader_that_went_away_is_a_normal_end(tmp_path: Path, command: list[s
     os.close(write)
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
+
+
+def test_labels_that_start_at_1_are_named_in_one_line(tmp_path: Path) -> None:
+    """npz labels 1..3: the built-in model gets 4 outputs and class 0 no sample; the run
+    says so in one line instead of training silently (issue 37)."""
+    rng = np.random.default_rng(0)
+    y = rng.integers(1, 4, 90)
+    x = (np.eye(4)[y] * 3 + rng.normal(size=(90, 4))).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    sets = ["--set", "data.name=npz", "--set", f"data.path={tmp_path / 'd.npz'}"]
+    result = glassloop("train", *FAST, *sets, "--run-dir", str(tmp_path / "r"))
+    assert result.returncode == 0, result.stderr
+    assert (
+        "warning: data: classes [0] have no training samples (labels 1..3, 4 outputs): they "
+        "can never be learned; labels that start at 1 need 1 subtracted" in result.stdout
+    )
