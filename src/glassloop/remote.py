@@ -405,7 +405,7 @@ class RemoteRun:
         if _replaced(path, manifest_bytes):
             return  # (replaced with files of the same sizes: the queued upload redoes it)
         if path.name != BEST:  # the metric rows up to this step, before it is visible
-            self._upload_run_files()
+            self._upload_run_files(final=False)
         self.fs.pipe_file(f"{where}/manifest.json", manifest_bytes)
         if self.fs.cat_file(f"{where}/manifest.json") != manifest_bytes:
             raise OSError(f"{where}/manifest.json does not read back as written")
@@ -431,10 +431,13 @@ class RemoteRun:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm(folder, recursive=True)
 
-    def _upload_run_files(self) -> None:
+    def _upload_run_files(self, *, final: bool = True) -> None:
         """The run's files as they are now: read whole first (the metric files grow while
         training goes on; an upload of a growing file would not match its length); the
-        report's files but the temporary ones of a report being drawn."""
+        report's files but the temporary ones of a report being drawn. Not ``final`` (with a
+        checkpoint): never the final weights nor a run.json that says the run finished,
+        which training may have written while this checkpoint's upload waited its turn:
+        the bucket says "finished" only after its final checkpoint (the end's own upload)."""
         self.fs.makedirs(self.root, exist_ok=True)
         for folder in RUN_FOLDERS:
             if (self.local / folder).is_symlink() or not (self.local / folder).is_dir():
@@ -449,9 +452,13 @@ class RemoteRun:
             if not file.is_file() or file.is_symlink():
                 continue
             if name == WEIGHTS:  # (large; replaced only by a rename, never rewritten)
-                self.fs.put_file(str(file), self.remote(name))
-            else:
-                self.fs.pipe_file(self.remote(name), file.read_bytes())
+                if final:
+                    self.fs.put_file(str(file), self.remote(name))
+                continue
+            data = file.read_bytes()
+            if not final and name == "run.json" and _says_finished(data):
+                continue
+            self.fs.pipe_file(self.remote(name), data)
 
     def shown_path(self, path: Path) -> str:
         """``path`` of the local copy as the remote run's URL (secrets replaced)."""
@@ -471,3 +478,11 @@ def _replaced(path: Path, manifest: bytes) -> bool:
         return (path / "manifest.json").read_bytes() != manifest
     except OSError:
         return True
+
+
+def _says_finished(data: bytes) -> bool:
+    """Whether run.json's bytes say the run finished (unreadable: no)."""
+    try:
+        return bool(json.loads(data).get("status") == "finished")
+    except (ValueError, AttributeError):
+        return False
