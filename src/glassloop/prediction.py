@@ -17,7 +17,7 @@ from torch import nn
 from glassloop.atomic import atomic_path, open_own
 from glassloop.data.collate import pad_collate
 from glassloop.data.datasets import load_arrays
-from glassloop.data.files import IMAGE_SUFFIXES, read_csv_rows
+from glassloop.data.files import IMAGE_SUFFIXES, is_float, read_csv_rows
 from glassloop.data.lazy import open_image
 from glassloop.errors import DataError
 from glassloop.evaluation import predict as predict_probs
@@ -132,7 +132,7 @@ class Predictor:
             raise DataError(f"predict: '{path}' is empty")
         # A first row with a value that is not a number is a header (names); one of numbers
         # is the first input: never dropped (it once was, silently).
-        named = not all(_is_number(cell) for cell in rows[0])
+        named = not all(is_float(cell) for cell in rows[0])
         header, body = (rows[0], rows[1:]) if named else ([], rows)
         if columns and set(columns) <= set(header):
             index = [header.index(c) for c in columns]
@@ -308,11 +308,3 @@ def format_predictions(predictions: list[Prediction]) -> str:
 
 
 __all__ = ["Prediction", "Predictor", "format_predictions", "write_predictions"]
-
-
-def _is_number(cell: str) -> bool:
-    try:
-        float(cell)
-    except ValueError:
-        return False
-    return True

@@ -45,7 +45,7 @@ def _class_indices(labels: list[str], column: str, path: Path) -> tuple[np.ndarr
     try:
         numbers = [int(v) for v in labels]
     except ValueError:
-        real = [v for v in labels if _is_float(v)]
+        real = [v for v in labels if is_float(v)]
         if len(real) == len(labels):
             raise DataError(
                 f"data: '{path}' column {column!r} holds real numbers (e.g. {real[0]!r}), not "
@@ -97,7 +97,7 @@ def tabular_csv(cfg: DataConfig, task: str = "classification") -> Splits:
         try:
             x[r - 2] = [float(v) for v in values]
         except ValueError:
-            bad = next(i for i, v in enumerate(values) if not _is_float(v))
+            bad = next(i for i, v in enumerate(values) if not is_float(v))
             raise DataError(
                 f"data: '{path}' line {r}, column {features[bad]!r}: {values[bad]!r} is not a "
                 "number (features must be numeric; encode categories first)"
@@ -109,7 +109,7 @@ def tabular_csv(cfg: DataConfig, task: str = "classification") -> Splits:
     if labels:
         y, names = _class_indices([t[0] for t in raw_targets], targets[0], path)
     else:
-        bad_row = next((n for n, t in enumerate(raw_targets) if not all(map(_is_float, t))), None)
+        bad_row = next((n for n, t in enumerate(raw_targets) if not all(map(is_float, t))), None)
         if bad_row is not None:
             raise DataError(
                 f"data: '{path}' line {bad_row + 2}: the {task} targets "
@@ -144,7 +144,8 @@ def read_csv_rows(path: Path) -> list[list[str]]:
         raise DataError(f"data: '{path}' is not a readable CSV file: {err}") from err
 
 
-def _is_float(value: str) -> bool:
+def is_float(value: str) -> bool:
+    """Whether a CSV cell reads as a number."""
     try:
         float(value)
     except ValueError:
