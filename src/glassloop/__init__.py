@@ -43,7 +43,9 @@ _EXPORTS = {
     "build": "glassloop.assemble",
     "evaluate": "glassloop.evaluation",
     "evaluate_run": "glassloop.run_evaluation",
+    "export_hf": "glassloop.hugging_face",
     "export_model": "glassloop.export",
+    "export_run_hf": "glassloop.export",
     "format_report": "glassloop.metrics",
     "load_config": "glassloop.config",
     "load_model": "glassloop.export",
@@ -79,7 +81,9 @@ __all__ = [
     "build",
     "evaluate",
     "evaluate_run",
+    "export_hf",
     "export_model",
+    "export_run_hf",
     "format_report",
     "load_config",
     "load_model",
@@ -111,8 +115,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from glassloop.config import Config, load_config
     from glassloop.errors import CheckpointError, ConfigError, DataError, GlassloopError, ModelError
     from glassloop.evaluation import evaluate, predict
-    from glassloop.export import export_model, load_model
+    from glassloop.export import export_model, export_run_hf, load_model
     from glassloop.guards import NonFinitePolicy
+    from glassloop.hugging_face import export_hf
     from glassloop.loop import Trainer
     from glassloop.lr_finder import lr_find
     from glassloop.metrics import format_report

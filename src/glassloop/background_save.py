@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from glassloop.errors import ConfigError
@@ -118,7 +119,7 @@ class BackgroundSave:
 
     def submit(
         self,
-        model: nn.Module,
+        model: nn.Module | dict[str, torch.Tensor],
         state: dict[str, Any],
         meta: dict[str, Any],
         commit: Callable[[Snapshot], Path],

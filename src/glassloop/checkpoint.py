@@ -352,7 +352,7 @@ def last_good(run_dir: Path) -> str:
     return str(last) if last is not None else "none"
 
 
-def refuse_not_finite(run_dir: Path, model: nn.Module, step: int) -> None:
+def refuse_not_finite(run_dir: Path, model: nn.Module | dict[str, torch.Tensor], step: int) -> None:
     """Never a checkpoint of NaN/inf weights over good ones."""
     if not weights_finite(model):
         raise not_finite(step, last_good(run_dir))

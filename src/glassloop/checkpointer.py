@@ -53,7 +53,7 @@ from glassloop.checkpoint import (
 )
 from glassloop.data.options import DataConfig
 from glassloop.data.position import global_batch, replay_caveat, resized_note
-from glassloop.distributed import SINGLE, World, all_reduce, gather_objects
+from glassloop.distributed import SINGLE, World, all_reduce, gather_objects, unwrap_model
 from glassloop.errors import (
     CheckpointError,
     CheckpointWriteError,
@@ -61,6 +61,7 @@ from glassloop.errors import (
     GlassloopError,
     write_failure,
 )
+from glassloop.frozen_base import FrozenBase
 from glassloop.fsdp import ShardedState
 from glassloop.options import CheckpointConfig as CheckpointConfig  # (re-exported: its old home)
 from glassloop.options import RunInfo, TrainConfig, resume_safe
@@ -107,6 +108,7 @@ class Checkpointer:
         remote: RemoteRun | None = None,
         times: SaveTimes | None = None,
         grace_s: float = 0.0,
+        base: FrozenBase | None = None,
     ) -> None:
         """Handed once what every checkpoint holds beyond :meth:`attach`'s: the ``model``
         whose weights it saves (an FSDP run's: ``shards``), the epoch's ``record``, the
@@ -115,7 +117,9 @@ class Checkpointer:
         loads onto; ``say``: where a line about a slow background save goes; ``remote``:
         the object-storage run each committed checkpoint is uploaded to; ``times``: where
         each save's blocking and total seconds and bytes are recorded); ``grace_s``: the
-        seconds a stop signal leaves before SIGKILL, said against the first save's time)."""
+        seconds a stop signal leaves before SIGKILL, said against the first save's time);
+        ``base``: the frozen tensors its checkpoints leave out (shared with the run log's
+        final weights; ``None``: its own, per ``policy.save_frozen``)."""
         self.run_dir = run_dir
         self.grace_s = grace_s
         self.policy = policy if policy is not None else CheckpointConfig()
@@ -132,6 +136,10 @@ class Checkpointer:
         self.remote = remote
         if remote is not None:
             remote.keep_last, remote.say = self.policy.keep_last, say
+        # A fine-tuned model's frozen tensors stay out of its checkpoints; their digests go
+        # in (glassloop.frozen_base). An FSDP run's shards hold every tensor.
+        self.base = base if base is not None else FrozenBase(not self.policy.save_frozen)
+        self.base.enabled = self.base.enabled and shards is None
         self.background = (
             BackgroundSave(self.times, say, sharded=shards is not None)
             if self.policy.async_save
@@ -203,25 +211,28 @@ class Checkpointer:
         if self.run_dir is None:
             return None
         self._agree(self._earlier_failure(), self.run_dir)  # (in every process)
-        started = time.perf_counter()
+        started, shards = time.perf_counter(), self.shards
         state, meta = self.state_dict(), self.meta(finished=finished)
-        step = self.state.step
+        step, weights = self.state.step, None
+        if shards is None and self.world.is_main:  # less the frozen base, its digests in meta
+            weights, base = self.weights()
+            meta.update({"base": base} if base else {})
         target = (
             self.run_dir / BEST if best else checkpoints_dir(self.run_dir) / step_dir_name(step)
         )
-        shards = self.shards
         staged = self._stage(target, shards, step) if shards is not None else None
         failure: Exception | None = None
         if self.world.is_main:  # one writer; the others wait for its verdict below
             try:
                 require_run_dir(self.run_dir)  # never recreated half-empty
-                if shards is None:
-                    refuse_not_finite(self.run_dir, self.model, step)
+                if weights is not None:
+                    refuse_not_finite(self.run_dir, weights, step)
                 if self.background is not None:  # copied now, committed in the background
+                    assert weights is not None  # (no background save of shards)
                     commit = functools.partial(self._commit, best=best, staged=None)
-                    self.background.submit(self.model, state, meta, commit, started)
+                    self.background.submit(weights, state, meta, commit, started)
                 else:
-                    snap = snapshot(self.model if shards is None else None, state, meta)
+                    snap = snapshot(weights, state, meta)
                     target = self._commit(snap, best=best, staged=staged)
                     elapsed = time.perf_counter() - started
                     self.times.add(elapsed, elapsed, snap.nbytes)
@@ -233,6 +244,14 @@ class Checkpointer:
         self.times.held_s += time.perf_counter() - started  # (the epoch row's checkpoint_s)
         self._say_grace()
         return target
+
+    def weights(self) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        """What a checkpoint's model.safetensors holds: the model's state dict less its frozen
+        base, and the base's record for meta.json (``None``: nothing left out)."""
+        tensors = unwrap_model(self.model).state_dict()
+        left_out = self.base.left_out(self.model)
+        kept = {name: t for name, t in tensors.items() if name not in left_out}
+        return kept, self.base.meta(left_out)
 
     def _say_grace(self) -> None:
         """Once the first save's time is known: that time against ``grace_s``."""
@@ -411,7 +430,10 @@ class Checkpointer:
         if self.shards is not None:  # weights and optimizer come from shards/ with the state
             self.shards.source = checkpoint.path / SHARDS
         else:
-            load_checked(self.model, checkpoint.model_tensors, checkpoint.weights)  # read once
+            tensors, path = checkpoint.model_tensors, checkpoint.path
+            # A fine-tuned run's base: the model's own, refused unless it is the one trained on
+            base = self.base.check(self.model, checkpoint.meta.get("base"), set(tensors), path)
+            load_checked(self.model, tensors, checkpoint.weights, base=base)  # (read once)
         try:
             self.load_state_dict(checkpoint.state)
         except (KeyError, ValueError, TypeError, RuntimeError) as err:

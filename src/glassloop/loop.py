@@ -32,8 +32,10 @@ from glassloop.deprecated import fold_replaced, warn_replaced
 from glassloop.device import move_to_device, resolve_device
 from glassloop.errors import GlassloopError
 from glassloop.evaluation import LossFn, Metric
+from glassloop.frozen_base import FrozenBase, adapter_alone
 from glassloop.fsdp import gradient_sync
 from glassloop.guards import NonFinitePolicy, NonFiniteWatch
+from glassloop.micro_batches import Attempt, MicroBatches
 from glassloop.optimizers import Schedulers, optimizer_parameters
 from glassloop.options import CheckpointConfig, RunInfo, TrackingConfig
 from glassloop.parallelize import averaged, evaluated, prepare_model
@@ -99,6 +101,7 @@ class Trainer:
         # the step
         precision: str = "32",
         grad_accum_steps: int = 1,
+        micro_batch_size: int | str = 0,
         loss_weighting: str = "samples",
         loss_reduction: str = "auto",
         ignore_index: int = -100,
@@ -182,6 +185,8 @@ class Trainer:
         self.precision = precision
         self.scaler = make_scaler(precision, self.device)
         self.grad_accum_steps, self.loss_weighting = grad_accum_steps, loss_weighting
+        # each batch split into micro-batches that fit ("auto": found in the first steps)
+        self.micro_batches = MicroBatches(micro_batch_size, sharded=self.sharded is not None)
         self.ignore_index = ignore_index
         self.clip_grad_norm = clip_grad_norm or None
         self.clip_grad_value = clip_grad_value or None
@@ -213,6 +218,11 @@ class Trainer:
         self.config = redacted(dict(run_info.config)) if run_info.config is not None else None
         self.model_spec = dict(run_info.model_spec) if run_info.model_spec is not None else None
         self.info = RunInfo(self.config, self.model_spec)  # (and fit's versions)
+        # A fine-tuned model's frozen base: left out of checkpoints (its SHA-256 kept) and,
+        # for an adapter, out of the final weights too (glassloop.frozen_base)
+        checkpoint = checkpoint or CheckpointConfig()
+        base = FrozenBase(not checkpoint.save_frozen)
+        final = base if adapter_alone(model, checkpoint.final_weights) else None
         # The run directory's two writers, each handed its parts once (a URL: the run log
         # opens its local copy and the remote run both upload to, glassloop.remote).
         self.run_log = RunLog(
@@ -222,6 +232,7 @@ class Trainer:
             tracking=tracking,
             state=self.state,
             info=self.info,
+            base=final,
         )
         self.run_dir = self.run_log.run_dir
         # Only rank 0 talks: the other processes print nothing at all.
@@ -241,6 +252,7 @@ class Trainer:
             remote=self.run_log.remote,
             times=self.run_log.checkpoint_times,
             grace_s=grace_s,
+            base=base,
         )
         self.should_stop = False  # callbacks set it to end the run after this epoch
         self._signals = StopSignals()
@@ -405,10 +417,11 @@ class Trainer:
         if not self._checked_first_batch:
             self._checked_first_batch = True
             self.check_first_batch(*micro[0])
-        sizes = [batch_size_of(target, inputs) for inputs, target in micro]  # this process's
-        local = sum(sizes)
-        window, signum = self._window(micro, sizes)
-        if self.throughput.counting:  # a fit's first step: its FLOPs, for MFU (GPU only)
+        local = sum(batch_size_of(target, inputs) for inputs, target in micro)  # this process's
+        window, signum = self._window(self.micro_batches.split(micro))  # (micro_batch_size)
+        if self.micro_batches.trying:  # "auto", a first step: out of memory halves, retried
+            loss, window, signum = self._step_that_fits(micro, window, signum)
+        elif self.throughput.counting:  # a fit's first step: its FLOPs, for MFU (GPU only)
             loss = self.throughput.count(self.train_step, window, local, micro)
         else:
             loss = self.train_step(window)
@@ -438,11 +451,46 @@ class Trainer:
                 self.checkpointer.save()
         self._stop_if_signalled(signum)
 
-    def _window(
-        self, micro: list[tuple[Inputs, Any]], sizes: list[int]
-    ) -> tuple[Window, int | None]:
+    def _step_that_fits(
+        self, micro: list[tuple[Inputs, Any]], window: Window, signum: int | None
+    ) -> tuple[StepLoss, Window, int | None]:
+        """``micro_batch_size="auto"``, one of the first steps: the step, retried from the
+        same state with micro-batches half as large after an out-of-memory error; several
+        processes try it without reducing gradients first, and agree
+        (:mod:`glassloop.micro_batches`). The loss, and the window and signal it ran with."""
+        plan, loss = self.micro_batches, None
+        while True:
+            attempt = Attempt(self.model, self.optimizer)  # RNG, buffers: as before it
+            fits = True
+            try:
+                if self.distributed:  # a trial: no gradient reduction to leave waiting
+                    with gradient_sync(self.model, False):
+                        self.forward_backward(window)
+                else:
+                    loss = self.train_step(window)
+            except torch.OutOfMemoryError:
+                if attempt.stepped:  # in optimizer.step(): some weights may have moved
+                    raise
+                fits = False
+            finally:
+                attempt.close()
+            if self.distributed:  # every process's verdict; the trial itself is undone
+                fits = not distributed.all_reduce(torch.tensor([float(not fits)]), "max")
+                attempt.undo(self.model, self.optimizer)
+                loss = self.train_step(window) if fits else None
+            if fits:
+                break
+            attempt.undo(self.model, self.optimizer)
+            plan.halve(micro)
+            window, signum = self._window(plan.split(micro))
+        if (line := plan.settled(micro)) is not None:
+            self.console.message(line)
+        return loss, window, signum
+
+    def _window(self, micro: list[tuple[Inputs, Any]]) -> tuple[Window, int | None]:
         """The step's :class:`Window` (each micro-batch's loss weight, ``None`` alone in one
         process) and under DDP the stop signal of any process, in one collective."""
+        sizes = [batch_size_of(target, inputs) for inputs, target in micro]
         samples = sum(sizes)
         if len(micro) == 1 and not self.distributed:
             return Window(micro, [None], samples), None
@@ -639,6 +687,7 @@ class Trainer:
             "scaler": self.scaler if self.scaler.is_enabled() else None,
             "ema": self.ema,
             "data": loader if hasattr(loader, "state_dict") else None,
+            "micro_batches": self.micro_batches if self.micro_batches.auto else None,
         }
 
     def state_dict(self) -> dict[str, Any]:

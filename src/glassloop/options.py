@@ -73,6 +73,10 @@ class TrainOptions:
     grad_accum_steps: int = option(1, rule=AT_LEAST_1)
     """micro-batches per optimizer step, weighted by ``loss_weighting`` so that a step is one
     big batch."""
+    micro_batch_size: int | str = option(0, rule=AT_LEAST_0)
+    """split each batch into micro-batches of at most this many rows, weighted so that the step
+    is the whole batch's (0: off); "auto": halved on an out-of-memory error in the first steps,
+    the plan printed and kept for a resume (:mod:`glassloop.micro_batches`)."""
     loss_weighting: str = option("samples", rule=("samples", "tokens"))
     """"samples", or "tokens" (labels other than ``ignore_index``)."""
     loss_reduction: str = option("auto", rule=("auto", "mean", "sum"))
@@ -261,6 +265,13 @@ class CheckpointConfig:
     # true: the step waits only while the state is copied to host memory; the write goes on
     # in the background, one save at a time (glassloop.background_save)
     async_save: bool = False
+    # A model with frozen parameters (a peft adapter's base, a frozen encoder): false, its
+    # checkpoints hold the trainable tensors and the SHA-256 of the frozen ones, which a
+    # resume checks against the model it builds (glassloop.frozen_base); true: every tensor
+    save_frozen: bool = False
+    # RUN_DIR/model.safetensors: "auto" (a peft model's adapter alone, any other model
+    # whole), "full" or "trainable" (without the frozen base, whose SHA-256 it records)
+    final_weights: str = option("auto", rule=("auto", "full", "trainable"))
 
 
 @dataclass

@@ -10,6 +10,7 @@ reason; checkpoints themselves are :mod:`glassloop.checkpointer`'s job.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import sys
 import time
@@ -34,6 +35,9 @@ from glassloop.checkpoint import (
 from glassloop.distributed import SINGLE, World, unwrap_model
 from glassloop.errors import CheckpointError, GlassloopError, write_failure
 from glassloop.file_names import check_key
+from glassloop.frozen_base import METADATA_KEY as BASE_KEY
+from glassloop.frozen_base import FrozenBase
+from glassloop.hugging_face import describe
 from glassloop.options import RunInfo as RunInfo  # (re-exported: its old home)
 from glassloop.options import TrackingConfig
 from glassloop.remote import open_run_dir
@@ -74,7 +78,11 @@ class RunLog:
         tracking: TrackingConfig | None = None,
         state: TrainState | None = None,
         info: RunInfo | None = None,
+        base: FrozenBase | None = None,
     ) -> None:
+        """``base``: the frozen base the final weights leave out (``checkpoint.final_weights``;
+        ``None``: they are whole)."""
+        self.base = base
         # A URL (s3://...): a local copy, uploaded to the remote run (glassloop.remote).
         self.run_dir, self.remote = open_run_dir(run_dir)
         # Handed once: where the loop stands and what the run records (filled in by fit).
@@ -308,7 +316,17 @@ class RunLog:
         self, model: nn.Module | dict[str, torch.Tensor], model_spec: dict[str, Any] | None
     ) -> None:
         assert self.run_dir is not None
-        save_weights(model, self.run_dir / "model.safetensors", weights_metadata(model_spec))
+        metadata = weights_metadata(model_spec)
+        if isinstance(model, nn.Module):
+            tensors = unwrap_model(model).state_dict()
+            left_out = self.base.left_out(model) if self.base is not None else set()
+            if (record := self.base.meta(left_out) if self.base else None) is not None:
+                tensors = {name: t for name, t in tensors.items() if name not in left_out}
+                metadata[BASE_KEY] = json.dumps(record, sort_keys=True)  # an adapter, no base
+            # a transformers or peft model's configuration: glassloop export --format hf
+            metadata.update(describe(model, set(tensors)))
+            model = tensors
+        save_weights(model, self.run_dir / "model.safetensors", metadata)
 
     def write_status(self, status: str, info: dict[str, Any]) -> None:
         assert self.run_dir is not None

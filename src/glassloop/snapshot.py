@@ -39,7 +39,7 @@ class Snapshot:
 
 
 def snapshot(
-    model: nn.Module | None,
+    model: nn.Module | dict[str, torch.Tensor] | None,
     state: dict[str, Any],
     meta: dict[str, Any],
     to_host: Callable[[torch.Tensor], torch.Tensor] | None = None,

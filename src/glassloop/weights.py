@@ -23,6 +23,8 @@ from torch import nn
 from glassloop.atomic import atomic_path
 from glassloop.distributed import unwrap_model
 from glassloop.errors import CheckpointError
+from glassloop.frozen_base import METADATA_KEY as BASE_KEY
+from glassloop.frozen_base import FrozenBase
 from glassloop.hashed_files import write_safetensors
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
@@ -120,12 +122,18 @@ def header_shapes(header: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
     return {k: (list(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"}
 
 
-def check_fit(model: nn.Module, stored: dict[str, tuple[list[int], str]], source: Path) -> None:
+def check_fit(
+    model: nn.Module,
+    stored: dict[str, tuple[list[int], str]],
+    source: Path,
+    base: set[str] | frozenset[str] = frozenset(),
+) -> None:
     """``stored`` maps each key to its shape and safetensors dtype; raise one
-    :class:`CheckpointError` listing every key that does not fit ``model``."""
+    :class:`CheckpointError` listing every key that does not fit ``model`` (``base``: keys the
+    model's own frozen base supplies, :mod:`glassloop.frozen_base`)."""
     expected = unwrap_model(model).state_dict()
     problems: list[str] = []
-    missing = sorted(set(expected) - set(stored))
+    missing = sorted(set(expected) - set(stored) - set(base))
     unexpected = sorted(set(stored) - set(expected))
     if missing:
         problems.append(f"missing keys {missing}")
@@ -146,11 +154,17 @@ def check_fit(model: nn.Module, stored: dict[str, tuple[list[int], str]], source
         )
 
 
-def load_checked(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:
-    """Load tensors already in memory into ``model`` (unwrapped) after :func:`check_fit`."""
+def load_checked(
+    model: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    source: Path,
+    base: set[str] | frozenset[str] = frozenset(),
+) -> None:
+    """Load tensors already in memory into ``model`` (unwrapped) after :func:`check_fit`
+    (``base``: the keys its frozen base supplies, already checked, left as they are)."""
     shapes = {k: (list(t.shape), safetensors_dtype(t.dtype)) for k, t in tensors.items()}
-    check_fit(model, shapes, source)
-    unwrap_model(model).load_state_dict(tensors, strict=True)
+    check_fit(model, shapes, source, base)
+    unwrap_model(model).load_state_dict(tensors, strict=not base)
 
 
 def safetensors_dtype(dtype: torch.dtype) -> str:
@@ -181,9 +195,14 @@ def load_weights(model: nn.Module, path: Path) -> dict[str, str]:
             "(.pt/.pth/.ckpt); convert it with safetensors.torch.save_file"
         )
     header = read_safetensors_header(path)
-    check_fit(model, header_shapes(header), path)  # before anything is allocated
-    unwrap_model(model).load_state_dict(_load_checked(path), strict=True)
-    return dict(header.get("__metadata__") or {})
+    metadata, stored = dict(header.get("__metadata__") or {}), header_shapes(header)
+    # An adapter's weights (a fine-tuned run's final ones): the rest is the model's own
+    # base, refused unless it is the one they were trained on (glassloop.frozen_base).
+    record = metadata.get(BASE_KEY)
+    base = FrozenBase().check(model, record, set(stored), path) if record else set()
+    check_fit(model, stored, path, base)  # before anything is allocated
+    unwrap_model(model).load_state_dict(_load_checked(path), strict=not base)
+    return metadata
 
 
 def weights_metadata(model_spec: Any) -> dict[str, str]:

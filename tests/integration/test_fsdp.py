@@ -268,6 +268,6 @@ def test_a_regression_plot_has_every_processs_validation_samples(tmp_path: Path)
     sets = [f"data.path={table}", *REGRESSION, "train.epochs=1", "train.dist_timeout_s=30"]
     everything = plotted_samples(tmp_path, sets)
     assert int(everything) > 80  # diabetes: 442 rows, a fifth for validation
-    # Each of two processes holds half of the validation set; the plot has all of it.
-    assert plotted_samples(tmp_path, sets, "--nproc", "2") == everything
+    # Each of two processes holds half of the validation set; the plot has all of it. (FSDP
+    # only: DDP gathers the same way, and each 2-process run costs ~18 s of the suite.)
     assert plotted_samples(tmp_path, [*sets, "train.strategy=fsdp"], "--nproc", "2") == everything

@@ -270,15 +270,28 @@ def make_parser() -> Parser:
 
     export = commands.add_parser(
         "export",
-        help="write a run's weights as one safetensors file that rebuilds the model",
+        help="write a run's weights: one safetensors file that rebuilds the model, or a "
+        "Hugging Face folder",
         description="Export weights only (no optimizer state) with the model's description in "
-        "the safetensors metadata; glassloop.load_model(FILE) rebuilds the model from it.",
+        "the safetensors metadata; glassloop.load_model(FILE) rebuilds the model from it. "
+        "--format hf: a run of a transformers or peft model as a folder in their layout.",
     )
     export.add_argument(
         "source", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory or checkpoint directory"
     )
     export.add_argument(
-        "--output", "-o", required=True, metavar="FILE", help="the .safetensors file to write"
+        "--output",
+        "-o",
+        required=True,
+        metavar="PATH",
+        help="the .safetensors file to write (--format hf: the new folder)",
+    )
+    export.add_argument(
+        "--format",
+        choices=("glassloop", "hf"),
+        default="glassloop",
+        help="glassloop: one file that glassloop.load_model rebuilds; hf: a folder that "
+        "transformers' from_pretrained (a peft run: PeftModel.from_pretrained) loads",
     )
     return parser
 
@@ -533,6 +546,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from glassloop.export import export_model
 
     with writing("export", Path(args.output).parent, "nothing was written"):
+        if args.format == "hf":
+            from glassloop.export import export_run_hf
+
+            path = export_run_hf(args.source, args.output)
+            files = sorted(p.name for p in path.iterdir())
+            print(f"exported {path}/ ({', '.join(files)})")
+            return EXIT_OK
         path = export_model(args.source, args.output)
     print(f"exported {path} ({path.stat().st_size} bytes)")
     return EXIT_OK

@@ -1,0 +1,139 @@
+"""The frozen base of a fine-tuned model: which of its tensors stay out of checkpoints, their
+SHA-256, and the check that a resumed (or reloaded) model's base is the one it was trained on.
+
+A model with parameters that do not train (``requires_grad=False``: a peft model's base, a
+frozen encoder) saves only what changes: every checkpoint holds the trainable tensors and
+buffers, plus the SHA-256 of each frozen tensor, computed once per process. A resume builds
+the base the way the run did (``from_pretrained``, a seeded init) and loads the rest; a base
+that differs is refused, naming the first tensor that differs. The digests are written into
+``meta.json`` under ``"base"``, and into a weights file's metadata (``glassloop.base``).
+
+A parameter frozen when the digests were taken but trained later (a layer unfrozen by a
+callback) is saved from then on; one frozen later than that was trained before, so it is
+saved too: only tensors that are frozen now *and* were frozen at the start stay out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from glassloop.distributed import unwrap_model
+from glassloop.errors import CheckpointError
+
+METADATA_KEY = "glassloop.base"  # a weights file's metadata: the base it needs
+
+
+def frozen_names(model: nn.Module) -> list[str]:
+    """The state-dict keys of ``model``'s parameters that do not train (a tied parameter
+    under each of its names), in state-dict order."""
+    tensors = unwrap_model(model).state_dict(keep_vars=True)
+    return [k for k, t in tensors.items() if isinstance(t, nn.Parameter) and not t.requires_grad]
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """The SHA-256 of a tensor's dtype, shape and bytes (on the CPU, C order): equal digests
+    mean equal tensors, bit for bit."""
+    host = tensor.detach().to("cpu").contiguous()
+    digest = hashlib.sha256(f"{host.dtype}{list(host.shape)}".encode())
+    if host.numel():
+        # (bytes through a uint8 view: numpy has no bfloat16; hashlib releases the GIL)
+        digest.update(host.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def combined(digests: Mapping[str, str]) -> str:
+    """One SHA-256 for the whole base (its names and digests, sorted): what the header and
+    the docs call "the base"."""
+    text = json.dumps(dict(sorted(digests.items())), separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def is_peft(model: nn.Module) -> bool:
+    """Whether ``model`` is a peft model (``PeftModel`` and its task classes), known by its
+    class's package: importing peft to ask would cost seconds."""
+    return type(unwrap_model(model)).__module__.split(".")[0] == "peft"
+
+
+def adapter_alone(model: nn.Module, final_weights: str) -> bool:
+    """Whether the final weights leave the frozen base out (``checkpoint.final_weights``:
+    "trainable", or "auto" for a peft model)."""
+    return final_weights == "trainable" or (final_weights == "auto" and is_peft(model))
+
+
+class FrozenBase:
+    """The frozen tensors a run leaves out of its checkpoints and their digests.
+
+    ``enabled=False`` (``checkpoint.save_frozen``): nothing is left out."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.digests: dict[str, str] | None = None  # name -> SHA-256, once taken or loaded
+
+    def left_out(self, model: nn.Module) -> set[str]:
+        """The state-dict keys a checkpoint of ``model`` leaves out now (the digests are
+        taken at the first call)."""
+        if not self.enabled:
+            return set()
+        frozen = frozen_names(model)
+        if self.digests is None:
+            tensors = unwrap_model(model).state_dict()
+            self.digests = {name: tensor_digest(tensors[name]) for name in frozen}
+        return set(frozen) & set(self.digests)
+
+    def meta(self, left_out: set[str]) -> dict[str, Any] | None:
+        """What ``meta.json`` records of the base a checkpoint needs (``None``: none)."""
+        if not left_out or self.digests is None:
+            return None
+        needed = {name: self.digests[name] for name in sorted(left_out)}
+        return {"sha256": combined(needed), "tensors": needed}
+
+    def check(self, model: nn.Module, base: Any, stored: set[str], source: Path) -> set[str]:
+        """Refuse to load a checkpoint (or weights file) at ``source`` whose recorded
+        ``base`` (:meth:`meta`) is not ``model``'s: one line naming the first tensor, in the
+        model's order, that differs. The tensors ``stored`` in the file are its own; the
+        names of those the base supplies are returned. The digests are kept: the next
+        checkpoints leave out the same tensors."""
+        digests = _digests_of(base, source)
+        tensors = unwrap_model(model).state_dict()
+        needed = {name: sha for name, sha in digests.items() if name not in stored}
+        if absent := sorted(set(needed) - set(tensors)):
+            name = absent[0]
+            raise CheckpointError(
+                f"checkpoint: '{source}' was trained on a base with '{name}', which this "
+                "model does not have; build the model the run was trained from"
+            )
+        for name in (name for name in tensors if name in needed):
+            expected = needed[name]
+            if tensor_digest(tensors[name]) != expected:
+                raise CheckpointError(
+                    f"checkpoint: '{source}' was trained on another base: '{name}' differs "
+                    f"(SHA-256 {expected[:12]}... expected); load the base the run was trained "
+                    "on (the same pretrained weights, or the same seed), or start a new run"
+                )
+        if self.enabled and digests:
+            self.digests = {**(self.digests or {}), **digests}
+        return set(needed)
+
+
+def _digests_of(base: Any, source: Path) -> dict[str, str]:
+    """The ``{name: sha256}`` table of a recorded base (meta.json's or a file's metadata)."""
+    if base is None:
+        return {}
+    if isinstance(base, str):  # a weights file's metadata holds it as JSON text
+        try:
+            base = json.loads(base)
+        except ValueError:
+            base = None
+    tensors = base.get("tensors") if isinstance(base, dict) else None
+    if not isinstance(tensors, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in tensors.items()
+    ):
+        raise CheckpointError(f"checkpoint: '{source}': its record of the base is malformed")
+    return dict(tensors)
