@@ -61,7 +61,7 @@ from glassloop.errors import (
     GlassloopError,
     write_failure,
 )
-from glassloop.frozen_base import FrozenBase
+from glassloop.frozen_base import FrozenBase, adapter_alone
 from glassloop.fsdp import ShardedState
 from glassloop.options import CheckpointConfig as CheckpointConfig  # (re-exported: its old home)
 from glassloop.options import RunInfo, TrainConfig, resume_safe
@@ -108,7 +108,6 @@ class Checkpointer:
         remote: RemoteRun | None = None,
         times: SaveTimes | None = None,
         grace_s: float = 0.0,
-        base: FrozenBase | None = None,
     ) -> None:
         """Handed once what every checkpoint holds beyond :meth:`attach`'s: the ``model``
         whose weights it saves (an FSDP run's: ``shards``), the epoch's ``record``, the
@@ -117,9 +116,7 @@ class Checkpointer:
         loads onto; ``say``: where a line about a slow background save goes; ``remote``:
         the object-storage run each committed checkpoint is uploaded to; ``times``: where
         each save's blocking and total seconds and bytes are recorded); ``grace_s``: the
-        seconds a stop signal leaves before SIGKILL, said against the first save's time);
-        ``base``: the frozen tensors its checkpoints leave out (shared with the run log's
-        final weights; ``None``: its own, per ``policy.save_frozen``)."""
+        seconds a stop signal leaves before SIGKILL, said against the first save's time))."""
         self.run_dir = run_dir
         self.grace_s = grace_s
         self.policy = policy if policy is not None else CheckpointConfig()
@@ -138,8 +135,7 @@ class Checkpointer:
             remote.keep_last, remote.say = self.policy.keep_last, say
         # A fine-tuned model's frozen tensors stay out of its checkpoints; their digests go
         # in (glassloop.frozen_base). An FSDP run's shards hold every tensor.
-        self.base = base if base is not None else FrozenBase(not self.policy.save_frozen)
-        self.base.enabled = self.base.enabled and shards is None
+        self.base = FrozenBase(not self.policy.save_frozen and shards is None)
         self.background = (
             BackgroundSave(self.times, say, sharded=shards is not None)
             if self.policy.async_save
@@ -244,6 +240,12 @@ class Checkpointer:
         self.times.held_s += time.perf_counter() - started  # (the epoch row's checkpoint_s)
         self._say_grace()
         return target
+
+    def final_base(self, model: nn.Module) -> FrozenBase | None:
+        """The frozen base the run's final weights leave out (``policy.final_weights``:
+        "trainable", or "auto" for a peft adapter); ``None``: they are whole."""
+        alone = adapter_alone(model, self.policy.final_weights)
+        return self.base if alone and self.base.enabled else None
 
     def weights(self) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
         """What a checkpoint's model.safetensors holds: the model's state dict less its frozen

@@ -32,10 +32,9 @@ from glassloop.deprecated import fold_replaced, warn_replaced
 from glassloop.device import move_to_device, resolve_device
 from glassloop.errors import GlassloopError
 from glassloop.evaluation import LossFn, Metric
-from glassloop.frozen_base import FrozenBase, adapter_alone
 from glassloop.fsdp import gradient_sync
 from glassloop.guards import NonFinitePolicy, NonFiniteWatch
-from glassloop.micro_batches import Attempt, MicroBatches
+from glassloop.micro_batches import MicroBatches
 from glassloop.optimizers import Schedulers, optimizer_parameters
 from glassloop.options import CheckpointConfig, RunInfo, TrackingConfig
 from glassloop.parallelize import averaged, evaluated, prepare_model
@@ -218,11 +217,6 @@ class Trainer:
         self.config = redacted(dict(run_info.config)) if run_info.config is not None else None
         self.model_spec = dict(run_info.model_spec) if run_info.model_spec is not None else None
         self.info = RunInfo(self.config, self.model_spec)  # (and fit's versions)
-        # A fine-tuned model's frozen base: left out of checkpoints (its SHA-256 kept) and,
-        # for an adapter, out of the final weights too (glassloop.frozen_base)
-        checkpoint = checkpoint or CheckpointConfig()
-        base = FrozenBase(not checkpoint.save_frozen)
-        final = base if adapter_alone(model, checkpoint.final_weights) else None
         # The run directory's two writers, each handed its parts once (a URL: the run log
         # opens its local copy and the remote run both upload to, glassloop.remote).
         self.run_log = RunLog(
@@ -232,7 +226,6 @@ class Trainer:
             tracking=tracking,
             state=self.state,
             info=self.info,
-            base=final,
         )
         self.run_dir = self.run_log.run_dir
         # Only rank 0 talks: the other processes print nothing at all.
@@ -252,8 +245,10 @@ class Trainer:
             remote=self.run_log.remote,
             times=self.run_log.checkpoint_times,
             grace_s=grace_s,
-            base=base,
         )
+        # A fine-tuned model's frozen base: out of checkpoints (its SHA-256 in) and, for an
+        # adapter, out of the final weights too (glassloop.frozen_base)
+        self.run_log.base = self.checkpointer.final_base(model)
         self.should_stop = False  # callbacks set it to end the run after this epoch
         self._signals = StopSignals()
         self._train_loader: Iterable[Any] = ()
@@ -458,34 +453,13 @@ class Trainer:
         same state with micro-batches half as large after an out-of-memory error; several
         processes try it without reducing gradients first, and agree
         (:mod:`glassloop.micro_batches`). The loss, and the window and signal it ran with."""
-        plan, loss = self.micro_batches, None
-        while True:
-            attempt = Attempt(self.model, self.optimizer)  # RNG, buffers: as before it
-            fits = True
-            try:
-                if self.distributed:  # a trial: no gradient reduction to leave waiting
-                    with gradient_sync(self.model, False):
-                        self.forward_backward(window)
-                else:
-                    loss = self.train_step(window)
-            except torch.OutOfMemoryError:
-                if attempt.stepped:  # in optimizer.step(): some weights may have moved
-                    raise
-                fits = False
-            finally:
-                attempt.close()
-            if self.distributed:  # every process's verdict; the trial itself is undone
-                fits = not distributed.all_reduce(torch.tensor([float(not fits)]), "max")
-                attempt.undo(self.model, self.optimizer)
-                loss = self.train_step(window) if fits else None
-            if fits:
-                break
-            attempt.undo(self.model, self.optimizer)
+        plan = self.micro_batches
+        while not (tried := plan.attempt(self, window)).fits:  # (undone: RNG, buffers, grads)
             plan.halve(micro)
             window, signum = self._window(plan.split(micro))
         if (line := plan.settled(micro)) is not None:
             self.console.message(line)
-        return loss, window, signum
+        return tried.loss, window, signum
 
     def _window(self, micro: list[tuple[Inputs, Any]]) -> tuple[Window, int | None]:
         """The step's :class:`Window` (each micro-batch's loss weight, ``None`` alone in one

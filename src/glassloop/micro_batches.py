@@ -18,14 +18,17 @@ sees the smaller micro-batches, as it does under gradient accumulation.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-from glassloop.batch import Inputs, batch_size_of
+from glassloop.batch import Inputs, Window, batch_size_of
+from glassloop.distributed import all_reduce
 from glassloop.errors import ConfigError
+from glassloop.fsdp import gradient_sync
 from glassloop.rng import capture_rng_state, restore_rng_state
 
 TRIAL_STEPS = 8  # the first steps of a run (or of a resume) in which "auto" may still halve
@@ -115,6 +118,33 @@ class MicroBatches:
             "weighting are unchanged; checkpoints keep the plan for a resume)"
         )
 
+    def attempt(self, trainer: Stepping, window: Window) -> Tried:
+        """One try of the step on ``window``; an out-of-memory error in it (in any process)
+        leaves everything as before the try (:class:`Attempt`) and ``fits=False``. Several
+        processes first try it without reducing gradients (a process that failed alone
+        would leave the others waiting in the reduction), agree, and then take the step."""
+        model, optimizer = trainer.model, trainer.optimizer
+        attempt, fits, loss = Attempt(model, optimizer), True, None
+        try:
+            if trainer.distributed:  # a trial: no gradient reduction to leave waiting
+                with gradient_sync(model, False):
+                    trainer.forward_backward(window)
+            else:
+                loss = trainer.train_step(window)
+        except torch.OutOfMemoryError:
+            if attempt.stepped:  # in optimizer.step(): some weights may have moved
+                raise
+            fits = False
+        finally:
+            attempt.close()
+        if trainer.distributed:  # every process's verdict; the trial itself is undone
+            fits = not all_reduce(torch.tensor([float(not fits)]), "max")
+            attempt.undo(model, optimizer)
+            loss = trainer.train_step(window) if fits else None
+        elif not fits:
+            attempt.undo(model, optimizer)
+        return Tried(fits, loss)
+
     def state_dict(self) -> dict[str, Any]:
         return {"rows": self.rows}
 
@@ -123,6 +153,25 @@ class MicroBatches:
         if rows is not None and (not isinstance(rows, int) or rows < 1):
             raise ValueError(f"micro_batches.rows = {rows!r}")
         self.rows = rows
+
+
+class Stepping(Protocol):
+    """What :meth:`MicroBatches.attempt` needs of a trainer."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    distributed: bool
+
+    def train_step(self, window: Window) -> Any: ...
+    def forward_backward(self, window: Window, zero_grad: bool = False) -> torch.Tensor: ...
+
+
+@dataclass
+class Tried:
+    """How a try of a step went: whether it fit, and its loss (``train_step``'s)."""
+
+    fits: bool
+    loss: Any
 
 
 class Attempt:

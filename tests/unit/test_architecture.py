@@ -232,9 +232,14 @@ def test_the_config_schema_loads_no_torch() -> None:
 # the wait wrapped), the stop's save timed, grace_s handed to the checkpointer, a torchrun
 # restart resuming by itself, last_grad_norm read from the loop state (Checkpointer
 # 430: it says the first save's time against it; the words are SaveTimes').
-FILE_BUDGETS = {"loop.py": 737, "checkpoint.py": 550, "weights.py": 270, "atomic.py": 155}
-CLASS_BUDGETS = {("loop.py", "Trainer"): 678, ("checkpointer.py", "Checkpointer"): 430}
-LOOP_PROPER = ("fit", "_stop_if_signalled", 349)
+# Raised by issue 36 (Trainer 700, file 760, the loop proper 364): micro_batch_size, each
+# batch split by one call and an "auto" first step retried by one loop whose try is
+# glassloop.micro_batches' (Trainer.micro_batches in every checkpoint: a resume keeps the
+# plan); the frozen base handed to the run log (Checkpointer 451: its final_base and a save
+# that leaves the base out, its digests in meta.json).
+FILE_BUDGETS = {"loop.py": 760, "checkpoint.py": 550, "weights.py": 270, "atomic.py": 155}
+CLASS_BUDGETS = {("loop.py", "Trainer"): 700, ("checkpointer.py", "Checkpointer"): 451}
+LOOP_PROPER = ("fit", "_stop_if_signalled", 364)
 TRAIN_STEP = 55
 
 
