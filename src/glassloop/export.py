@@ -34,7 +34,7 @@ from glassloop.checkpoint import (
 from glassloop.config import from_dict
 from glassloop.errors import ConfigError, ModelError
 from glassloop.hashed_files import write_safetensors
-from glassloop.hugging_face import write_run_hf
+from glassloop.hugging_face import MAX_SHARD_BYTES, write_run_hf
 from glassloop.models import ModelConfig, build_model, data_kwargs, target_scale_of
 from glassloop.tasks import TASK_ATTRIBUTE, TASKS
 from glassloop.weights import (
@@ -162,13 +162,27 @@ def export_model(source: str | Path, output: str | Path) -> Path:
     return output
 
 
-def export_run_hf(source: str | Path, folder: str | Path) -> Path:
+def export_run_hf(
+    source: str | Path,
+    folder: str | Path,
+    *,
+    merged: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
     """Write the final weights of the run ``source`` (a run directory or its
     ``model.safetensors``) into ``folder`` in Hugging Face layout, from the files alone:
-    a transformers model's folder, or a peft adapter's (:mod:`glassloop.hugging_face`).
-    For the merged model, call :func:`glassloop.export_hf` on the trained model."""
+    a transformers model's folder (in shards of at most ``max_shard_bytes`` above that), or
+    a peft adapter's (:mod:`glassloop.hugging_face`). For the merged model, call
+    :func:`glassloop.export_hf` on the trained model (``merged=True`` here says so)."""
     weights = read_weights(source)
-    return write_run_hf(weights.tensors, weights.metadata, Path(folder), weights.path)
+    return write_run_hf(
+        weights.tensors,
+        weights.metadata,
+        Path(folder),
+        weights.path,
+        merged=merged,
+        max_shard_bytes=max_shard_bytes,
+    )
 
 
 def model_description(weights: Weights) -> dict[str, Any]:

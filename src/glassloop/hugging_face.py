@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from glassloop.atomic import ForeignPathError, refuse_link, remove_tree
+from glassloop.atomic import ForeignPathError, remove_tree
 from glassloop.distributed import unwrap_model
 from glassloop.errors import CheckpointError
 from glassloop.hashed_files import write_safetensors
@@ -123,16 +123,28 @@ def export_hf(model: nn.Module, folder: str | Path, *, merged: bool = False) -> 
 
 
 def write_run_hf(
-    tensors: dict[str, torch.Tensor], metadata: dict[str, str], folder: Path, source: Path
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str],
+    folder: Path,
+    source: Path,
+    *,
+    merged: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
     """Write a run's final weights (``tensors`` and their ``metadata``, read from
     ``source``) into ``folder`` in Hugging Face layout, from the configuration its training
-    recorded (:func:`describe`); :func:`glassloop.export.export_run_hf` reads them. Return
-    ``folder``."""
+    recorded (:func:`describe`); :func:`glassloop.export.export_run_hf` reads them. A
+    transformers model's weights go in shards of at most ``max_shard_bytes`` above that.
+    ``merged``: refused (the run's files hold no base). Return ``folder``."""
     if HF_CONFIG not in metadata:
         raise CheckpointError(
             f"export: '{source}' was not trained from a transformers or peft model (its "
             "weights record no Hugging Face config); export it with --format glassloop"
+        )
+    if merged:
+        raise CheckpointError(
+            f"export: '{source}' holds no base to merge an adapter into; merge in Python "
+            "with glassloop.export_hf(model, folder, merged=True) on the trained model"
         )
     if PEFT_CONFIG in metadata:
         keys = _json(metadata.get(PEFT_KEYS, ""), source)
@@ -143,7 +155,7 @@ def write_run_hf(
         parts = {"adapter_model.safetensors": adapter}
     else:
         files = {"config.json": metadata[HF_CONFIG]}
-        parts = _shards(tensors, MAX_SHARD_BYTES)
+        parts = _shards(tensors, max_shard_bytes)
         if len(parts) > 1:
             files["model.safetensors.index.json"] = _index(parts)
     with _staged(Path(folder)) as staging:
@@ -194,10 +206,11 @@ def _staged(folder: Path) -> Any:
     """A fresh folder beside ``folder`` to write into; renamed to ``folder`` once what was
     written is checked (JSON, safetensors and a model card only, plain files). An existing
     ``folder`` or a link of its name is refused and left as it is."""
-    if os.path.lexists(refuse_link(folder)):
+    if os.path.lexists(folder):
+        what = "is a symbolic link" if folder.is_symlink() else "already exists"
         raise ForeignPathError(
-            f"export: '{folder}' already exists; glassloop left it untouched: choose a new "
-            "folder, or remove it first"
+            f"export: '{folder}' {what}; glassloop left it untouched (it never writes into "
+            "or through what is not its own): choose a new folder, or remove it first"
         )
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))

@@ -293,6 +293,12 @@ def make_parser() -> Parser:
         help="glassloop: one file that glassloop.load_model rebuilds; hf: a folder that "
         "transformers' from_pretrained (a peft run: PeftModel.from_pretrained) loads",
     )
+    export.add_argument(
+        "--merged",
+        action="store_true",
+        help="--format hf: the adapter merged into its base (only from the trained model, in "
+        "Python: glassloop.export_hf(model, folder, merged=True))",
+    )
     return parser
 
 
@@ -549,7 +555,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.format == "hf":
             from glassloop.export import export_run_hf
 
-            path = export_run_hf(args.source, args.output)
+            path = export_run_hf(args.source, args.output, merged=args.merged)
             files = sorted(p.name for p in path.iterdir())
             print(f"exported {path}/ ({', '.join(files)})")
             return EXIT_OK
