@@ -212,7 +212,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
             if sec == section and key in typed:
                 check_choice(f"{section}.{key}", typed[key], choices)
         for key, value in typed.items():
-            if (section, key) in RANGES:
+            if (section, key) in RANGES and not isinstance(value, str):  # ("auto": its owner's)
                 check_range(f"{section}.{key}", value, RANGES[section, key])
         obj = cls(**typed)
         if section in OPEN_SECTIONS:

@@ -130,6 +130,33 @@ def test_two_processes_with_accumulation_equal_one_process(workdir: Path) -> Non
         assert torch.allclose(a[key], b[key], rtol=1e-5, atol=1e-6), key
 
 
+def test_micro_batches_that_fit_are_settled_alike_when_one_process_runs_out_of_memory(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """micro_batch_size = "auto": only rank 0 runs out of memory above 8 rows (of its 16);
+    both processes settle on 8 (a plan of their own would leave rank 1 waiting in rank 0's
+    missing reduction: a hang), and the weights are the one-process run's with whole
+    batches of 32, to fp32 rounding."""
+    model = ("--set", "model.target=killable.py:KillableMLP")
+    monkeypatch.setenv("DROPOUT", "0")  # (the comparison needs the same masks: none)
+    auto = train(workdir, "--run-dir", "auto", *model, "--set", "train.micro_batch_size=auto",
+                 nproc=2, env={"OOM_ABOVE": "8", "OOM_RANK": "0"})  # fmt: skip
+    assert auto.returncode == 0, auto.stderr
+    assert auto.stdout.count("micro-batches: 16 rows did not fit in memory; each batch of 16 "
+                             "is now 2 micro-batches of at most 8 rows") == 1, auto.stdout  # fmt: skip
+    state = json.loads((workdir / "auto" / "checkpoints" / "step-00000040" / "state.json")
+                       .read_text())  # fmt: skip
+    assert state["micro_batches"] == {"rows": 8}
+    whole = train_here(workdir, "--run-dir", "whole", *model, "--set", "data.batch_size=32")
+    assert whole.returncode == 0, whole.stderr
+    a, b = (
+        load_file(workdir / "whole" / "model.safetensors"),
+        load_file(workdir / "auto" / "model.safetensors"),
+    )
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=1e-5, atol=1e-7), key
+
+
 def test_a_dead_process_fails_the_job_without_hanging(workdir: Path) -> None:
     start = time.monotonic()
     result = train(
