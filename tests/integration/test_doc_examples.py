@@ -37,6 +37,7 @@ EXPECTED = {  # what each example must print: it ran, and it learned
     "Two inputs, and the knobs of a long run": "same class:",
     "Finding a learning rate": "suggested lr",
     "Saving and reloading a model built in Python": "True",
+    "Fine-tuning with LoRA: adapter checkpoints, a resume, Hugging Face export": "the exported adapter computes the same logits: True",
 }
 
 
