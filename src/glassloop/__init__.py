@@ -41,6 +41,7 @@ _EXPORTS = {
     "TrainState": "glassloop.state",
     "Trainer": "glassloop.loop",
     "build": "glassloop.assemble",
+    "doctor": "glassloop.checklist",
     "evaluate": "glassloop.evaluation",
     "evaluate_run": "glassloop.run_evaluation",
     "export_hf": "glassloop.hugging_face",
@@ -79,6 +80,7 @@ __all__ = [
     "Trainer",
     "__version__",
     "build",
+    "doctor",
     "evaluate",
     "evaluate_run",
     "export_hf",
@@ -112,6 +114,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from glassloop.assemble import Run, build
     from glassloop.callbacks import Callback, EarlyStopping
+    from glassloop.checklist import doctor
     from glassloop.config import Config, load_config
     from glassloop.errors import CheckpointError, ConfigError, DataError, GlassloopError, ModelError
     from glassloop.evaluation import evaluate, predict

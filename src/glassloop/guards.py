@@ -45,9 +45,11 @@ def check_first_batch(
     ignore_index: int = -100,
     task: str = "classification",
     own_loss: bool = False,
+    cross_entropy: bool = False,
 ) -> None:
     """Inputs free of NaN/inf; integer class labels within the model's outputs; a
-    regression's outputs and targets of one shape (torch would broadcast them silently).
+    regression's outputs and targets of one shape (torch would broadcast them silently);
+    under ``cross_entropy`` (an ``nn.CrossEntropyLoss``), no softmax already applied.
 
     The outputs come from an eval-mode, no-grad forward of ``model`` (pass the unwrapped
     module): no dropout, no batch-norm update, no RNG draw, so training is not changed by it.
@@ -78,6 +80,13 @@ def check_first_batch(
     if labels is None:
         return
     classes = int(labels[0].shape[-1])
+    if cross_entropy and _softmaxed(labels[0].float()):
+        raise ModelError(
+            "model: its outputs on the first training batch are probabilities (each row in "
+            "[0, 1], summing to 1): a softmax before nn.CrossEntropyLoss, which applies "
+            "log-softmax itself, trains on flattened scores; return the logits (remove the "
+            "last softmax; predict applies it)"
+        )
     kept = labels[1][labels[1] != ignore_index]
     if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= classes):
         raise DataError(
@@ -85,6 +94,15 @@ def check_first_batch(
             f"{int(kept.max())}] but the model has {classes} outputs; labels must be "
             f"class indices in [0, {classes}) (or {ignore_index} to ignore)"
         )
+
+
+def _softmaxed(scores: torch.Tensor) -> bool:
+    """Whether class scores are a softmax's output: every row in [0, 1] and summing to 1 (a
+    log-softmax before CrossEntropyLoss changes nothing: log-softmax of log-probabilities is
+    themselves)."""
+    sums = scores.sum(dim=-1)
+    inside = bool(((scores >= 0) & (scores <= 1)).all())
+    return inside and bool(torch.allclose(sums, torch.ones_like(sums), atol=1e-3))
 
 
 def check_batches(batches: int) -> None:

@@ -246,9 +246,7 @@ class Trainer:
             times=self.run_log.checkpoint_times,
             grace_s=grace_s,
         )
-        # A fine-tuned model's frozen base: out of checkpoints (its SHA-256 in) and, for an
-        # adapter, out of the final weights too (glassloop.frozen_base)
-        self.run_log.base = self.checkpointer.final_base(model)
+        self.run_log.base = self.checkpointer.final_base(model)  # an adapter's: not in weights
         self.should_stop = False  # callbacks set it to end the run after this epoch
         self._signals = StopSignals()
         self._train_loader: Iterable[Any] = ()
@@ -632,9 +630,9 @@ class Trainer:
 
     # ------------------------------------------------------------ around the loop: hooks
     def check_first_batch(self, inputs: Inputs, target: Any) -> None:
-        """The first-batch guard (:func:`glassloop.guards.check_first_batch`): NaN/inf
-        inputs, labels within the model's outputs. Override it to replace it, or with
-        ``pass`` to switch it off (e.g. for a model that keeps state between steps)."""
+        """The first-batch guard (:func:`glassloop.guards.check_first_batch`; the rest:
+        :func:`glassloop.doctor`). Override it to replace it, or with ``pass`` to switch it
+        off (e.g. for a model that keeps state between steps)."""
         guards.check_first_batch(
             distributed.unwrap_model(self.model),
             inputs,
@@ -644,6 +642,7 @@ class Trainer:
             ignore_index=self.ignore_index,
             task=self.task,
             own_loss=self.loss_fn is None,
+            cross_entropy=isinstance(self.loss_fn, nn.CrossEntropyLoss),  # no softmax before
         )
 
     # ----------------------------------------------------------------------- checkpoints

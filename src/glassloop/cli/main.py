@@ -229,7 +229,7 @@ def make_parser() -> Parser:
     doctor.add_argument(
         "--output",
         metavar="DIR",
-        help="where the LR range plot goes (default: runs/doctor-<timestamp>)",
+        help="a folder for the LR range plot (default: none drawn, nothing written)",
     )
 
     report = commands.add_parser(
@@ -493,11 +493,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from glassloop.checklist import timed_doctor
     from glassloop.config import load_config
-    from glassloop.doctor import timed_doctor
 
     cfg = load_config(args.config, args.overrides)
-    output = Path(args.output) if args.output else default_run_dir("doctor-")
+    output = Path(args.output) if args.output else None  # (nothing left behind unasked)
     checks, seconds = timed_doctor(cfg, output=output)
     for check in checks:
         print(redact(check.line()))  # (a check may quote data.path)

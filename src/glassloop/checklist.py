@@ -1,4 +1,5 @@
-"""``glassloop doctor``: the debugging checklist of the reference texts, run in seconds.
+"""The debugging checklist of the reference texts, run in seconds: ``glassloop doctor`` on a
+config (:func:`run_doctor`) and :func:`glassloop.doctor` on a Trainer built in Python.
 
 Each check prints PASS / WARN / FAIL with one sentence saying what was seen and what to do.
 Nothing here trains the run itself: the model is copied for the checks that take steps.
@@ -9,9 +10,10 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,8 +23,13 @@ from glassloop.batch import split_batch
 from glassloop.config import Config
 from glassloop.data.splits import Splits
 from glassloop.device import move_to_device
+from glassloop.distributed import unwrap_model
 from glassloop.lr_finder import range_test
 from glassloop.optimizers import optimizer_class
+from glassloop.tasks import class_scores, model_loss, prediction_of
+
+if TYPE_CHECKING:
+    from glassloop.loop import Trainer
 
 
 @dataclass
@@ -42,11 +49,24 @@ def labels_of(run: Built) -> torch.Tensor:
 
 def forward(model: nn.Module, batch: Any, device: torch.device) -> tuple[torch.Tensor, Any]:
     (args, kwargs), target = split_batch(move_to_device(batch, device))
-    return model(*args, **kwargs), target
+    return prediction_of(model(*args, **kwargs)), target
 
 
-def check_labels(run: Built, outputs: int) -> Check:
-    y = labels_of(run)
+def loss_of(
+    model: nn.Module, loss_fn: Any, batch: Any, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """The prediction, the loss and the target of one forward (``loss_fn=None``: the model's
+    own loss, given the target as ``labels=``)."""
+    own = loss_fn is None
+    (args, kwargs), target = split_batch(move_to_device(batch, device), labels_to_model=own)
+    output = model(*args, **kwargs)
+    loss = model_loss(output) if own else loss_fn(output, target)
+    return prediction_of(output, with_loss=own), loss, target
+
+
+def check_labels(run: Built | torch.Tensor, outputs: int) -> Check:
+    """A config's training labels (or a batch's: ``run`` a tensor) within the outputs."""
+    y = run if isinstance(run, torch.Tensor) else labels_of(run)
     low, high = int(y.min()), int(y.max())
     if low < 0 or high >= outputs:
         return Check(
@@ -222,20 +242,27 @@ def check_target_scale(run: Built) -> Check:
     return Check("target scale", "WARN", note.removeprefix("warning: ") + ".")
 
 
-def check_overfit(run: Built, batch: Any, device: torch.device, steps: int) -> Check:
-    model = copy.deepcopy(run.model).to(device).train()
+def check_overfit(
+    run: Built | None,
+    batch: Any,
+    device: torch.device,
+    steps: int,
+    parts: tuple[nn.Module, Any] | None = None,
+) -> Check:
+    """Adam on one batch, on a copy of the model: a model that cannot fit it has a bug
+    (``parts``: the model and loss of a Trainer, instead of a config's ``run``)."""
+    model, loss_fn = parts if parts is not None else (run.model, run.loss_fn)  # type: ignore[union-attr]
+    model = copy.deepcopy(model).to(device).train()
     optimizer = torch.optim.Adam(
         [p for p in model.parameters() if p.requires_grad] or [torch.zeros(1, requires_grad=True)],
         lr=1e-3,
     )
-    loss_fn = run.loss_fn
     first = last = float("nan")
     for step in range(steps):
-        logits, target = forward(model, batch, device)
-        loss = loss_fn(logits, target)
+        _, loss, _ = loss_of(model, loss_fn, batch, device)
         if step == 0:
             first = loss.item()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         last = loss.item()
@@ -248,7 +275,7 @@ def check_overfit(run: Built, batch: Any, device: torch.device, steps: int) -> C
             f"loss {first:.3f} -> {last:.4f} in {step + 1} "
             "steps on one batch: the model can learn.",
         )
-    if target_scale_note(run.data, run.task) is not None:  # the likelier cause: say so
+    if run is not None and target_scale_note(run.data, run.task) is not None:  # likelier
         return Check(
             "overfit one batch",
             "FAIL",
@@ -272,7 +299,7 @@ def lr_range_test(run: Built, cfg: Config, device: torch.device, output: Path | 
     cls: Any = optimizer_class(cfg.optim.name)
     optimizer = cls(model.parameters(), lr=1e-7, **cfg.optim.kwargs)
     found = range_test(model, optimizer, run.loss_fn, run.train_loader, device=device)
-    where = ""
+    where = "; --output DIR draws the curve"
     if output is not None:
         where = f"; curve in {found.plot(output / 'lr_range.png')}"
     return Check(
@@ -313,6 +340,54 @@ def run_doctor(cfg: Config, *, output: Path | None = None, overfit_steps: int = 
     checks.append(check_modes(model, batch, device))
     if labels_ok:
         checks.append(lr_range_test(run, cfg, device, output))
+    return checks
+
+
+def doctor(
+    trainer: Trainer, loader: Iterable[Any], *, overfit_steps: int = 300, echo: bool = True
+) -> list[Check]:
+    """The checks of ``glassloop doctor`` for a :class:`~glassloop.Trainer` built in Python, on
+    the first batch of ``loader``: the labels within the outputs, no softmax before
+    CrossEntropyLoss, the initial loss against ln(C), every trainable weight getting a
+    gradient, one batch overfit by Adam, train vs eval mode. On copies of the model: the
+    Trainer and its model are unchanged. ``echo``: each check's line printed too.
+
+    >>> import torch, glassloop
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Softmax(dim=1))
+    >>> trainer = glassloop.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+    ...                             torch.nn.CrossEntropyLoss(), progress="none")
+    >>> data = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))]
+    >>> [c.status for c in glassloop.doctor(trainer, data, overfit_steps=5, echo=False)][:2]
+    ['PASS', 'FAIL']
+    """
+    device = trainer.device
+    model = copy.deepcopy(unwrap_model(trainer.model)).to(device)
+    batch = next(iter(loader))
+    loss_fn = trainer.loss_fn
+    model.eval()
+    with torch.no_grad():
+        output, target = forward(model, batch, device)  # (no loss: labels may not fit)
+    checks: list[Check] = []
+    classifier = trainer.task in ("classification", "language-model")
+    scores = class_scores(output, target) if classifier else None
+    if scores is not None:
+        classes = int(scores[0].shape[-1])
+        labels = scores[1][scores[1] != trainer.ignore_index]
+        checks.append(check_labels(labels, classes))
+        if isinstance(loss_fn, nn.CrossEntropyLoss):
+            checks.append(check_softmax(scores[0]))
+    labels_ok = not checks or checks[0].status != "FAIL"
+    model.train()
+    if labels_ok:
+        _, loss, _ = loss_of(model, loss_fn, batch, device)
+        if scores is not None and isinstance(loss_fn, nn.CrossEntropyLoss):
+            checks.append(check_initial_loss(float(loss.detach()), int(scores[0].shape[-1])))
+        checks.append(check_gradients(model, loss))
+        checks.append(check_overfit(None, batch, device, overfit_steps, parts=(model, loss_fn)))
+    if loss_fn is not None:
+        checks.append(check_modes(model, batch, device))
+    for check in checks if echo else []:
+        print(check.line())
     return checks
 
 
