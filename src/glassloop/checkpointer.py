@@ -532,8 +532,10 @@ class Checkpointer:
         if changes and not allow_config_change:
             raise ConfigError(
                 f"config: the run in '{checkpoint.path}' was made with a different config: "
-                f"{'; '.join(changes)}. Resuming would not continue the same run; pass "
-                "--allow-config-change (allow_config_change=True) to resume anyway"
+                f"{'; '.join(changes)}. Resuming would not continue the same run: resume "
+                "with the config it was made with (glassloop train --run-dir DIR --resume "
+                "reads the run's own config.json), or change it on purpose with "
+                "--allow-config-change (allow_config_change=True)"
             )
 
 

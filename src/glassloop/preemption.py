@@ -46,7 +46,9 @@ class Preempted(Exception):
         where = f"checkpoint saved to {checkpoint}" if checkpoint else "no run_dir: not saved"
         if checkpoint and seconds is not None:
             where += f" in {seconds:.2f} s"
-        super().__init__(f"stopped by {name} after step {step}; {where}")
+        self.summary = f"stopped by {name} after step {step}; {where}"  # (the CLI's hint: its own)
+        hint = "; continue with trainer.fit(..., resume='auto')" if checkpoint else ""
+        super().__init__(self.summary + hint)
 
     @property
     def exit_code(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -160,8 +161,16 @@ def test_a_stop_signal_to_the_process_group_with_workers_checkpoints_and_resumes
     assert f"stopped by {stop.name} after step" in err and "checkpoint saved to" in err
     step = int(err.split("after step ")[1].split(";")[0])
     assert (workdir / "term" / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file()
-    resumed = glassloop(workdir, "term", "--resume", *workers)
+    # The command the stop prints, pasted as a user would: --resume alone reads the run's
+    # own config.json (data.num_workers=2 included); cfg.toml is not named.
+    hint = "; continue with: glassloop train --run-dir term --resume\n"
+    assert err.endswith(hint), err
+    resumed = subprocess.run(
+        [sys.executable, "-m", *shlex.split(hint.split(": ")[1])],
+        cwd=workdir, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
+    assert "resuming with the run's own config: term/config.json" in resumed.stdout
     # Workers do not change the data order: the result equals the num_workers=0 reference.
     assert_same_run(workdir / "reference", workdir / "term")
 

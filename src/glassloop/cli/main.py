@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 # (No torch in either: `glassloop --help` stays fast.)
 from glassloop.cli.launch import is_worker, launch_torchrun, worker_finished, worker_started
@@ -23,6 +24,9 @@ from glassloop.cli.launch import is_worker, launch_torchrun, worker_finished, wo
 # Every line the CLI prints that can quote a config value, a path or a command line goes
 # through it: a URI's password prints as ***.
 from glassloop.redaction import redact, redacted
+
+if TYPE_CHECKING:
+    from glassloop.preemption import Preempted
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_WRITE_FAILED, EXIT_DIVERGED = 0, 1, 2, 3, 4
 EXIT_NOT_EXACT = 5  # verify-resume: the killed and resumed run ended elsewhere
@@ -33,7 +37,7 @@ EPILOG = """examples:
   glassloop train                                  the demo: tutorial MLP, bundled MNIST
   glassloop train my.toml --set optim.lr=3e-4 --run-dir runs/lr3e-4
   glassloop train my.toml --fast-dev-run           one batch of each, nothing written
-  glassloop train my.toml --run-dir runs/lr3e-4 --resume
+  glassloop train --run-dir runs/lr3e-4 --resume    continue a run, with its own config.json
   glassloop config my.toml --set optim.lr=3e-4     the resolved config, as TOML
   glassloop eval runs/lr3e-4; glassloop predict runs/lr3e-4 digit.png --top-k 3
   glassloop doctor my.toml; glassloop report runs/lr3e-4; glassloop runs
@@ -119,7 +123,8 @@ def make_parser() -> Parser:
         const="auto",
         metavar="CHECKPOINT",
         help="continue the run in --run-dir from its newest valid checkpoint (or from the "
-        "CHECKPOINT directory given), at the exact next batch",
+        "CHECKPOINT directory given), at the exact next batch; without a CONFIG, with the "
+        "run's own config.json",
     )
     train.add_argument(
         "--nproc",
@@ -334,6 +339,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.nproc and "WORLD_SIZE" not in os.environ:
         return launch_torchrun(args.nproc, args.argv)
+    args.config = own_config(args)  # (--resume alone: the run's config.json)
     cfg = load_config(args.config, [*args.overrides, *flag_overrides(args)])
     if args.fast_dev_run:
         if args.resume or args.run_dir:
@@ -375,6 +381,31 @@ def cmd_train(args: argparse.Namespace) -> int:
     if "val_accuracy" in last:  # the demo's last line (the README quotes it)
         print(f"final validation accuracy: {100 * last['val_accuracy']:.2f}%")
     return EXIT_OK
+
+
+def resume_hint(args: argparse.Namespace, stop: Preempted) -> str:
+    """The command that continues a stopped run, ready to paste (the run's own config.json
+    is what ``--resume`` alone reads)."""
+    if stop.checkpoint is None:
+        return ""
+    run_dir = args.run_dir or str(Path(stop.checkpoint).parents[1])  # (.../checkpoints/step-N)
+    nproc = ["--nproc", str(args.nproc)] if getattr(args, "nproc", 0) else []
+    command = ["glassloop", "train", "--run-dir", run_dir, *nproc, "--resume"]
+    return f"; continue with: {shlex.join(command)}"
+
+
+def own_config(args: argparse.Namespace) -> str | None:
+    """``train --run-dir DIR --resume`` without a config: the run's own config.json (what it
+    was started with), said in one line; else the config given."""
+    from glassloop.file_names import is_url
+
+    if args.config is not None or not args.resume or not args.run_dir or is_url(args.run_dir):
+        return args.config  # type: ignore[no-any-return]
+    own = Path(args.run_dir) / "config.json"
+    if not own.is_file():
+        return None
+    print(f"resuming with the run's own config: {own}")
+    return str(own)
 
 
 def started_in(args: argparse.Namespace) -> Path | None:
@@ -640,7 +671,7 @@ def run_command(argv: Sequence[str] | None = None) -> int:
         print(f"glassloop: error: {redact(str(err))}", file=sys.stderr)
         return EXIT_USAGE
     except Preempted as stop:
-        print(f"glassloop: {stop}; continue with --resume", file=sys.stderr)
+        print(f"glassloop: {stop.summary}{resume_hint(args, stop)}", file=sys.stderr)
         return stop.exit_code
     except KeyboardInterrupt:
         print("glassloop: interrupted", file=sys.stderr)
