@@ -9,32 +9,45 @@ BIN    := $(VENV)/bin
 TORCH    ?= torch==2.13.0
 PIP_ARGS ?=
 
-.PHONY: demo test lint typecheck unit venv clean
+.PHONY: demo test lint typecheck unit venv dev clean
 
-$(BIN)/.installed: pyproject.toml
+# `make demo` installs what glassloop needs to train (torch and the runtime dependencies);
+# `make test` adds the dev extra (pytest, ruff, mypy, and the libraries the tests run
+# against: transformers, peft, mlflow, wandb, tensorboard, pyarrow, s3fs and moto).
+$(BIN)/.runtime: pyproject.toml
+	@echo "== [1/3] creating $(VENV) and upgrading pip"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(PIP_ARGS) $(TORCH)
-	$(BIN)/pip install --quiet -e '.[dev]'
+	@echo "== [2/3] installing $(TORCH) (the largest download; pip shows its progress)"
+	$(BIN)/pip install --progress-bar on $(PIP_ARGS) $(TORCH)
+	@echo "== [3/3] installing glassloop and its runtime dependencies"
+	$(BIN)/pip install --progress-bar on -e .
 	touch $@
 
-venv: $(BIN)/.installed
+$(BIN)/.dev: $(BIN)/.runtime pyproject.toml
+	@echo "== installing the dev extra: test, lint and type-check tools and the libraries the tests use"
+	$(BIN)/pip install --progress-bar on -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/.runtime
+
+dev: $(BIN)/.dev
 
 demo: venv
 	$(BIN)/glassloop train
 
-test: venv lint typecheck unit
+test: dev lint typecheck unit
 
-lint: venv
+lint: dev
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 
-typecheck: venv
+typecheck: dev
 	$(BIN)/mypy src/glassloop
 
 # Two workers, each taking whole files (a file's tests share module fixtures, and one FSDP
 # test reads another's run): about 9.5 minutes on 2 cores instead of 14.
-unit: venv
+unit: dev
 	$(BIN)/pytest -q -n 2 --dist loadfile
 
 clean:
