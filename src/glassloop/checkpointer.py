@@ -84,6 +84,9 @@ class Watch(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+LATER_PARTS = ("micro_batches",)  # stateful parts older checkpoints do not hold
+
+
 class Checkpointer:
     """Saves and restores a run's checkpoints under ``run_dir`` (does nothing without one).
 
@@ -135,7 +138,8 @@ class Checkpointer:
             remote.keep_last, remote.say = self.policy.keep_last, say
         # A fine-tuned model's frozen tensors stay out of its checkpoints; their digests go
         # in (glassloop.frozen_base). An FSDP run's shards hold every tensor.
-        self.base = FrozenBase(not self.policy.save_frozen and shards is None)
+        self.base = FrozenBase()  # (its digests: taken when training starts, in resume())
+        self.leave_base_out = not self.policy.save_frozen and shards is None
         self.background = (
             BackgroundSave(self.times, say, sharded=shards is not None)
             if self.policy.async_save
@@ -245,13 +249,13 @@ class Checkpointer:
         """The frozen base the run's final weights leave out (``policy.final_weights``:
         "trainable", or "auto" for a peft adapter); ``None``: they are whole."""
         alone = adapter_alone(model, self.policy.final_weights)
-        return self.base if alone and self.base.enabled else None
+        return self.base if alone and self.shards is None else None
 
     def weights(self) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
         """What a checkpoint's model.safetensors holds: the model's state dict less its frozen
         base, and the base's record for meta.json (``None``: nothing left out)."""
         tensors = unwrap_model(self.model).state_dict()
-        left_out = self.base.left_out(self.model)
+        left_out = self.base.left_out(self.model) if self.leave_base_out else set()
         kept = {name: t for name, t in tensors.items() if name not in left_out}
         return kept, self.base.meta(left_out)
 
@@ -331,7 +335,8 @@ class Checkpointer:
         fit")."""
         world = self.world
         for name, part in self.parts.items():
-            saved = state[name]
+            # (a part added since: absent from older checkpoints, it starts fresh)
+            saved = state.get(name) if name in LATER_PARTS else state[name]
             if part is not None and saved is not None:
                 part.load_state_dict(saved)
         self.record.load_state_dict(state, self.device, world)
@@ -420,6 +425,8 @@ class Checkpointer:
         and say where the run goes on when it has ``epochs`` left. Without ``resume``, make
         sure a fresh run overwrites none. The checkpoint, or ``None``."""
         warn = warn if warn is not None else self.say
+        if self.run_dir is not None and self.shards is None:
+            self.base.take(self.model)  # the frozen base, before anything is loaded or trained
         if resume is None:
             self.refuse_overwrite()
             return None

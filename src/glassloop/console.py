@@ -131,11 +131,13 @@ class ProgressReporter:
 
 
 def format_duration(seconds: float) -> str:
-    """``"1h 05m"``, ``"3m 12s"``, ``"41s"``.
+    """``"1h 05m"``, ``"3m 12s"``, ``"41s"``; under 10 s with its tenth (``"0.6s"``).
 
-    >>> format_duration(3725), format_duration(192), format_duration(41.7)
-    ('1h 02m', '3m 12s', '41s')
+    >>> format_duration(3725), format_duration(192), format_duration(41.7), format_duration(0.64)
+    ('1h 02m', '3m 12s', '41s', '0.6s')
     """
+    if seconds < 10:
+        return f"{seconds:.1f}s"
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     if hours:

@@ -8,9 +8,10 @@ the base the way the run did (``from_pretrained``, a seeded init) and loads the 
 that differs is refused, naming the first tensor that differs. The digests are written into
 ``meta.json`` under ``"base"``, and into a weights file's metadata (``glassloop.base``).
 
-A parameter frozen when the digests were taken but trained later (a layer unfrozen by a
-callback) is saved from then on; one frozen later than that was trained before, so it is
-saved too: only tensors that are frozen now *and* were frozen at the start stay out.
+A parameter frozen when training started but trained later (a layer unfrozen by a callback)
+is saved from then on; one frozen later than that was trained before, so it is saved too; a
+frozen one the run changes otherwise (an EMA teacher) is noticed and saved: only tensors
+frozen now, frozen at the start and unchanged since stay out (:class:`FrozenBase`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,27 @@ def combined(digests: Mapping[str, str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+SAMPLE = 4096  # values per tensor compared at each save to notice a frozen tensor changed
+
+
+def _mark(tensor: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """How a tensor looks: its storage, its version counter and a copy of a sample of it."""
+    return tensor.untyped_storage().data_ptr(), tensor._version, _sample(tensor).clone()
+
+
+def _sample(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE]
+
+
+def _changed(tensor: torch.Tensor, mark: tuple[int, int, torch.Tensor]) -> bool:
+    """Whether ``tensor`` changed since ``mark`` (:func:`_mark`)."""
+    where, version, sample = mark
+    if tensor.untyped_storage().data_ptr() != where or tensor._version != version:
+        return True
+    return not torch.equal(_sample(tensor), sample)
+
+
 def is_peft(model: nn.Module) -> bool:
     """Whether ``model`` is a peft model (``PeftModel`` and its task classes), known by its
     class's package: importing peft to ask would cost seconds."""
@@ -70,22 +92,37 @@ def adapter_alone(model: nn.Module, final_weights: str) -> bool:
 class FrozenBase:
     """The frozen tensors a run leaves out of its checkpoints and their digests.
 
-    ``enabled=False`` (``checkpoint.save_frozen``): nothing is left out."""
+    The digests are taken when training starts (:meth:`take`), before any step: a tensor
+    trained first and frozen later is never taken for the base. A frozen tensor the run still
+    changes (an EMA teacher updated in place, even through ``.data``) is seen at each save by
+    its storage, its version counter and a sample of its values (every n-th of at most
+    :data:`SAMPLE` values, compared on its device: a few ms), and is saved from then on.
+    """
 
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
+    def __init__(self) -> None:
         self.digests: dict[str, str] | None = None  # name -> SHA-256, once taken or loaded
+        self._marks: dict[str, tuple[int, int, torch.Tensor]] = {}  # name -> how it looked
+
+    def take(self, model: nn.Module) -> None:
+        """The digests of ``model``'s frozen tensors as they are now (once per process: the
+        start of training), and how each looks, to notice a change at a save."""
+        if self.digests is not None:
+            return
+        tensors = unwrap_model(model).state_dict()
+        frozen = frozen_names(model)
+        self.digests = {name: tensor_digest(tensors[name]) for name in frozen}
+        self._marks = {name: _mark(tensors[name]) for name in frozen}
 
     def left_out(self, model: nn.Module) -> set[str]:
-        """The state-dict keys a checkpoint of ``model`` leaves out now (the digests are
-        taken at the first call)."""
-        if not self.enabled:
-            return set()
-        frozen = frozen_names(model)
-        if self.digests is None:
-            tensors = unwrap_model(model).state_dict()
-            self.digests = {name: tensor_digest(tensors[name]) for name in frozen}
-        return set(frozen) & set(self.digests)
+        """The state-dict keys a checkpoint of ``model`` leaves out now: frozen now, frozen
+        at the start, and unchanged since (:meth:`take`, done here if not yet)."""
+        self.take(model)
+        assert self.digests is not None
+        tensors = unwrap_model(model).state_dict()
+        for name in [n for n in self.digests if n in self._marks]:
+            if name not in tensors or _changed(tensors[name], self._marks[name]):
+                del self.digests[name], self._marks[name]  # changed: saved from now on
+        return set(frozen_names(model)) & set(self.digests)
 
     def meta(self, left_out: set[str]) -> dict[str, Any] | None:
         """What ``meta.json`` records of the base a checkpoint needs (``None``: none)."""
@@ -98,8 +135,7 @@ class FrozenBase:
         """Refuse to load a checkpoint (or weights file) at ``source`` whose recorded
         ``base`` (:meth:`meta`) is not ``model``'s: one line naming the first tensor, in the
         model's order, that differs. The tensors ``stored`` in the file are its own; the
-        names of those the base supplies are returned. The digests are kept: the next
-        checkpoints leave out the same tensors."""
+        names of those the base supplies are returned."""
         digests = _digests_of(base, source)
         tensors = unwrap_model(model).state_dict()
         needed = {name: sha for name, sha in digests.items() if name not in stored}
@@ -117,8 +153,6 @@ class FrozenBase:
                     f"(SHA-256 {expected[:12]}... expected); load the base the run was trained "
                     "on (the same pretrained weights, or the same seed), or start a new run"
                 )
-        if self.enabled and digests:
-            self.digests = {**(self.digests or {}), **digests}
         return set(needed)
 
 

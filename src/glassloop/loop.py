@@ -41,7 +41,7 @@ from glassloop.parallelize import averaged, evaluated, prepare_model
 from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import Preempted, StopRequested, StopSignals
 from glassloop.profiling import StepProfiler, fit_profiler
-from glassloop.provenance import environment
+from glassloop.provenance import environment, since_launch
 from glassloop.redaction import redacted
 from glassloop.rng import seed_everything, use_deterministic
 from glassloop.run_log import RunLog, python_config
@@ -310,7 +310,7 @@ class Trainer:
         first_val = self.validator.first
         self.run_log.start(has_val=first_val is not None)
         self.watch.check(self.state, self.world)  # counts from here (a resumed run's step)
-        start = time.perf_counter()
+        self.state.began = time.perf_counter()  # the run's training time: from the header
         status, pairs = "failed", None  # pairs: a regression's outputs and targets, plotted
         self.profiler = fit_profiler(self.profile, self.world, self.run_dir, self.console.message)
         try:
@@ -341,10 +341,11 @@ class Trainer:
         finally:
             self.console.close()
             self.checkpointer.close()  # a save in flight commits before the end
+            self.state.end_clock(since_launch())  # (the report's drawing is not training)
             # The final weights and run.json, then the final report, which shows the end.
             last: dict[str, Any] = {"evaluation": self.last_eval, "predicted_vs_true": pairs}
             report = self.run_log.finish(status, self.eval_model, error=self._failure, **last)
-        self.console.info(end_summary(self, time.perf_counter() - start, report))
+        self.console.info(end_summary(self, report))
 
     def _run_epoch(self, train_loader: Iterable[Any], epochs: int) -> dict[str, Any]:
         state, start = self.state, time.perf_counter()

@@ -16,6 +16,7 @@ from glassloop.file_names import file_name
 if TYPE_CHECKING:
     import torch
 from glassloop.best import best_epoch
+from glassloop.console import format_duration
 from glassloop.metrics import format_report
 from glassloop.runs import read_epochs, read_json_object, read_rows, summarise
 
@@ -217,7 +218,8 @@ def _html(
         "status": summary.status if summary else info.get("status"),
         "epochs": last.get("epoch"),
         "steps": last.get("step"),
-        "time": summary.duration if summary else "-",
+        "training time": summary.duration if summary else "-",
+        "this command": _seconds(info.get("wall_s")),
         "best epoch": f"{best[2]}: {best[0]} {_fmt(best[1], best[0])}" if best else "-",
         "command": _command(info.get("argv")),
     }
@@ -233,6 +235,7 @@ def _html(
     versions = "".join(
         f"<tr><td>{k}</td><td>{html.escape(str(info.get(k)))}</td></tr>"
         for k in ("glassloop", "torch", "python", "platform", "git_sha")
+        if info.get(k) is not None  # (unknown: not shown, never "None")
     )
     figures = "".join(
         f'<figure><img src="{html.escape(name)}" alt="{html.escape(title)}">'
@@ -256,6 +259,13 @@ pre{{background:#f6f6f6;padding:1em}}</style></head><body>
 <h2>Config</h2><pre>{html.escape(json.dumps(config, indent=2))}</pre>
 </body></html>
 """
+
+
+def _seconds(value: Any) -> str:
+    """run.json's ``wall_s``: the last command's seconds since its launch."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return f"{format_duration(float(value))} since its launch"
+    return "-"
 
 
 def _fmt(value: Any, name: str = "") -> str:

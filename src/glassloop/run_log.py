@@ -40,6 +40,7 @@ from glassloop.frozen_base import FrozenBase
 from glassloop.hugging_face import describe
 from glassloop.options import RunInfo as RunInfo  # (re-exported: its old home)
 from glassloop.options import TrackingConfig
+from glassloop.provenance import since_launch
 from glassloop.remote import open_run_dir
 from glassloop.run_lock import RunLock
 from glassloop.runs import read_json_object
@@ -306,6 +307,10 @@ class RunLog:
     def _status_info(self) -> dict[str, Any]:
         """What run.json says besides the status: where the run stands, what ran it."""
         info = {"step": self.state.step, "epoch": self.state.epoch, **self.info.versions}
+        # the run's training time (resumes add theirs, never the pause) and this command's
+        info["train_s"] = round(self.state.train_seconds(), 2)
+        wall = self.state.wall_s if self.state.wall_s is not None else since_launch()
+        info["wall_s"] = round(wall, 2)
         if (times := self.checkpoint_times.summary()) is not None:
             info["checkpoints"] = times
         if self.remote is not None:

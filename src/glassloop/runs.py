@@ -20,7 +20,8 @@ class RunSummary:
     epoch: int
     best: str  # e.g. "val_accuracy 94.80% (epoch 7)"
     started: str = ""  # ISO time the run began ("" when run.json does not say)
-    duration: str = "-"  # e.g. "3m 12s", from started to ended
+    duration: str = "-"  # training time, e.g. "3m 12s" (run.json's train_s; older runs:
+    # from started to ended)
     final: str = "-"  # the last epoch's val_accuracy (or val_loss, train_loss)
     error: str = ""  # why a failed run failed (run.json's "error")
 
@@ -50,14 +51,17 @@ def summarise(run_dir: Path) -> RunSummary | None:
         _count(info.get("epoch", last.get("epoch"))),
         best_of(run_dir, rows),
         started,
-        _duration(started, info.get("ended")),
+        _duration(started, info.get("ended"), info.get("train_s")),
         final_of(rows),
         error,
     )
 
 
-def _duration(started: Any, ended: Any) -> str:
-    """``"1h 02m"``, ``"3m 12s"`` or ``"41s"`` between two of run.json's times."""
+def _duration(started: Any, ended: Any, train_s: Any = None) -> str:
+    """``"1h 02m"``, ``"3m 12s"`` or ``"41s"``: the run's training time (run.json's
+    ``train_s``; a run written before it was recorded: between its start and end)."""
+    if isinstance(train_s, int | float) and not isinstance(train_s, bool) and train_s >= 0:
+        return format_duration(float(train_s))
     try:
         seconds = (
             datetime.datetime.fromisoformat(str(ended)) - datetime.datetime.fromisoformat(started)

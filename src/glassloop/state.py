@@ -3,6 +3,7 @@ epoch, samples seen, best) and :class:`EpochRecord` (what it has recorded so far
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -39,10 +40,30 @@ class TrainState:
     # (no host read per step), a float in a checkpoint, so an epoch row written after a
     # resume that took no step of the epoch (an owed validation) still reports it.
     grad_norm: torch.Tensor | float | None = None
+    # The run's training time: seconds from each command's header to its end, counted up to
+    # the checkpoint a resume goes on from (never the pause before the resume), and when this
+    # process's training began (its header; not saved): :meth:`train_seconds`.
+    train_s: float = 0.0
+    began: float | None = None
+    wall_s: float | None = None  # (not saved) this command's seconds from launch to its end
+
+    def end_clock(self, since_launch: float) -> None:
+        """Training ended: its time stops here, and so does this command's since its launch
+        (what every place that reports them reads, whenever it reads them)."""
+        self.train_s, self.began, self.wall_s = self.train_seconds(), None, since_launch
+
+    def train_seconds(self) -> float:
+        """The run's training time so far: the seconds before its resume, if any, and this
+        process's since its header (what the end summary, run.json, ``glassloop runs`` and
+        the report call training time)."""
+        now = time.perf_counter() - self.began if self.began is not None else 0.0
+        return self.train_s + now
 
     def state_dict(self) -> dict[str, Any]:
         state = asdict(self)
         state["grad_norm"] = None if self.grad_norm is None else float(self.grad_norm)
+        state["train_s"] = self.train_seconds()
+        del state["began"], state["wall_s"]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -54,6 +75,7 @@ class TrainState:
         self.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
         self.stopped = bool(state.get("stopped", False))
         self.validation_due = str(state.get("validation_due", ""))
+        self.train_s = float(state.get("train_s", 0.0))
         norm = state.get("grad_norm")
         self.grad_norm = None if norm is None else float(norm)
         best = state.get("best_metric")

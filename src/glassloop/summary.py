@@ -24,6 +24,7 @@ from glassloop.best import best_epoch, shown
 from glassloop.distributed import World, unwrap_model
 from glassloop.fsdp import class_name
 from glassloop.options import CheckpointConfig
+from glassloop.provenance import since_launch
 from glassloop.state import TrainState
 
 
@@ -117,7 +118,12 @@ def start_header(
     ]
     schedule = "none"
     if trainer.scheduler is not None:
-        schedule = f"{type(trainer.scheduler).__name__} per {trainer.scheduler_interval}"
+        kind = type(trainer.scheduler).__name__
+        # a config's name for it first ("warmup_cosine" is a LambdaLR: the class says little)
+        named = ((getattr(trainer, "config", None) or {}).get("scheduler") or {}).get("name")
+        if isinstance(named, str) and named and named.lower() != kind.lower():
+            kind = f"{named} ({kind})"
+        schedule = f"{kind} per {trainer.scheduler_interval}"
     lines.append(f"optimizer: {'; '.join(described)}; schedule: {schedule}")
     if (note := loss_note(trainer.loss_fn, trainer.loss_reduction)) is not None:
         lines.append(note)
@@ -159,12 +165,13 @@ def loss_note(loss_fn: Any, reduction: str) -> str | None:
     )
 
 
-def end_summary(trainer: Described, seconds: float, report: Path | None) -> str:
+def end_summary(trainer: Described, report: Path | None) -> str:
     history = trainer.history
     state = trainer.state
-    parts = [
-        f"done in {seconds:.1f} s: {counted(state.epoch, 'epoch')}, {counted(state.step, 'step')}"
-    ]
+    # one definition of the run's time (run.json, glassloop runs and the report say the same)
+    wall = state.wall_s if state.wall_s is not None else since_launch()
+    trained = f"{state.train_seconds():.1f} s of training ({wall:.1f} s since launch)"
+    parts = [f"done in {trained}: {counted(state.epoch, 'epoch')}, {counted(state.step, 'step')}"]
     policy = trainer.checkpointer.policy
     best = best_epoch(history, policy.monitor, policy.mode)
     if best is not None:

@@ -176,3 +176,67 @@ def test_save_frozen_keeps_every_tensor_and_final_trainable_leaves_the_base_out(
     other = build(base_seed=9)
     with pytest.raises(CheckpointError, match=r"'encoder\.0\.weight' differs"):
         glassloop.load_weights(other, final)
+
+
+class Teacher(nn.Module):
+    """A student and a frozen teacher the run moves towards it in place through ``.data`` at
+    each step (DINO's, MoCo's way: no version bump, no gradient), and a trained layer that
+    a callback freezes after epoch 1: neither is the base, both must be saved."""
+
+    def __init__(self, kill_at: int = 0) -> None:
+        super().__init__()
+        self.student = nn.Linear(8, 3)
+        self.teacher = nn.Linear(8, 3).requires_grad_(False)
+        self.calls, self.kill_at = 0, kill_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls == self.kill_at:
+                raise Kill
+            for t, s in zip(self.teacher.parameters(), self.student.parameters(), strict=True):
+                t.data.mul_(0.9).add_(0.1 * s.data)
+        out: torch.Tensor = self.student(x) + 0.1 * self.teacher(x)
+        return out
+
+
+class FreezeStudentBias(Callback):
+    """Freezes the student's bias from epoch 2 on (again in a run resumed after that)."""
+
+    def on_fit_start(self, trainer: Any) -> None:
+        if trainer.state.epoch >= 1:
+            trainer.model.student.bias.requires_grad_(False)
+
+    def on_epoch_end(self, trainer: Any, row: dict[str, Any]) -> None:
+        trainer.model.student.bias.requires_grad_(False)
+
+
+def test_frozen_tensors_the_run_changes_are_saved_and_resume_bitwise(tmp_path: Path) -> None:
+    def run(kill_at: int, where: str, resume: str | None = None) -> Trainer:
+        torch.manual_seed(0)
+        model = Teacher(kill_at)
+        fit = trainer(model, tmp_path / where)
+        fit.callbacks.append(FreezeStudentBias())
+        fit.fit(loader(), epochs=3, resume=resume)
+        return fit
+
+    straight = run(0, "straight")
+    with pytest.raises(Kill):
+        run(15, "cut")  # in epoch 3: the teacher moved, the student's bias frozen after training
+    stored = load_file(tmp_path / "cut" / "checkpoints" / "step-00000012" / "model.safetensors")
+    assert {"teacher.weight", "teacher.bias", "student.bias"} <= set(stored)
+    resumed = run(0, "cut", resume="auto")
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoint_from_before_a_stateful_part_existed_resumes() -> None:
+    """A part added to Trainer.stateful() (micro_batches) is absent from older checkpoints:
+    they resume, the part starting fresh (it was KeyError: 'micro_batches')."""
+    fit = Trainer(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1),
+                  nn.MSELoss(), progress="none", micro_batch_size="auto")  # fmt: skip
+    fit.checkpointer.attach(fit.stateful())
+    state = fit.checkpointer.state_dict()
+    del state["micro_batches"]
+    fit.checkpointer.load_state_dict(state)
+    assert fit.micro_batches.rows is None

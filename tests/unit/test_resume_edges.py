@@ -519,3 +519,35 @@ def test_the_default_step_reads_nothing_on_the_host(monkeypatch: pytest.MonkeyPa
     trainer.fit(loader, epochs=1)
     assert trainer.state.step == 300
     assert reads["count"] - before <= 30, reads["count"] - before
+
+
+def test_a_run_has_one_training_time_and_a_resume_does_not_count_its_pause(
+    tmp_path: Path,
+) -> None:
+    """Issue 37: the console said "done in 30.0 s", `glassloop runs` and the report "24s",
+    and a resumed run's report counted the pause between the kill and the resume. Now one
+    number, the seconds of training the weights hold, everywhere; the command's own seconds
+    since its launch named as such."""
+    import time
+
+    from glassloop.runs import summarise
+    from glassloop.summary import end_summary
+
+    started = time.perf_counter()
+    with pytest.raises(Kill):
+        make(tmp_path / "run", 10, checkpoint={"every_n_steps": 4}).fit(user_loader(), epochs=3)
+    first = json.loads((tmp_path / "run" / "checkpoints" / "step-00000008" / "state.json")
+                       .read_text())["loop"]["train_s"]  # fmt: skip
+    time.sleep(1.0)  # the pause a resume must not count
+    resumed = make(tmp_path / "run", checkpoint={"every_n_steps": 4})
+    resumed.fit(user_loader(), epochs=3, resume="auto")
+    elapsed = time.perf_counter() - started
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert first < info["train_s"] < elapsed - 1.0
+    said = end_summary(resumed, None)  # (the console's last lines; progress="none" here)
+    assert said.startswith(f"done in {info['train_s']:.1f} s of training ({info['wall_s']:.1f} s")
+    summary = summarise(tmp_path / "run")
+    assert summary is not None and summary.duration == f"{info['train_s']:.1f}s"
+    page = (tmp_path / "run" / "report" / "index.html").read_text()
+    assert f"<td>training time</td><td>{summary.duration}</td>" in page
+    assert f"<td>this command</td><td>{info['wall_s']:.1f}s since its launch</td>" in page

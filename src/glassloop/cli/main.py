@@ -671,10 +671,12 @@ def run_command(argv: Sequence[str] | None = None) -> int:
         print(f"glassloop: error: {redact(str(err))}", file=sys.stderr)
         return EXIT_USAGE
     except Preempted as stop:
+        if stop.signum == signal.SIGINT and sys.stderr.isatty():
+            print(file=sys.stderr)  # the terminal's "^C" stays on the bar's line, alone
         print(f"glassloop: {stop.summary}{resume_hint(args, stop)}", file=sys.stderr)
         return stop.exit_code
     except KeyboardInterrupt:
-        print("glassloop: interrupted", file=sys.stderr)
+        print(f"{chr(10) if sys.stderr.isatty() else ''}glassloop: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
