@@ -15,14 +15,10 @@ True
 from __future__ import annotations
 
 import importlib
-import time
 from typing import TYPE_CHECKING, Any
 
+import glassloop.launched  # noqa: F401  (the launch's moment: before any heavy import)
 from glassloop._version import __version__
-
-# When glassloop was first imported: a command's launch, give or take the interpreter's start
-# (the "since launch" of the end summary and run.json: glassloop.provenance.since_launch).
-_launched = time.perf_counter()
 
 # Each public name and the module that defines it.
 _EXPORTS = {

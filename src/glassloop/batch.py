@@ -175,3 +175,17 @@ def token_counts(targets: Sequence[torch.Tensor], shift: int, ignore_index: int)
     """
     labels = [t[:, shift:] if shift else t for t in targets]
     return [int((t != ignore_index).sum()) for t in labels]
+
+
+def without_empty(micro: list[Any], counts: list[int]) -> tuple[list[Any], list[int]]:
+    """The micro-batches (and their token counts) that hold a token to count, unless none
+    does: one that is padding alone has a token mean of 0/0, NaN in every gradient even at
+    weight 0 (a split batch's all-padded rows, an accumulation window's padded batch).
+
+    >>> without_empty(["a", "b", "c"], [3, 0, 2])
+    (['a', 'c'], [3, 2])
+    """
+    if 0 not in counts or not any(counts):
+        return micro, counts
+    kept = [i for i, count in enumerate(counts) if count]
+    return [micro[i] for i in kept], [counts[i] for i in kept]

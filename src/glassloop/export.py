@@ -33,13 +33,15 @@ from glassloop.checkpoint import (
 )
 from glassloop.config import from_dict
 from glassloop.errors import ConfigError, ModelError
+from glassloop.frozen_base import METADATA_KEY as BASE_KEY
+from glassloop.frozen_base import recorded_names
 from glassloop.hashed_files import write_safetensors
 from glassloop.hugging_face import MAX_SHARD_BYTES, write_run_hf
 from glassloop.models import ModelConfig, build_model, data_kwargs, target_scale_of
 from glassloop.tasks import TASK_ATTRIBUTE, TASKS
 from glassloop.weights import (
     check_fit,
-    load_checked,
+    load_onto,
     read_safetensors,
     safetensors_dtype,
 )
@@ -55,6 +57,7 @@ class Weights:
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str]
     config: dict[str, Any] | None  # the run's resolved config, when known
+    base: Any = None  # a fine-tuned run's record of the frozen base its tensors leave out
 
 
 def read_weights(source: str | Path) -> Weights:
@@ -65,7 +68,8 @@ def read_weights(source: str | Path) -> Weights:
     source = Path(source)
     if source.is_file():
         tensors, metadata = read_safetensors(source)
-        return Weights(source, tensors, metadata, _json_field(metadata, "glassloop.config", source))
+        config = _json_field(metadata, "glassloop.config", source)
+        return Weights(source, tensors, metadata, config, metadata.get(BASE_KEY))
     if (source / "manifest.json").is_file():
         checkpoint = read_checkpoint(source)
         config = checkpoint.meta.get("config")
@@ -73,7 +77,8 @@ def read_weights(source: str | Path) -> Weights:
         config = _json_file(source / "config.json")
         if (source / "model.safetensors").is_file():
             final = source / "model.safetensors"
-            return Weights(final, *read_safetensors(final), config)
+            tensors, metadata = read_safetensors(final)
+            return Weights(final, tensors, metadata, config, metadata.get(BASE_KEY))
         found, problems = find_resumable(source)
         if found is None:
             detail = f": {'; '.join(problems)}" if problems else " (no checkpoint)"
@@ -84,12 +89,14 @@ def read_weights(source: str | Path) -> Weights:
             f"checkpoint: '{source}' is not a run directory, a checkpoint or a .safetensors file"
         )
     tensors = full_weights(checkpoint)  # verified with the checkpoint (FSDP: gathered)
+    base = checkpoint.meta.get("base")  # (a fine-tuned run's: the frozen base left out)
     ema = checkpoint.state.get("ema")
     if isinstance(ema, dict):  # AveragedModel's state: "module.<key>" plus "n_averaged"
         tensors = {k[len("module.") :]: v for k, v in ema.items() if k.startswith("module.")}
+        base = None  # (the average holds every tensor)
     if not isinstance(config, dict):
         config = None
-    return Weights(checkpoint.path, tensors, checkpoint.model_metadata, config)
+    return Weights(checkpoint.path, tensors, checkpoint.model_metadata, config, base)
 
 
 def full_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
@@ -150,6 +157,9 @@ def export_model(source: str | Path, output: str | Path) -> Path:
     metadata = dict(weights.metadata)
     if weights.config is not None:
         metadata["glassloop.config"] = json.dumps(weights.config, sort_keys=True)
+    if weights.base:  # the frozen base the tensors leave out: checked where they are loaded
+        base = weights.base
+        metadata[BASE_KEY] = base if isinstance(base, str) else json.dumps(base, sort_keys=True)
     if "glassloop.model" not in metadata:
         raise CheckpointError(
             f"checkpoint: '{weights.path}' does not describe its model (trained without a "
@@ -268,7 +278,7 @@ def model_from(
             with torch.device("meta"):
                 check_fits(build_model(cfg, **build), weights)
         model = build_model(cfg, **build)
-    load_checked(model, weights.tensors, weights.path)
+    load_onto(model, weights.tensors, weights.path, weights.base)
     # What glassloop.predict(model, x) returns follows the task the weights were trained for.
     setattr(model, TASK_ATTRIBUTE, spec["task"])
     return model.eval()
@@ -277,4 +287,5 @@ def model_from(
 def check_fits(model: nn.Module, weights: Weights) -> None:
     """Every key present with the right shape and dtype, nothing left over."""
     stored = {k: (list(t.shape), safetensors_dtype(t.dtype)) for k, t in weights.tensors.items()}
-    check_fit(model, stored, weights.path)
+    check_fit(model, stored, weights.path, recorded_names(weights.base))  # (the base: checked
+    # against its digests when loaded)

@@ -156,6 +156,15 @@ class FrozenBase:
         return set(needed)
 
 
+def recorded_names(base: Any) -> set[str]:
+    """The names of the tensors a recorded base (meta.json's or a file's metadata) supplies
+    (none for anything that is not such a record: it is refused where it is checked)."""
+    try:
+        return set(_digests_of(base, Path()))
+    except CheckpointError:
+        return set()
+
+
 def _digests_of(base: Any, source: Path) -> dict[str, str]:
     """The ``{name: sha256}`` table of a recorded base (meta.json's or a file's metadata)."""
     if base is None:

@@ -23,6 +23,7 @@ from glassloop.batch import Inputs, describe_batch
 from glassloop.distributed import World, all_reduce
 from glassloop.errors import ConfigError, DataError, GlassloopError, ModelError, NonFiniteError
 from glassloop.fsdp import local
+from glassloop.micro_batches import split_rows
 from glassloop.precision import autocast
 from glassloop.rules import AT_LEAST_1, check_range
 from glassloop.state import TrainState
@@ -46,10 +47,13 @@ def check_first_batch(
     task: str = "classification",
     own_loss: bool = False,
     cross_entropy: bool = False,
+    rows: int | None = None,
 ) -> None:
     """Inputs free of NaN/inf; integer class labels within the model's outputs; a
     regression's outputs and targets of one shape (torch would broadcast them silently);
     under ``cross_entropy`` (an ``nn.CrossEntropyLoss``), no softmax already applied.
+    ``rows``: the forward sees the first rows only (``micro_batch_size``: what fits); every
+    label is still checked.
 
     The outputs come from an eval-mode, no-grad forward of ``model`` (pass the unwrapped
     module): no dropout, no batch-norm update, no RNG draw, so training is not changed by it.
@@ -66,6 +70,9 @@ def check_first_batch(
         return  # nothing about the outputs to check
     if task in LABEL_TASKS and target.is_floating_point():
         return  # soft targets (probabilities)
+    every = target
+    if rows is not None:  # the forward on what fits; the labels all checked below
+        (args, kwargs), target = split_rows(((args, kwargs), target), rows)[0]
     was_training = model.training
     model.eval()
     try:
@@ -87,7 +94,7 @@ def check_first_batch(
             "log-softmax itself, trains on flattened scores; return the logits (remove the "
             "last softmax; predict applies it)"
         )
-    kept = labels[1][labels[1] != ignore_index]
+    kept = every[every != ignore_index]
     if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= classes):
         raise DataError(
             f"data: labels in the first training batch range over [{int(kept.min())}, "

@@ -39,6 +39,7 @@ from torch import nn
 from glassloop.atomic import ForeignPathError, remove_tree
 from glassloop.distributed import unwrap_model
 from glassloop.errors import CheckpointError
+from glassloop.frozen_base import METADATA_KEY as BASE_KEY
 from glassloop.hashed_files import write_safetensors
 from glassloop.weights import weights_dict
 
@@ -136,6 +137,12 @@ def write_run_hf(
     recorded (:func:`describe`); :func:`glassloop.export.export_run_hf` reads them. A
     transformers model's weights go in shards of at most ``max_shard_bytes`` above that.
     ``merged``: refused (the run's files hold no base). Return ``folder``."""
+    if source.is_dir():  # (a checkpoint: read_weights fell back to the newest)
+        raise CheckpointError(
+            f"export: '{source}' is a checkpoint, not the run's final weights (written when "
+            "it finishes, with the model's Hugging Face config); resume the run to its end "
+            "first, or call glassloop.export_hf(model, folder) on the model in Python"
+        )
     if HF_CONFIG not in metadata:
         raise CheckpointError(
             f"export: '{source}' was not trained from a transformers or peft model (its "
@@ -153,6 +160,13 @@ def write_run_hf(
             raise CheckpointError(f"export: '{source}' lacks tensors of its adapter")
         files = {"adapter_config.json": metadata[PEFT_CONFIG]}
         parts = {"adapter_model.safetensors": adapter}
+    elif BASE_KEY in metadata:  # a transformers folder must hold every tensor
+        raise CheckpointError(
+            f"export: '{source}' holds the trained tensors without the frozen base "
+            "(checkpoint.final_weights); transformers would fill the rest with random "
+            "weights: call glassloop.export_hf(model, folder) on the model in Python, or "
+            "train with checkpoint.final_weights = 'full'"
+        )
     else:
         files = {"config.json": metadata[HF_CONFIG]}
         parts = _shards(tensors, max_shard_bytes)
@@ -213,7 +227,11 @@ def _staged(folder: Path) -> Any:
             "or through what is not its own): choose a new folder, or remove it first"
         )
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    # (a name short enough for any folder name's length; readable as save_pretrained's are)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name[:64]}.tmp-", dir=folder.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
     try:
         yield staging
         for path in sorted(staging.iterdir()):

@@ -23,7 +23,14 @@ import glassloop.guards as guards
 import glassloop.optimizers as optimizers
 import glassloop.options as options
 import glassloop.tasks as tasks
-from glassloop.batch import Inputs, Window, batch_size_of, loss_weights, split_batch, token_counts
+from glassloop.batch import (
+    Inputs,
+    Window,
+    batch_size_of,
+    loss_weights,
+    split_batch,
+    token_counts,
+)
 from glassloop.callbacks import Callback
 from glassloop.checkpointer import Checkpointer
 from glassloop.console import ProgressReporter
@@ -34,6 +41,7 @@ from glassloop.errors import GlassloopError
 from glassloop.evaluation import LossFn, Metric
 from glassloop.fsdp import gradient_sync
 from glassloop.guards import NonFinitePolicy, NonFiniteWatch
+from glassloop.launched import since_launch
 from glassloop.micro_batches import MicroBatches
 from glassloop.optimizers import Schedulers, optimizer_parameters
 from glassloop.options import CheckpointConfig, RunInfo, TrackingConfig
@@ -41,7 +49,7 @@ from glassloop.parallelize import averaged, evaluated, prepare_model
 from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.preemption import Preempted, StopRequested, StopSignals
 from glassloop.profiling import StepProfiler, fit_profiler
-from glassloop.provenance import environment, since_launch
+from glassloop.provenance import environment
 from glassloop.redaction import redacted
 from glassloop.rng import seed_everything, use_deterministic
 from glassloop.run_log import RunLog, python_config
@@ -184,8 +192,6 @@ class Trainer:
         self.precision = precision
         self.scaler = make_scaler(precision, self.device)
         self.grad_accum_steps, self.loss_weighting = grad_accum_steps, loss_weighting
-        # each batch split into micro-batches that fit ("auto": found in the first steps)
-        self.micro_batches = MicroBatches(micro_batch_size, sharded=self.sharded is not None)
         self.ignore_index = ignore_index
         self.clip_grad_norm = clip_grad_norm or None
         self.clip_grad_value = clip_grad_value or None
@@ -197,6 +203,10 @@ class Trainer:
             clipping=bool(clip_grad_norm or clip_grad_value),
             nonfinite=policy.policy,
             processes=self.world.size,
+        )
+        # each batch split into micro-batches that fit ("auto": found in the first steps)
+        self.micro_batches = MicroBatches(
+            micro_batch_size, sharded=self.sharded is not None, closure=self.closure_step
         )
         # The default: NaN/inf noticed on the device, read where the loop reads anyway (no
         # host sync per step); "strict", "skip" and fp16 (its scaler reads) check each step.
@@ -305,8 +315,9 @@ class Trainer:
 
     def _train(self, train_loader: Iterable[Any], epochs: int) -> None:
         """The epochs, between opening and closing the run directory's files."""
-        if self.precision_note:  # fp16 on a CPU
-            self.console.message(self.precision_note)
+        for note in (self.precision_note, self.micro_batches.note(self.task, self.loss_weighting)):
+            if note:  # fp16 on a CPU; a language model's batches split by rows
+                self.console.message(note)
         first_val = self.validator.first
         self.run_log.start(has_val=first_val is not None)
         self.watch.check(self.state, self.world)  # counts from here (a resumed run's step)
@@ -473,6 +484,11 @@ class Trainer:
                 args = (*micro[0], self.ignore_index, self.device, self.precision)
                 self._label_shift = evaluation.label_shift(self.model, *args)  # HF LMs: by one
             counts = token_counts([t for _, t in micro], self._label_shift or 0, self.ignore_index)
+            if 0 in counts and any(counts):  # a part that is padding alone: its mean is 0/0
+                micro, counts = (
+                    [m for m, c in zip(micro, counts, strict=True) if c],
+                    [c for c in counts if c],
+                )
         total, signum = sum(counts), None
         if self.distributed:  # the counts of every process, and a stop signal of any
             got = self._signals.received
@@ -644,6 +660,7 @@ class Trainer:
             task=self.task,
             own_loss=self.loss_fn is None,
             cross_entropy=isinstance(self.loss_fn, nn.CrossEntropyLoss),  # no softmax before
+            rows=self.micro_batches.rows or (1 if self.micro_batches.auto else None),  # fits
         )
 
     # ----------------------------------------------------------------------- checkpoints

@@ -18,6 +18,8 @@ sees the smaller micro-batches, as it does under gradient accumulation.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,12 +65,20 @@ class MicroBatches:
     """How a step's batches are split (``rows``: at most this many rows each; ``None``: as
     the loader gives them) and, for ``"auto"``, the trial of its first steps."""
 
-    def __init__(self, size: int | str | None, *, sharded: bool = False) -> None:
+    def __init__(
+        self, size: int | str | None, *, sharded: bool = False, closure: bool = False
+    ) -> None:
         if size == "auto" and sharded:
             raise ConfigError(
                 "train.micro_batch_size = 'auto' under FSDP: an out-of-memory error in one "
                 "process would leave the others waiting inside the sharded forward; give a "
                 "number of rows (e.g. micro_batch_size = 8)"
+            )
+        if size == "auto" and closure:
+            raise ConfigError(
+                "train.micro_batch_size = 'auto' with an optimizer that takes a closure "
+                "(LBFGS): its step runs forward and backward itself, so an out-of-memory "
+                "error cannot be undone and retried; give a number of rows"
             )
         if not (size in (None, "auto") or (isinstance(size, int) and size >= 0)):
             raise ConfigError(
@@ -124,10 +134,10 @@ class MicroBatches:
         processes first try it without reducing gradients (a process that failed alone
         would leave the others waiting in the reduction), agree, and then take the step."""
         model, optimizer = trainer.model, trainer.optimizer
-        attempt, fits, loss = Attempt(model, optimizer), True, None
+        attempt, fits, loss = Attempt(model, optimizer, trainer.scaler), True, None
         try:
-            if trainer.distributed:  # a trial: no gradient reduction to leave waiting
-                with gradient_sync(model, False):
+            if trainer.distributed:  # a trial: no collective to leave another process in
+                with gradient_sync(model, False), _no_buffer_broadcast(model):
                     trainer.forward_backward(window)
             else:
                 loss = trainer.train_step(window)
@@ -139,11 +149,23 @@ class MicroBatches:
             attempt.close()
         if trainer.distributed:  # every process's verdict; the trial itself is undone
             fits = not all_reduce(torch.tensor([float(not fits)]), "max")
-            attempt.undo(model, optimizer)
+            attempt.undo(model, optimizer, trainer.scaler)
             loss = trainer.train_step(window) if fits else None
         elif not fits:
-            attempt.undo(model, optimizer)
+            attempt.undo(model, optimizer, trainer.scaler)
         return Tried(fits, loss)
+
+    def note(self, task: str, loss_weighting: str) -> str | None:
+        """A line for the header when split batches would not add up to the whole one: a
+        language model's loss is a mean over tokens, and ``loss_weighting="samples"``
+        weights each micro-batch's mean by its rows."""
+        if (self.auto or self.rows) and task == "language-model" and loss_weighting != "tokens":
+            return (
+                "warning: micro_batch_size splits a language model's batches, and with "
+                "loss_weighting = 'samples' each part's token mean counts by its rows, not "
+                "its tokens: set loss_weighting = 'tokens' for the whole batch's loss"
+            )
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return {"rows": self.rows}
@@ -161,6 +183,7 @@ class Stepping(Protocol):
     model: nn.Module
     optimizer: torch.optim.Optimizer
     distributed: bool
+    scaler: torch.amp.GradScaler
 
     def train_step(self, window: Window) -> Any: ...
     def forward_backward(self, window: Window, zero_grad: bool = False) -> torch.Tensor: ...
@@ -179,20 +202,37 @@ class Attempt:
     norm's statistics), taken before a trial step; and whether the optimizer began to step
     (an out-of-memory error there is not retried: some weights may have moved)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
+    ) -> None:
         self.rng = capture_rng_state()
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self.scale = scaler.state_dict() if scaler.is_enabled() else None
         self.stepped = False
-        self._hook = optimizer.register_step_pre_hook(self._stepping)
+        # each torch optimizer's (several by name: glassloop.optimizers.Optimizers)
+        each = optimizer.values() if isinstance(optimizer, dict) else [optimizer]
+        self._hooks = [
+            o.register_step_pre_hook(self._stepping)
+            for o in each
+            if hasattr(o, "register_step_pre_hook")
+        ]
 
     def _stepping(self, *_: Any) -> None:
         self.stepped = True
 
-    def undo(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Back to before the attempt: no gradients, the RNG and buffers as they were."""
+    def undo(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
+    ) -> None:
+        """Back to before the attempt: no gradients, the RNG, buffers and fp16 scaler as
+        they were."""
         optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
         restore_rng_state(self.rng)
+        if self.scale is not None:
+            scaler.load_state_dict(self.scale)
+            # (an unscale_() the attempt made is recorded per optimizer until update(), which
+            # would also move the scale: the record is dropped, as update() drops it)
+            scaler._per_optimizer_states.clear()
         with torch.no_grad():
             for buffer, saved in self.buffers:
                 buffer.copy_(saved)
@@ -200,4 +240,21 @@ class Attempt:
             torch.cuda.empty_cache()  # the failed attempt's blocks, back for the next
 
     def close(self) -> None:
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
+
+
+@contextlib.contextmanager
+def _no_buffer_broadcast(model: nn.Module) -> Iterator[None]:
+    """DDP broadcasts buffers (batch norm's) at each forward: a collective, which a process
+    that ran out of memory in an earlier forward would never join. Off for a trial (the
+    buffers are put back after it; the step itself broadcasts as usual)."""
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        yield
+        return
+    before = model.require_forward_param_sync  # (what DDP reads before a forward's broadcast)
+    model.require_forward_param_sync = False
+    try:
+        yield
+    finally:
+        model.require_forward_param_sync = before

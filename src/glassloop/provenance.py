@@ -10,7 +10,6 @@ import json
 import platform
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,14 +20,6 @@ from glassloop.redaction import redacted
 
 
 @functools.lru_cache(maxsize=8)
-def since_launch() -> float:
-    """Seconds since glassloop was first imported in this process (a command's launch: its
-    imports, data loading and start-up included)."""
-    import glassloop
-
-    return time.perf_counter() - glassloop._launched
-
-
 def git_sha(cwd: Path | None = None) -> str | None:
     """The commit of the git repository around ``cwd`` (``None`` outside a repository)."""
     try:

@@ -157,7 +157,7 @@ def _evaluated(
     from glassloop.export import read_weights, require_trust
     from glassloop.precision import autocast
     from glassloop.provenance import recorded_folder
-    from glassloop.weights import load_checked
+    from glassloop.weights import load_onto
 
     weights = read_weights(source)
     config = weights.config
@@ -177,7 +177,7 @@ def _evaluated(
         apply_override(config, item)
     # (Its relative paths, from here or from where the run was started.)
     parts = build_parts(from_dict(config), files_from=recorded_folder(weights.path))
-    load_checked(parts.model, weights.tensors, weights.path)
+    load_onto(parts.model, weights.tensors, weights.path, weights.base)  # (a frozen base: its own)
     model = parts.model.to(parts.device)
     with autocast(parts.config.train.precision, parts.device):  # as training evaluated
         result = evaluate(

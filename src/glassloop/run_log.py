@@ -38,9 +38,9 @@ from glassloop.file_names import check_key
 from glassloop.frozen_base import METADATA_KEY as BASE_KEY
 from glassloop.frozen_base import FrozenBase
 from glassloop.hugging_face import describe
+from glassloop.launched import since_launch
 from glassloop.options import RunInfo as RunInfo  # (re-exported: its old home)
 from glassloop.options import TrackingConfig
-from glassloop.provenance import since_launch
 from glassloop.remote import open_run_dir
 from glassloop.run_lock import RunLock
 from glassloop.runs import read_json_object

@@ -23,8 +23,8 @@ from glassloop.background_save import SaveTimes
 from glassloop.best import best_epoch, shown
 from glassloop.distributed import World, unwrap_model
 from glassloop.fsdp import class_name
+from glassloop.launched import since_launch
 from glassloop.options import CheckpointConfig
-from glassloop.provenance import since_launch
 from glassloop.state import TrainState
 
 

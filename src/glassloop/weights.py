@@ -167,6 +167,16 @@ def load_checked(
     unwrap_model(model).load_state_dict(tensors, strict=not base)
 
 
+def load_onto(
+    model: nn.Module, tensors: dict[str, torch.Tensor], source: Path, base: Any = None
+) -> None:
+    """:func:`load_checked`, ``model``'s own frozen base supplying the tensors a fine-tuned
+    run's weights leave out (``base``: their record, :mod:`glassloop.frozen_base`), refused
+    in one line unless it is the base they were trained on."""
+    supplied = FrozenBase().check(model, base, set(tensors), source) if base else set()
+    load_checked(model, tensors, source, supplied)
+
+
 def safetensors_dtype(dtype: torch.dtype) -> str:
     names = {
         torch.float32: "F32",

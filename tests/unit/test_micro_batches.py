@@ -149,3 +149,62 @@ def test_split_rows_slices_only_what_has_the_batch_dimension() -> None:
     parts = split_rows((((ids,), {"mask": mask, "scale": scale}), ids[:, 0]), 4)
     assert [p[1].tolist() for p in parts] == [[0, 2, 4, 6], [8, 10]]
     assert parts[1][0][1]["mask"].shape == (2, 2) and parts[1][0][1]["scale"] is scale
+
+
+class Tokens(nn.Module):
+    """A per-token classifier over (N, T) ids: (N, C, T) scores, as CrossEntropyLoss takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.out = nn.Embedding(20, 16), nn.Linear(16, 20)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.out(self.embed(ids)).transpose(1, 2)
+        return out
+
+
+def test_a_part_that_is_padding_alone_is_left_out_not_nan() -> None:
+    """Split by 2 rows, rows 2-3 hold padding only: that part's token mean is 0/0 (NaN in
+    every gradient, even at weight 0). Left out, the step is the whole batch's."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 20, (6, 5), generator=g)
+    labels = ids.roll(1, dims=1)
+    labels[2:4] = -100
+    runs = []
+    for rows in (0, 2):
+        torch.manual_seed(0)
+        model = Tokens()
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                          nn.CrossEntropyLoss(), task="language-model", progress="none",
+                          loss_weighting="tokens", micro_batch_size=rows)  # fmt: skip
+        runs.append((trainer, trainer.fit([(ids, labels)] * 3, epochs=1)))
+    (whole, a), (split, b) = runs
+    assert b[0]["train_loss"] == pytest.approx(a[0]["train_loss"], rel=1e-6)
+    w, s = whole.model.state_dict(), split.model.state_dict()
+    assert max(float((w[k] - s[k]).abs().max()) for k in w) < 1e-6
+
+
+def test_auto_with_several_optimizers_and_refused_with_a_closure() -> None:
+    model = Capped(cap=16)
+    net = model.net
+    optimizers = {"first": torch.optim.SGD(net[0].parameters(), lr=0.1),
+                  "last": torch.optim.Adam(net[4].parameters(), lr=0.01)}  # fmt: skip
+    trainer = Trainer(model, optimizers, nn.CrossEntropyLoss(), progress="none",
+                      micro_batch_size="auto")  # fmt: skip
+    trainer.fit(data()[0], epochs=1)
+    assert trainer.micro_batches.rows == 16
+    lbfgs = Capped()
+    with pytest.raises(ConfigError, match="with an optimizer that takes a closure"):
+        Trainer(lbfgs, torch.optim.LBFGS(lbfgs.parameters()), nn.CrossEntropyLoss(),
+                micro_batch_size="auto")  # fmt: skip
+
+
+def test_a_split_language_model_with_sample_weighting_is_said_in_the_header(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model = Tokens()
+    ids = torch.randint(0, 20, (4, 5))
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+            task="language-model", progress="lines", micro_batch_size=2).fit(
+        [(ids, ids)], epochs=1)  # fmt: skip
+    assert "set loss_weighting = 'tokens' for the whole batch's loss" in capsys.readouterr().out
