@@ -402,6 +402,7 @@ class Checkpointer:
             "batch_in_epoch": state.batch_in_epoch,
             "global_batch": global_batch(self.loader, self.world),  # (None: not known)
             "finished": finished,
+            "train_s": round(state.train_seconds(), 3),  # (a resume goes on counting from it)
             "metrics": history[-1] if history else None,
             "config": info.config,
             "model_spec": info.model_spec,
@@ -445,6 +446,7 @@ class Checkpointer:
             load_checked(self.model, tensors, checkpoint.weights, base=base)  # (read once)
         try:
             self.load_state_dict(checkpoint.state)
+            self.state.train_s = float(checkpoint.meta.get("train_s") or 0.0)  # (older: none)
         except (KeyError, ValueError, TypeError, RuntimeError) as err:
             raise CheckpointError(
                 f"checkpoint: '{checkpoint.path}' does not fit this trainer: "

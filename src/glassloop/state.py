@@ -42,7 +42,8 @@ class TrainState:
     grad_norm: torch.Tensor | float | None = None
     # The run's training time: seconds from each command's header to its end, counted up to
     # the checkpoint a resume goes on from (never the pause before the resume), and when this
-    # process's training began (its header; not saved): :meth:`train_seconds`.
+    # process's training began (its header): :meth:`train_seconds`. Not in state_dict (a
+    # time would make two exact runs' states differ): a checkpoint's meta.json keeps it.
     train_s: float = 0.0
     began: float | None = None
     wall_s: float | None = None  # (not saved) this command's seconds from launch to its end
@@ -62,8 +63,7 @@ class TrainState:
     def state_dict(self) -> dict[str, Any]:
         state = asdict(self)
         state["grad_norm"] = None if self.grad_norm is None else float(self.grad_norm)
-        state["train_s"] = self.train_seconds()
-        del state["began"], state["wall_s"]
+        del state["train_s"], state["began"], state["wall_s"]  # (times: meta.json's)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -75,7 +75,6 @@ class TrainState:
         self.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
         self.stopped = bool(state.get("stopped", False))
         self.validation_due = str(state.get("validation_due", ""))
-        self.train_s = float(state.get("train_s", 0.0))
         norm = state.get("grad_norm")
         self.grad_norm = None if norm is None else float(norm)
         best = state.get("best_metric")

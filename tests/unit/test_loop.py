@@ -238,7 +238,7 @@ def test_start_header_and_end_summary(capsys: pytest.CaptureFixture[str], tmp_pa
     assert "optimizer: SGD (lr 0.1" in out and "schedule: none" in out
     summary = out.splitlines()[-3:]
     assert re.fullmatch(
-        r"done in \d+\.\d s: 2 epochs, 14 steps; best val_loss \d\.\d+ \(epoch \d\); "
+        r"done in \d+\.\d s of training \(\d+\.\d s since launch\): 2 epochs, 14 steps; best val_loss \d\.\d+ \(epoch \d\); "
         r"final val_accuracy \d+\.\d\d%",
         summary[0],
     )

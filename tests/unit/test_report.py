@@ -71,8 +71,8 @@ def test_the_report_a_finished_run_writes_says_finished_and_how_long() -> None:
         page = (run_dir / "report" / "index.html").read_text()
         summary = summarise(run_dir)
         assert summary is not None and summary.status == "finished"
-        facts = dict(re.findall(r"<tr><td>(status|time)</td><td>([^<]*)</td></tr>", page))
-        assert facts == {"status": "finished", "time": summary.duration}, (how, facts)
+        facts = dict(re.findall(r"<tr><td>(status|training time)</td><td>([^<]*)</td></tr>", page))
+        assert facts == {"status": "finished", "training time": summary.duration}, (how, facts)
         assert summary.duration != "-"
 
 

@@ -530,14 +530,15 @@ def test_a_run_has_one_training_time_and_a_resume_does_not_count_its_pause(
     since its launch named as such."""
     import time
 
+    from glassloop.console import format_duration
     from glassloop.runs import summarise
     from glassloop.summary import end_summary
 
     started = time.perf_counter()
     with pytest.raises(Kill):
         make(tmp_path / "run", 10, checkpoint={"every_n_steps": 4}).fit(user_loader(), epochs=3)
-    first = json.loads((tmp_path / "run" / "checkpoints" / "step-00000008" / "state.json")
-                       .read_text())["loop"]["train_s"]  # fmt: skip
+    first = json.loads((tmp_path / "run" / "checkpoints" / "step-00000008" / "meta.json")
+                       .read_text())["train_s"]  # fmt: skip
     time.sleep(1.0)  # the pause a resume must not count
     resumed = make(tmp_path / "run", checkpoint={"every_n_steps": 4})
     resumed.fit(user_loader(), epochs=3, resume="auto")
@@ -547,7 +548,8 @@ def test_a_run_has_one_training_time_and_a_resume_does_not_count_its_pause(
     said = end_summary(resumed, None)  # (the console's last lines; progress="none" here)
     assert said.startswith(f"done in {info['train_s']:.1f} s of training ({info['wall_s']:.1f} s")
     summary = summarise(tmp_path / "run")
-    assert summary is not None and summary.duration == f"{info['train_s']:.1f}s"
+    assert summary is not None and summary.duration == format_duration(info["train_s"])
     page = (tmp_path / "run" / "report" / "index.html").read_text()
     assert f"<td>training time</td><td>{summary.duration}</td>" in page
-    assert f"<td>this command</td><td>{info['wall_s']:.1f}s since its launch</td>" in page
+    launch = format_duration(info["wall_s"])
+    assert f"<td>this command</td><td>{launch} since its launch</td>" in page

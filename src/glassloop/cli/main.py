@@ -402,7 +402,7 @@ def own_config(args: argparse.Namespace) -> str | None:
     if args.config is not None or not args.resume or not args.run_dir or is_url(args.run_dir):
         return args.config  # type: ignore[no-any-return]
     own = Path(args.run_dir) / "config.json"
-    if not own.is_file():
+    if own.is_symlink() or not own.is_file():  # (a link: never read; the run refuses it)
         return None
     print(f"resuming with the run's own config: {own}")
     return str(own)
