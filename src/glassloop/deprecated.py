@@ -1,5 +1,5 @@
-"""Trainer arguments that were replaced in glassloop 0.2, still accepted (with a
-``DeprecationWarning``) until 0.3: each folds into the argument that replaced it.
+"""Trainer arguments that were replaced while glassloop 0.1 was made, still accepted (with a
+``DeprecationWarning``) until 0.2: each folds into the argument that replaced it.
 
 ======================  ==================================================
 replaced                use instead
@@ -46,7 +46,7 @@ def fold_replaced(
             raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}")
         warnings.warn(
             f"Trainer({name}=...) is replaced by {REPLACED[name]}; the old name goes in "
-            "glassloop 0.3",
+            "glassloop 0.2",
             DeprecationWarning,
             stacklevel=3,
         )
@@ -73,10 +73,10 @@ def fold_replaced(
 
 
 def warn_replaced(old: str, new: str) -> None:
-    """A name replaced in 0.3 (the one Trainer and its Checkpointer): it works, with a
-    ``DeprecationWarning`` naming its replacement, until 0.4."""
+    """A name replaced while 0.1 was made (the one Trainer and its Checkpointer): it works,
+    with a ``DeprecationWarning`` naming its replacement, until 0.2."""
     warnings.warn(
-        f"{old} is replaced by {new}; the old name goes in glassloop 0.4",
+        f"{old} is replaced by {new}; the old name goes in glassloop 0.2",
         DeprecationWarning,
         stacklevel=3,
     )

@@ -142,7 +142,7 @@ class Trainer:
         stop_signals: Sequence[str] = ("TERM", "INT", "USR1", "USR2"),
         grace_s: float = 0.0,
         profile: int = 0,
-        **replaced: Any,  # names replaced in 0.2 (glassloop.deprecated), with a warning
+        **replaced: Any,  # names replaced during 0.1 (glassloop.deprecated), with a warning
     ) -> None:
         # The arguments, before any other local is set: each option against its rule (as a
         # config's), and what a run built in Python records.
@@ -694,7 +694,7 @@ class Trainer:
         self.checkpointer.load_state_dict(state)
 
     def save_checkpoint(self, *, finished: bool = False, best: bool = False) -> Path | None:
-        """Replaced in 0.3 by ``trainer.checkpointer.save()``; works, with a warning, until 0.4."""
+        """Replaced by ``trainer.checkpointer.save()``; works, with a warning, until 0.2."""
         warn_replaced("Trainer.save_checkpoint()", "trainer.checkpointer.save()")
         self.checkpointer.attach(self.stateful(), loader=self._train_loader)
         return self.checkpointer.save(finished=finished, best=best)
