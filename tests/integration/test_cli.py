@@ -70,6 +70,12 @@ def test_help_documents_every_flag() -> None:
     assert result.returncode == 0
     for flag in ("--set", "--run-dir", "CONFIG"):
         assert flag in result.stdout
+    # every exit code, where a user of each command looks (train --help lacked them, and the
+    # main --help lacked 5)
+    for command in ([], ["train"], ["verify-resume"]):
+        shown = glassloop(*command, "--help").stdout
+        codes = shown.split("exit codes:\n")[1].splitlines()
+        assert [line.split()[0] for line in codes[:8]] == ["0", "1", "2", "3", "4", "5", "128+N"]
 
 
 def write_model(tmp_path: Path, body: str) -> Path:

@@ -42,7 +42,8 @@ EPILOG = """examples:
   glassloop eval runs/lr3e-4; glassloop predict runs/lr3e-4 digit.png --top-k 3
   glassloop doctor my.toml; glassloop report runs/lr3e-4; glassloop runs
 
-exit codes:
+"""
+EXIT_CODES = """exit codes:
   0      success (also: resuming a run that already finished)
   1      an unexpected error: a bug (traceback printed)
   2      a usage, config, data, model or checkpoint error (one line on stderr)
@@ -51,6 +52,7 @@ exit codes:
   5      verify-resume: the killed and resumed run ended elsewhere than the straight one
   128+N  stopped by signal N after saving a checkpoint (143 SIGTERM, 130 SIGINT/Ctrl-C)
 """
+EPILOG += "\n" + EXIT_CODES
 
 
 class Parser(argparse.ArgumentParser):
@@ -107,6 +109,8 @@ def make_parser() -> Parser:
         help="train a model from a TOML config (default: tutorial MLP on bundled MNIST)",
         description="Train a model. With no CONFIG: the tutorial MLP (784-512-512-10) on the "
         "bundled 5,000-image MNIST subset, AdamW, cosine schedule, 10 epochs.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument(
         "config", nargs="?", metavar="CONFIG", help="TOML config file (default: built-in demo)"
@@ -174,6 +178,8 @@ def make_parser() -> Parser:
         "killed with SIGKILL right after step K, then resumed in a new process. Print the "
         "SHA-256 of the final weights, optimizer state, other state, RNG and every reported "
         "number of both; exit 0 only when all are identical (5 otherwise).",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     verify.add_argument(
         "config", nargs="?", metavar="CONFIG", help="TOML config file (default: built-in demo)"
