@@ -85,12 +85,12 @@ def start_header(
     if trainer.world.size > 1:
         processes += " (FSDP)" if trainer.sharded is not None else " (DDP)"
     model = unwrap_model(trainer.model)
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     lines = [
         f"glassloop: {where}, precision {trainer.precision}, {processes}, task {trainer.task}",
-        f"model: {class_name(model)}, {total:,} parameters ({trainable:,} trainable)",
+        f"model: {class_name(model)}, {counts(model)}",
     ]
+    if (parts := model_parts(model)) is not None:
+        lines.append(parts)
     train_n, val_n = samples_in(train_loader), (samples_in(val_loader) if val_loader else None)
     data = [f"{train_n:,} training samples" if train_n is not None else "training data"]
     if val_loader is not None:
@@ -163,6 +163,49 @@ def loss_note(loss_fn: Any, reduction: str) -> str | None:
         f"loss: {name} is taken as a mean over each batch (losses are reported per sample "
         "as such); if it sums over the batch, pass loss_reduction='sum'"
     )
+
+
+def counts(module: nn.Module) -> str:
+    """``"669,706 parameters (669,706 trainable)"``; frozen ones named when there are."""
+    total = sum(p.numel() for p in module.parameters())
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    frozen = f", {total - trainable:,} frozen" if trainable < total else ""
+    return f"{total:,} parameters ({trainable:,} trainable{frozen})"
+
+
+def model_parts(model: nn.Module, shown: int = 8) -> str | None:
+    """The header's second model line: each top-level part with parameters (through wrappers
+    of one part: a peft model's base, a ``Sequential`` in a module), its class and count,
+    and whether it trains (Lightning's model summary, on one line); ``None`` for a model of
+    fewer than two such parts.
+
+    >>> from torch import nn
+    >>> last = nn.Linear(4, 1).requires_grad_(False)
+    >>> model_parts(nn.Sequential(nn.Linear(2, 4), nn.ReLU(), last))
+    'parts: 0 Linear 12 · 2 Linear 5 (frozen)'
+    """
+    module, prefix = model, ""
+    for _ in range(4):  # (down through a part that is alone)
+        found = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
+        if len(found) != 1:
+            break
+        prefix, module = f"{prefix}{found[0][0]}.", found[0][1]
+    if len(found) < 2:
+        return None
+    described = []
+    for name, part in found[:shown]:
+        total = sum(p.numel() for p in part.parameters())
+        trainable = sum(p.numel() for p in part.parameters() if p.requires_grad)
+        note = (
+            ""
+            if trainable == total
+            else " (frozen)"
+            if not trainable
+            else f" ({trainable:,} trainable)"
+        )
+        described.append(f"{prefix}{name} {class_name(part)} {total:,}{note}")
+    more = f" · {len(found) - shown} more" if len(found) > shown else ""
+    return "parts: " + " · ".join(described) + more
 
 
 def end_summary(trainer: Described, report: Path | None) -> str:

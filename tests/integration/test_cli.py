@@ -405,3 +405,24 @@ def test_labels_that_start_at_1_are_named_in_one_line(tmp_path: Path) -> None:
         "warning: data: classes [0] have no training samples (labels 1..3, 4 outputs): they "
         "can never be learned; labels that start at 1 need 1 subtracted" in result.stdout
     )
+
+
+def test_a_terminal_sees_a_first_line_before_torch_is_imported(tmp_path: Path) -> None:
+    """Seconds of silence before the header looked hung (issue 37): on a terminal the first
+    line comes before the heavy imports. A real process, its stderr a pseudo-terminal."""
+    import os
+    import pty
+    import sys
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "glassloop", "train", "--fast-dev-run", "--set",
+         "data.name=synthetic", "--set", "train.progress=none"],  # (no bar on the terminal)
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=follower, text=True,
+    )  # fmt: skip
+    os.close(follower)
+    first = os.read(leader, 200).decode()
+    assert first.startswith("glassloop: starting (importing torch"), first
+    out, _ = proc.communicate(timeout=120)
+    os.close(leader)
+    assert proc.returncode == 0 and "fast dev run: ok" in out

@@ -336,6 +336,8 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if sys.stderr.isatty() and not is_worker():  # (torch's import alone takes seconds)
+        print("glassloop: starting (importing torch, then data and model) ...", file=sys.stderr)
     from glassloop.assemble import build
     from glassloop.config import load_config
     from glassloop.distributed import shutdown
