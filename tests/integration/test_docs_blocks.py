@@ -5,6 +5,7 @@ listed in NOT_RUN with the reason (docs/tasks.md has its own test, test_doc_exam
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -123,11 +124,19 @@ def run_block(language: str, code: str, cwd: Path) -> None:
         assert done.returncode == 0, f"$ {line}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
 
 
+def blocks_text() -> str:
+    return (ROOT / "README.md").read_text(encoding="utf-8")
+
+
 def test_readme_blocks_run_in_order(tmp_path: Path) -> None:
     for language, code in blocks("README.md"):
         if language != "toml" and not not_run("README.md", code):
             run_block(language, code, tmp_path)
-    assert (tmp_path / "runs" / "lr3e-4" / "report" / "index.html").is_file()
+    assert (tmp_path / "runs" / "lr1e-2" / "report" / "index.html").is_file()
+    # the walk-through ends where the README says it does (it once ended at 82.5%)
+    rows = (tmp_path / "runs" / "lr1e-2" / "metrics.jsonl").read_text().splitlines()
+    last = [json.loads(row) for row in rows if '"kind": "epoch"' in row][-1]
+    assert f"final validation accuracy: {100 * last['val_accuracy']:.2f}%" in blocks_text()
 
 
 @pytest.mark.parametrize("name", [f for f in FILES if f not in ("README.md", S3_DOCS)])

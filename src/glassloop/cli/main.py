@@ -35,12 +35,12 @@ EXIT_INTERRUPTED = 130
 
 EPILOG = """examples:
   glassloop train                                  the demo: tutorial MLP, bundled MNIST
-  glassloop train my.toml --set optim.lr=3e-4 --run-dir runs/lr3e-4
+  glassloop train my.toml --set optim.lr=1e-2 --run-dir runs/lr1e-2
   glassloop train my.toml --fast-dev-run           one batch of each, nothing written
-  glassloop train --run-dir runs/lr3e-4 --resume    continue a run, with its own config.json
+  glassloop train --run-dir runs/lr1e-2 --resume    continue a run, with its own config.json
   glassloop config my.toml --set optim.lr=3e-4     the resolved config, as TOML
-  glassloop eval runs/lr3e-4; glassloop predict runs/lr3e-4 digit.png --top-k 3
-  glassloop doctor my.toml; glassloop report runs/lr3e-4; glassloop runs
+  glassloop eval runs/lr1e-2; glassloop predict runs/lr1e-2 digit.png --top-k 3
+  glassloop doctor my.toml; glassloop report runs/lr1e-2; glassloop runs
 
 """
 EXIT_CODES = """exit codes:
