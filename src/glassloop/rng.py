@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -111,3 +113,23 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
         if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
             found.append(generator)
     return found
+
+
+@contextlib.contextmanager
+def held_rng() -> Iterator[None]:
+    """The global RNGs (Python's, numpy's, torch's) as they were before the block, whatever
+    it drew: for work whose presence depends on something other than the run (a cache that
+    was or was not there), so that it cannot change what the run draws next.
+
+    >>> import random
+    >>> random.seed(1); before = random.random(); random.seed(1)
+    >>> with held_rng():
+    ...     _ = random.random()
+    >>> random.random() == before
+    True
+    """
+    state = capture_rng_state()
+    try:
+        yield
+    finally:
+        restore_rng_state(state)

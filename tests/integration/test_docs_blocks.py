@@ -32,6 +32,8 @@ NOT_RUN = {
     ): "the set-up commands themselves: CI runs make test in a fresh clone",
     ("README.md", "make demo PIP_ARGS"): "installs torch from another index (network)",
     ("README.md", "class L1Trainer"): "test_readme_step.py runs it, in one process and two",
+    ("README.md", "glassloop verify-resume --set"): "test_verify_resume.py runs it as written "
+    "(with --keep, to look at both runs)",
     ("README.md", "GLASSLOOP_MATRIX=full"): "the whole matrix takes about 12 minutes; make "
     "test runs its diagonal",
     ("docs/distributed.md", "# on node0"): "needs two machines",

@@ -3,6 +3,7 @@ through; killed with SIGKILL after step K; resumed), compared digest by digest."
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import torch
@@ -17,10 +18,20 @@ SMALL = [
 ]  # fmt: skip
 
 
+README_LINE = next(
+    line.split("  #")[0]
+    for line in (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8").splitlines()
+    if line.startswith("glassloop verify-resume ")
+)  # (the README's block test leaves this line to this test: each run costs ~14 s)
+
+
 def test_verify_resume_proves_an_exact_resume(tmp_path: Path) -> None:
-    """Killed mid-epoch after step 5 (the last checkpoint: step 3), resumed: every digest
-    identical, exit 0; both runs kept with --keep."""
-    done = run_glassloop("verify-resume", *SMALL, "--kill-at", "5", "--keep", str(tmp_path))
+    """The README's command as written (digits, killed mid-epoch after step 12, the last
+    checkpoint at step 10), resumed: every digest identical, exit 0; with --keep, both
+    runs kept."""
+    words = shlex.split(README_LINE)
+    assert words[:2] == ["glassloop", "verify-resume"]
+    done = run_glassloop(*words[1:], "--keep", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     table = done.stdout.splitlines()
     for name in ("weights", "optimizer", "other state", "rng", "numbers"):

@@ -64,3 +64,29 @@ def test_the_config_key_reaches_the_trainer_and_a_wrong_value_is_one_line() -> N
         ConfigError, match=r"^Trainer: deterministic must be one of False, True, warn"
     ):
         make(Path("/nonexistent"), "always")
+
+
+def test_a_cold_cache_leaves_the_global_rngs_as_a_warm_one(tmp_path: Path) -> None:
+    """Building a cached split imports scikit-learn, which imports rich, which draws from
+    Python's RNG: a run on a fresh cache ended with another RNG state than its resume on
+    the warm one (verify-resume: rng DIFFERENT). In a fresh interpreter (where nothing is
+    imported yet), cold then warm: the global RNGs come out as they went in."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, random, torch\n"
+        "from glassloop.config import DataConfig\n"
+        "from glassloop.data import load_splits\n"
+        "from glassloop.rng import seed_everything\n"
+        "for _ in ('cold', 'warm'):\n"
+        "    seed_everything(3)\n"
+        "    load_splits(DataConfig(name='digits', seed=11))\n"
+        "    print(random.random(), np.random.rand(), torch.rand(1).item())\n"
+    )
+    env = {**os.environ, "GLASSLOOP_CACHE_DIR": str(tmp_path / "cold")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    cold, warm = done.stdout.splitlines()
+    assert cold == warm

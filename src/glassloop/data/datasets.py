@@ -29,6 +29,7 @@ from glassloop.data.splits import (
 )
 from glassloop.errors import DataError
 from glassloop.file_names import check_name
+from glassloop.rng import held_rng
 
 # The usual MNIST pixel statistics (over the 60,000 training images, pixels in [0, 1]).
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -72,7 +73,11 @@ def _cached(name: str, keys: tuple[str, ...], make: Any) -> dict[str, np.ndarray
                 return {k: f[k] for k in keys}
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
             pass  # a damaged cache is rebuilt below
-    arrays: dict[str, np.ndarray] = make()
+    # Whether the cache was there must not change a run: what computing it imports (scikit-
+    # learn imports rich, which draws from Python's RNG) leaves the global RNGs as they were
+    # (a run on a fresh cache ended with another RNG state than its resume: verify-resume).
+    with held_rng():
+        arrays: dict[str, np.ndarray] = make()
     # Atomic: a concurrent run reads the old file or the new one.
     with atomic_path(cached) as tmp, tmp.open("r+b") as handle:
         np.savez(handle, **arrays)  # type: ignore[arg-type]  # (numpy stubs: allow_pickle)
