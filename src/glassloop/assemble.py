@@ -414,7 +414,6 @@ def build(
                 stop.monitor, patience=stop.patience, min_delta=stop.min_delta, mode=stop.mode
             )
         )
-    t = cfg.train
     trainer = Trainer(
         model,
         optimizer,
@@ -428,12 +427,6 @@ def build(
         run_info=RunInfo(to_dict(cfg), model_spec(cfg, data)),
         **trainer_options(cfg),
     )
-    if world.distributed or t.grad_accum_steps > 1:
-        trainer.console.message(
-            f"global batch {cfg.data.batch_size * world.size * t.grad_accum_steps} = "
-            f"{cfg.data.batch_size} per process x {world.size} process(es) x "
-            f"{t.grad_accum_steps} accumulation step(s)"
-        )
     if (note := target_scale_note(data, parts.task)) is not None:
         trainer.console.message(note)
     return Run(cfg, data, train_loader, val_loader, trainer, parts.val_sets)

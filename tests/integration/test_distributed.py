@@ -89,7 +89,7 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(workdir: Pat
     # epoch's train_loss (2.3256 vs 1.1628 on digits).
     two = train(workdir, "--run-dir", "two", "--set", "train.log_every=1", nproc=2)
     assert two.returncode == 0, two.stderr
-    assert "global batch 32 = 16 per process x 2 process(es)" in two.stdout
+    assert "batch: 32 = 16 per step x 1 accumulation x 2 processes" in two.stdout
     one = train_here(workdir, "--run-dir", "one", "--set", "data.batch_size=32",
                      "--set", "train.log_every=1")  # fmt: skip
     assert one.returncode == 0, one.stderr
@@ -121,7 +121,8 @@ def test_two_processes_with_accumulation_equal_one_process(workdir: Path) -> Non
     two = train(workdir, "--run-dir", "two-accum", "--set", "data.batch_size=8",
                 "--set", "train.grad_accum_steps=2", nproc=2)  # fmt: skip
     assert two.returncode == 0, two.stderr
-    assert "global batch 32 = 8 per process x 2 process(es) x 2 accumulation step(s)" in two.stdout
+    assert "batch: 32 = 8 per step x 2 accumulation x 2 processes" in two.stdout
+    assert "global batch" not in two.stdout  # (said once, in the header: it was said twice)
     one = train_here(workdir, "--run-dir", "one-32", "--set", "data.batch_size=32")
     assert one.returncode == 0, one.stderr
     a = load_file(workdir / "one-32" / "model.safetensors")
