@@ -14,6 +14,7 @@ import math
 import os
 import statistics
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,12 +49,14 @@ def check_first_batch(
     own_loss: bool = False,
     cross_entropy: bool = False,
     rows: int | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> None:
     """Inputs free of NaN/inf; integer class labels within the model's outputs; a
     regression's outputs and targets of one shape (torch would broadcast them silently);
     under ``cross_entropy`` (an ``nn.CrossEntropyLoss``), no softmax already applied.
     ``rows``: the forward sees the first rows only (``micro_batch_size``: what fits); every
-    label is still checked.
+    label is still checked. ``say``: where a warning goes (a fresh run's: under
+    ``cross_entropy``, a first loss far above ln(C), what an untrained classifier gives).
 
     The outputs come from an eval-mode, no-grad forward of ``model`` (pass the unwrapped
     module): no dropout, no batch-norm update, no RNG draw, so training is not changed by it.
@@ -101,6 +104,16 @@ def check_first_batch(
             f"{int(kept.max())}] but the model has {classes} outputs; labels must be "
             f"class indices in [0, {classes}) (or {ignore_index} to ignore)"
         )
+    if say is not None and cross_entropy and classes > 1:
+        scores, wanted = labels[0].float(), labels[1]
+        loss = float(nn.functional.cross_entropy(scores, wanted, ignore_index=ignore_index))
+        if loss > 2 * math.log(classes):  # (a pretrained model's is lower: never said)
+            say(
+                f"warning: the first batch's loss is {loss:.3f}, over twice the "
+                f"ln({classes}) = {math.log(classes):.3f} of an untrained classifier: large "
+                "initial weights, a biased last layer or unscaled inputs "
+                "(glassloop.doctor(trainer, loader) checks more)"
+            )
 
 
 def _softmaxed(scores: torch.Tensor) -> bool:

@@ -661,6 +661,7 @@ class Trainer:
             own_loss=self.loss_fn is None,
             cross_entropy=isinstance(self.loss_fn, nn.CrossEntropyLoss),  # no softmax before
             rows=self.micro_batches.rows or (1 if self.micro_batches.auto else None),  # fits
+            say=None if self.state.step else self.console.message,
         )
 
     # ----------------------------------------------------------------------- checkpoints

@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 from cli_runner import run_glassloop
 
+# Its tests share module fixtures: one worker of `make test` runs them all, in order.
+pytestmark = pytest.mark.xdist_group("test_cli")
+
 FAST = ["--set", "train.epochs=2", "--set", "train.progress=lines"]
 
 

@@ -18,6 +18,9 @@ from safetensors.torch import load_file
 
 from glassloop.throughput import TIMING
 
+# Its tests share module fixtures: one worker of `make test` runs them all, in order.
+pytestmark = pytest.mark.xdist_group("test_distributed")
+
 KILLABLE = Path(__file__).with_name("killable_model.py")  # copied next to the config
 
 # 640 training samples = 20 global batches of 32 per epoch (16 per process with 2 processes).
@@ -89,7 +92,6 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(workdir: Pat
     # epoch's train_loss (2.3256 vs 1.1628 on digits).
     two = train(workdir, "--run-dir", "two", "--set", "train.log_every=1", nproc=2)
     assert two.returncode == 0, two.stderr
-    assert "batch: 32 = 16 per step x 1 accumulation x 2 processes" in two.stdout
     one = train_here(workdir, "--run-dir", "one", "--set", "data.batch_size=32",
                      "--set", "train.log_every=1")  # fmt: skip
     assert one.returncode == 0, one.stderr
@@ -116,38 +118,25 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(workdir: Pat
             assert a[key] == pytest.approx(b[key], rel=1e-5), key
 
 
-def test_two_processes_with_accumulation_equal_one_process(workdir: Path) -> None:
-    # 2 processes x batch 8 x 2 micro-batches = one process with batch 32.
-    two = train(workdir, "--run-dir", "two-accum", "--set", "data.batch_size=8",
-                "--set", "train.grad_accum_steps=2", nproc=2)  # fmt: skip
-    assert two.returncode == 0, two.stderr
-    assert "batch: 32 = 8 per step x 2 accumulation x 2 processes" in two.stdout
-    assert "global batch" not in two.stdout  # (said once, in the header: it was said twice)
-    one = train_here(workdir, "--run-dir", "one-32", "--set", "data.batch_size=32")
-    assert one.returncode == 0, one.stderr
-    a = load_file(workdir / "one-32" / "model.safetensors")
-    b = load_file(workdir / "two-accum" / "model.safetensors")
-    for key in a:
-        assert torch.allclose(a[key], b[key], rtol=1e-5, atol=1e-6), key
-
-
 def test_micro_batches_that_fit_are_settled_alike_when_one_process_runs_out_of_memory(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """micro_batch_size = "auto": only rank 0 runs out of memory above 8 rows (of its 16);
-    both processes settle on 8 (a plan of their own would leave rank 1 waiting in rank 0's
-    missing reduction: a hang), and the weights are the one-process run's with whole
-    batches of 32, to fp32 rounding."""
+    """2 processes x batch 8 x 2 accumulation steps = one process with batch 32, also with
+    micro_batch_size = "auto" when only rank 0 runs out of memory above 4 rows: both settle
+    on 4 (a plan of their own would leave rank 1 waiting in rank 0's missing reduction: a
+    hang), and the weights are the one-process run's to fp32 rounding."""
     model = ("--set", "model.target=killable.py:KillableMLP")
     monkeypatch.setenv("DROPOUT", "0")  # (the comparison needs the same masks: none)
-    auto = train(workdir, "--run-dir", "auto", *model, "--set", "train.micro_batch_size=auto",
-                 nproc=2, env={"OOM_ABOVE": "8", "OOM_RANK": "0"})  # fmt: skip
+    split = ("--set", "data.batch_size=8", "--set", "train.grad_accum_steps=2")
+    auto = train(workdir, "--run-dir", "auto", *model, *split, "--set",
+                 "train.micro_batch_size=auto", nproc=2,
+                 env={"OOM_ABOVE": "4", "OOM_RANK": "0"})  # fmt: skip
     assert auto.returncode == 0, auto.stderr
-    assert auto.stdout.count("micro-batches: 16 rows did not fit in memory; each batch of 16 "
-                             "is now 2 micro-batches of at most 8 rows") == 1, auto.stdout  # fmt: skip
+    assert auto.stdout.count("micro-batches: 8 rows did not fit in memory; each batch of 8 "
+                             "is now 2 micro-batches of at most 4 rows") == 1, auto.stdout  # fmt: skip
     state = json.loads((workdir / "auto" / "checkpoints" / "step-00000040" / "state.json")
                        .read_text())  # fmt: skip
-    assert state["micro_batches"] == {"rows": 8}
+    assert state["micro_batches"] == {"rows": 4}
     whole = train_here(workdir, "--run-dir", "whole", *model, "--set", "data.batch_size=32")
     assert whole.returncode == 0, whole.stderr
     a, b = (
@@ -155,7 +144,7 @@ def test_micro_batches_that_fit_are_settled_alike_when_one_process_runs_out_of_m
         load_file(workdir / "auto" / "model.safetensors"),
     )
     for key in a:
-        assert torch.allclose(a[key], b[key], rtol=1e-5, atol=1e-7), key
+        assert torch.allclose(a[key], b[key], rtol=1e-5, atol=1e-6), key
 
 
 def test_a_dead_process_fails_the_job_without_hanging(workdir: Path) -> None:

@@ -20,6 +20,9 @@ from test_distributed import KILLABLE, last_epoch, train, train_here
 
 from glassloop.checkpoint import read_checkpoint
 
+# Its tests share module fixtures: one worker of `make test` runs them all, in order.
+pytestmark = pytest.mark.xdist_group("test_fsdp")
+
 # The DDP tests' config (20 global batches of 32 per epoch), sharded.
 CONFIG = DDP_CONFIG + 'strategy = "fsdp"\n'
 

@@ -25,6 +25,9 @@ from glassloop.checkpoint import (
 )
 from glassloop.run_lock import RunLock
 
+# Its tests share module fixtures: one worker of `make test` runs them all, in order.
+pytestmark = pytest.mark.xdist_group("test_links")
+
 SMALL = [
     "data.name=synthetic", "data.num_samples=256", "data.num_features=8", "model.hidden=[16]",
     "train.progress=none", "checkpoint.keep_last=1", "checkpoint.monitor=val_loss",

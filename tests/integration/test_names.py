@@ -24,6 +24,9 @@ from glassloop.metrics import classification_report
 from glassloop.report import MAX_INCHES, SCATTER_MAX, write_report
 from glassloop.sinks import truncate_rows
 
+# Its tests share module fixtures: one worker of `make test` runs them all, in order.
+pytestmark = pytest.mark.xdist_group("test_names")
+
 # Each way a name can try to leave its folder or break a file.
 BAD = {
     "dotdot": "..",

@@ -18,6 +18,9 @@ from glassloop.tracking import TrackingConfig
 pytest.importorskip("mlflow")  # the dev extra installs it
 from test_tracking import batches, mlflow_server, trainer
 
+# Its tests share module fixtures: one worker of `make test` runs them all, in order.
+pytestmark = pytest.mark.xdist_group("test_redaction")
+
 SECRET = "Hunter2xyz"  # (alphanumeric: its percent-encoded form is itself)
 
 

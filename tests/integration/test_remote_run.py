@@ -32,6 +32,9 @@ from glassloop import Callback, Trainer
 from glassloop.options import CheckpointConfig
 from glassloop.throughput import TIMING
 
+# Its tests share module fixtures: one worker of `make test` runs them all, in order.
+pytestmark = pytest.mark.xdist_group("test_remote_run")
+
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[dict[str, str]]:

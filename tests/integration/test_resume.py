@@ -21,6 +21,9 @@ from safetensors.torch import load_file
 
 from glassloop.throughput import TIMING
 
+# Its tests share module fixtures: one worker of `make test` runs them all, in order.
+pytestmark = pytest.mark.xdist_group("test_resume")
+
 KILLABLE = Path(__file__).with_name("killable_model.py")  # copied next to the config
 
 # 480 training samples / batch 32 = 15 steps per epoch; 3 epochs = 45 steps. Shuffling,

@@ -25,6 +25,9 @@ from glassloop.checkpointer import check_training_state
 from glassloop.cli.main import main
 from glassloop.export import export_model
 
+# Its tests share module fixtures: one worker of `make test` runs them all, in order.
+pytestmark = pytest.mark.xdist_group("test_trust")
+
 SMALL = [
     "data.name=synthetic", "data.num_samples=256", "data.num_features=8", "model.hidden=[16]",
     "train.epochs=2", "train.progress=none", "checkpoint.keep_last=2",

@@ -149,3 +149,26 @@ def test_the_python_doctor_runs_the_checks_on_a_trainer_and_leaves_it_as_it_was(
     wrong = [(x, x[:, :3].argmax(1) + 1)]  # labels 1..3 for 3 outputs
     found = glassloop.doctor(trainer, wrong, echo=False)
     assert (found[0].name, found[0].status) == ("labels", "FAIL")
+
+
+def test_a_first_loss_far_above_ln_c_is_said_in_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    """doctor's "initial loss" check, on the batch fit already looks at (issue 37): a fresh
+    classifier far from ln(C) is said in one warning line; a sane one, and a resumed or
+    pretrained one below ln(C), says nothing."""
+    import torch
+    from torch import nn
+
+    import glassloop
+
+    torch.manual_seed(0)
+    data = [(torch.randn(32, 6), torch.randint(0, 4, (32,)))]
+    for scale, said in ((30.0, True), (1.0, False)):
+        model = nn.Linear(6, 4)
+        with torch.no_grad():
+            model.weight.mul_(scale)  # over-confident from the start
+        glassloop.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                          nn.CrossEntropyLoss(), progress="lines").fit(data, epochs=1)  # fmt: skip
+        out = capsys.readouterr().out
+        assert ("warning: the first batch's loss is" in out) is said, out
+        if said:
+            assert "over twice the ln(4) = 1.386 of an untrained classifier" in out

@@ -20,6 +20,9 @@ from glassloop.checkpoint import read_checkpoint
 from glassloop.distributed import World
 from glassloop.errors import CheckpointError, ConfigError, NonFiniteError
 
+# Its tests share module fixtures: one worker of `make test` runs them all, in order.
+pytestmark = pytest.mark.xdist_group("test_fsdp_sharding")
+
 
 @pytest.fixture
 def one_rank_group() -> Iterator[World]:

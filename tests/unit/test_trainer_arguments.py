@@ -26,6 +26,9 @@ from glassloop.guards import NonFinitePolicy
 from glassloop.options import ARGUMENTS, TrainOptions, docs, resume_safe
 from glassloop.run_log import RunInfo
 
+# Its tests share module fixtures: one worker of `make test` runs them all, in order.
+pytestmark = pytest.mark.xdist_group("test_trainer_arguments")
+
 SIGNATURE = {
     name: p
     for name, p in inspect.signature(Trainer.__init__).parameters.items()
