@@ -30,6 +30,7 @@ from glassloop.batch import (
     loss_weights,
     split_batch,
     token_counts,
+    without_empty,
 )
 from glassloop.callbacks import Callback
 from glassloop.checkpointer import Checkpointer
@@ -484,11 +485,7 @@ class Trainer:
                 args = (*micro[0], self.ignore_index, self.device, self.precision)
                 self._label_shift = evaluation.label_shift(self.model, *args)  # HF LMs: by one
             counts = token_counts([t for _, t in micro], self._label_shift or 0, self.ignore_index)
-            if 0 in counts and any(counts):  # a part that is padding alone: its mean is 0/0
-                micro, counts = (
-                    [m for m, c in zip(micro, counts, strict=True) if c],
-                    [c for c in counts if c],
-                )
+            micro, counts = without_empty(micro, counts)  # (padding alone: a mean of 0/0)
         total, signum = sum(counts), None
         if self.distributed:  # the counts of every process, and a stop signal of any
             got = self._signals.received
