@@ -429,3 +429,20 @@ def test_a_terminal_sees_a_first_line_before_torch_is_imported(tmp_path: Path) -
     out, _ = proc.communicate(timeout=120)
     os.close(leader)
     assert proc.returncode == 0 and "fast dev run: ok" in out
+
+
+def test_the_line_a_stopped_run_ends_with_holds_no_secret() -> None:
+    """The resume command it prints names the run directory: a URL's credentials are
+    replaced by ***, as in every other line (the one redaction)."""
+    import argparse
+
+    from glassloop.cli.main import stopped_line
+    from glassloop.preemption import Preempted
+
+    args = argparse.Namespace(run_dir="s3://AKIAKEY:s3cr3t@bucket/run", nproc=2)
+    stop = Preempted(15, 7, "/home/u/.cache/glassloop/remote/run/checkpoints/step-00000007")
+    line = stopped_line(args, stop)
+    assert "s3cr3t" not in line and "AKIAKEY" not in line, line
+    assert line.startswith("glassloop: stopped by SIGTERM after step 7; checkpoint saved to ")
+    assert line.endswith("; continue with: glassloop train --run-dir s3://***@bucket/run "
+                         "--nproc 2 --resume")  # fmt: skip

@@ -391,6 +391,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def stopped_line(args: argparse.Namespace, stop: Preempted) -> str:
+    """What a stopped run says last: where it stopped and the command that continues it (a
+    run directory's URL through the one redaction, as every other line)."""
+    return redact(f"glassloop: {stop.summary}{resume_hint(args, stop)}")
+
+
 def resume_hint(args: argparse.Namespace, stop: Preempted) -> str:
     """The command that continues a stopped run, ready to paste (the run's own config.json
     is what ``--resume`` alone reads)."""
@@ -681,7 +687,7 @@ def run_command(argv: Sequence[str] | None = None) -> int:
     except Preempted as stop:
         if stop.signum == signal.SIGINT and sys.stderr.isatty():
             print(file=sys.stderr)  # the terminal's "^C" stays on the bar's line, alone
-        print(f"glassloop: {stop.summary}{resume_hint(args, stop)}", file=sys.stderr)
+        print(stopped_line(args, stop), file=sys.stderr)
         return stop.exit_code
     except KeyboardInterrupt:
         print(f"{chr(10) if sys.stderr.isatty() else ''}glassloop: interrupted", file=sys.stderr)
