@@ -119,7 +119,7 @@ class Checkpointer:
         loads onto; ``say``: where a line about a slow background save goes; ``remote``:
         the object-storage run each committed checkpoint is uploaded to; ``times``: where
         each save's blocking and total seconds and bytes are recorded); ``grace_s``: the
-        seconds a stop signal leaves before SIGKILL, said against the first save's time))."""
+        seconds a stop signal leaves before SIGKILL, said against the first save's time)."""
         self.run_dir = run_dir
         self.grace_s = grace_s
         self.policy = policy if policy is not None else CheckpointConfig()
@@ -254,10 +254,9 @@ class Checkpointer:
     def weights(self) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
         """What a checkpoint's model.safetensors holds: the model's state dict less its frozen
         base, and the base's record for meta.json (``None``: nothing left out)."""
-        tensors = unwrap_model(self.model).state_dict()
-        left_out = self.base.left_out(self.model) if self.leave_base_out else set()
-        kept = {name: t for name, t in tensors.items() if name not in left_out}
-        return kept, self.base.meta(left_out)
+        if not self.leave_base_out:
+            return unwrap_model(self.model).state_dict(), None
+        return self.base.split(self.model)
 
     def _say_grace(self) -> None:
         """Once the first save's time is known: that time against ``grace_s``."""

@@ -31,11 +31,15 @@ from glassloop.errors import CheckpointError
 METADATA_KEY = "glassloop.base"  # a weights file's metadata: the base it needs
 
 
-def frozen_names(model: nn.Module) -> list[str]:
-    """The state-dict keys of ``model``'s parameters that do not train (a tied parameter
-    under each of its names), in state-dict order."""
+def _frozen(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s parameters that do not train, by state-dict key (a tied parameter under
+    each of its names), in state-dict order."""
     tensors = unwrap_model(model).state_dict(keep_vars=True)
-    return [k for k, t in tensors.items() if isinstance(t, nn.Parameter) and not t.requires_grad]
+    return {
+        k: t.detach()
+        for k, t in tensors.items()
+        if isinstance(t, nn.Parameter) and not t.requires_grad
+    }
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -77,16 +81,17 @@ def _changed(tensor: torch.Tensor, mark: tuple[int, int, torch.Tensor]) -> bool:
     return not torch.equal(_sample(tensor), sample)
 
 
-def is_peft(model: nn.Module) -> bool:
-    """Whether ``model`` is a peft model (``PeftModel`` and its task classes), known by its
-    class's package: importing peft to ask would cost seconds."""
-    return type(unwrap_model(model)).__module__.split(".")[0] == "peft"
+def library_of(model: nn.Module) -> str | None:
+    """ "peft", "transformers" or ``None``: which library's model ``model`` is (by its class's
+    package: importing either to ask costs seconds)."""
+    package = type(unwrap_model(model)).__module__.split(".")[0]
+    return package if package in ("peft", "transformers") else None
 
 
 def adapter_alone(model: nn.Module, final_weights: str) -> bool:
     """Whether the final weights leave the frozen base out (``checkpoint.final_weights``:
     "trainable", or "auto" for a peft model)."""
-    return final_weights == "trainable" or (final_weights == "auto" and is_peft(model))
+    return final_weights == "trainable" or (final_weights == "auto" and library_of(model) == "peft")
 
 
 class FrozenBase:
@@ -106,23 +111,29 @@ class FrozenBase:
     def take(self, model: nn.Module) -> None:
         """The digests of ``model``'s frozen tensors as they are now (once per process: the
         start of training), and how each looks, to notice a change at a save."""
-        if self.digests is not None:
-            return
-        tensors = unwrap_model(model).state_dict()
-        frozen = frozen_names(model)
-        self.digests = {name: tensor_digest(tensors[name]) for name in frozen}
-        self._marks = {name: _mark(tensors[name]) for name in frozen}
+        if self.digests is None:
+            frozen = _frozen(model)
+            self.digests = {name: tensor_digest(t) for name, t in frozen.items()}
+            self._marks = {name: _mark(t) for name, t in frozen.items()}
 
     def left_out(self, model: nn.Module) -> set[str]:
         """The state-dict keys a checkpoint of ``model`` leaves out now: frozen now, frozen
         at the start, and unchanged since (:meth:`take`, done here if not yet)."""
         self.take(model)
         assert self.digests is not None
-        tensors = unwrap_model(model).state_dict()
+        frozen = _frozen(model)
         for name in [n for n in self.digests if n in self._marks]:
-            if name not in tensors or _changed(tensors[name], self._marks[name]):
-                del self.digests[name], self._marks[name]  # changed: saved from now on
-        return set(frozen_names(model)) & set(self.digests)
+            if name not in frozen or _changed(frozen[name], self._marks[name]):
+                del self.digests[name], self._marks[name]  # changed or trains: saved from now
+        return set(frozen) & set(self.digests)
+
+    def split(self, model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        """``model``'s state dict less the base it leaves out now, and that base's record
+        (:meth:`meta`; ``None``: nothing left out): what a checkpoint's and an adapter's
+        final weights hold."""
+        left_out = self.left_out(model)
+        tensors = unwrap_model(model).state_dict()
+        return {k: t for k, t in tensors.items() if k not in left_out}, self.meta(left_out)
 
     def meta(self, left_out: set[str]) -> dict[str, Any] | None:
         """What ``meta.json`` records of the base a checkpoint needs (``None``: none)."""
@@ -131,7 +142,8 @@ class FrozenBase:
         needed = {name: self.digests[name] for name in sorted(left_out)}
         return {"sha256": combined(needed), "tensors": needed}
 
-    def check(self, model: nn.Module, base: Any, stored: set[str], source: Path) -> set[str]:
+    @staticmethod
+    def check(model: nn.Module, base: Any, stored: set[str], source: Path) -> set[str]:
         """Refuse to load a checkpoint (or weights file) at ``source`` whose recorded
         ``base`` (:meth:`meta`) is not ``model``'s: one line naming the first tensor, in the
         model's order, that differs. The tensors ``stored`` in the file are its own; the

@@ -40,6 +40,7 @@ from glassloop.atomic import ForeignPathError, remove_tree
 from glassloop.distributed import unwrap_model
 from glassloop.errors import CheckpointError
 from glassloop.frozen_base import METADATA_KEY as BASE_KEY
+from glassloop.frozen_base import library_of
 from glassloop.hashed_files import write_safetensors
 from glassloop.weights import weights_dict
 
@@ -48,13 +49,6 @@ PEFT_CONFIG = "glassloop.peft_config"  # the adapter's config (adapter_config.js
 PEFT_KEYS = "glassloop.peft_keys"  # each adapter tensor's name in peft's files
 ALLOWED = (".json", ".safetensors", ".md")  # what an exported folder may hold
 MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size, "5GB"
-
-
-def library_of(model: nn.Module) -> str | None:
-    """ "peft", "transformers" or ``None``: which library's model ``model`` is (by its class's
-    package: importing either to ask costs seconds)."""
-    package = type(unwrap_model(model)).__module__.split(".")[0]
-    return package if package in ("peft", "transformers") else None
 
 
 def describe(model: nn.Module, stored: set[str]) -> dict[str, str]:

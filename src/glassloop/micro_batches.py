@@ -133,8 +133,8 @@ class MicroBatches:
         leaves everything as before the try (:class:`Attempt`) and ``fits=False``. Several
         processes first try it without reducing gradients (a process that failed alone
         would leave the others waiting in the reduction), agree, and then take the step."""
-        model, optimizer = trainer.model, trainer.optimizer
-        attempt, fits, loss = Attempt(model, optimizer, trainer.scaler), True, None
+        model = trainer.model
+        attempt, fits, loss = Attempt(model, trainer.optimizer, trainer.scaler), True, None
         try:
             if trainer.distributed:  # a trial: no collective to leave another process in
                 with gradient_sync(model, False), _no_buffer_broadcast(model):
@@ -149,10 +149,10 @@ class MicroBatches:
             attempt.close()
         if trainer.distributed:  # every process's verdict; the trial itself is undone
             fits = not all_reduce(torch.tensor([float(not fits)]), "max")
-            attempt.undo(model, optimizer, trainer.scaler)
+            attempt.undo()
             loss = trainer.train_step(window) if fits else None
         elif not fits:
-            attempt.undo(model, optimizer, trainer.scaler)
+            attempt.undo()
         return Tried(fits, loss)
 
     def note(self, task: str, loss_weighting: str) -> str | None:
@@ -205,6 +205,7 @@ class Attempt:
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
     ) -> None:
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.rng = capture_rng_state()
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
         self.scale = scaler.state_dict() if scaler.is_enabled() else None
@@ -220,19 +221,17 @@ class Attempt:
     def _stepping(self, *_: Any) -> None:
         self.stepped = True
 
-    def undo(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
-    ) -> None:
+    def undo(self) -> None:
         """Back to before the attempt: no gradients, the RNG, buffers and fp16 scaler as
         they were."""
-        optimizer.zero_grad(set_to_none=True)
-        model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         restore_rng_state(self.rng)
         if self.scale is not None:
-            scaler.load_state_dict(self.scale)
+            self.scaler.load_state_dict(self.scale)
             # (an unscale_() the attempt made is recorded per optimizer until update(), which
             # would also move the scale: the record is dropped, as update() drops it)
-            scaler._per_optimizer_states.clear()
+            self.scaler._per_optimizer_states.clear()
         with torch.no_grad():
             for buffer, saved in self.buffers:
                 buffer.copy_(saved)

@@ -323,11 +323,11 @@ class RunLog:
         assert self.run_dir is not None
         metadata = weights_metadata(model_spec)
         if isinstance(model, nn.Module):
-            tensors = unwrap_model(model).state_dict()
-            left_out = self.base.left_out(model) if self.base is not None else set()
-            if (record := self.base.meta(left_out) if self.base else None) is not None:
-                tensors = {name: t for name, t in tensors.items() if name not in left_out}
-                metadata[BASE_KEY] = json.dumps(record, sort_keys=True)  # an adapter, no base
+            tensors, record = (
+                self.base.split(model) if self.base else (unwrap_model(model).state_dict(), None)
+            )
+            if record is not None:  # an adapter, without its base: the base's record
+                metadata[BASE_KEY] = json.dumps(record, sort_keys=True)
             # a transformers or peft model's configuration: glassloop export --format hf
             metadata.update(describe(model, set(tensors)))
             model = tensors

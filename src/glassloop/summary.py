@@ -213,7 +213,9 @@ def end_summary(trainer: Described, report: Path | None) -> str:
     state = trainer.state
     # one definition of the run's time (run.json, glassloop runs and the report say the same)
     wall = state.wall_s if state.wall_s is not None else since_launch()
-    trained = f"{state.train_seconds():.1f} s of training ({wall:.1f} s since launch)"
+    # (rounded as run.json rounds them first: the two never differ in the last digit)
+    train_s, wall = round(state.train_seconds(), 2), round(wall, 2)
+    trained = f"{train_s:.1f} s of training ({wall:.1f} s since launch)"
     parts = [f"done in {trained}: {counted(state.epoch, 'epoch')}, {counted(state.step, 'step')}"]
     policy = trainer.checkpointer.policy
     best = best_epoch(history, policy.monitor, policy.mode)

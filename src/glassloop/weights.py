@@ -173,7 +173,7 @@ def load_onto(
     """:func:`load_checked`, ``model``'s own frozen base supplying the tensors a fine-tuned
     run's weights leave out (``base``: their record, :mod:`glassloop.frozen_base`), refused
     in one line unless it is the base they were trained on."""
-    supplied = FrozenBase().check(model, base, set(tensors), source) if base else set()
+    supplied = FrozenBase.check(model, base, set(tensors), source) if base else set()
     load_checked(model, tensors, source, supplied)
 
 
@@ -209,7 +209,7 @@ def load_weights(model: nn.Module, path: Path) -> dict[str, str]:
     # An adapter's weights (a fine-tuned run's final ones): the rest is the model's own
     # base, refused unless it is the one they were trained on (glassloop.frozen_base).
     record = metadata.get(BASE_KEY)
-    base = FrozenBase().check(model, record, set(stored), path) if record else set()
+    base = FrozenBase.check(model, record, set(stored), path) if record else set()
     check_fit(model, stored, path, base)  # before anything is allocated
     unwrap_model(model).load_state_dict(_load_checked(path), strict=not base)
     return metadata
