@@ -605,6 +605,9 @@ class Trainer:
         """Record the epoch, let callbacks see it, track the best, checkpoint per policy."""
         for callback in self.callbacks:  # before the row is written: they may add to it
             callback.on_epoch_end(self, row)
+        if self.run_dir is not None:  # every step's loss, for the report (one host read)
+            losses = self.record.step_losses(self.world)
+            self.run_log.write_losses(row["epoch"], row["step"], losses)
         self.record.end_epoch(row)
         self.run_log.write(row)
         self.console.epoch_end(row, epochs)

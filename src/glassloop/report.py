@@ -62,10 +62,17 @@ def write_report(
     rows = read_epochs(run_dir)
     epochs = [r["epoch"] for r in rows]
     images: list[tuple[str, str]] = []
-    steps = read_steps(run_dir)
-    if len(steps) > 1:  # the per-step loss (every log_every batches), next to the epochs'
+    steps, losses = step_losses(run_dir)
+    if len(steps) > 1:  # every step's loss, next to the epochs'
         figure, axis = curves("training loss per step", "optimizer step", "loss")
-        axis.plot([r["step"] for r in steps], [r["loss"] for r in steps], linewidth=1)
+        if len(steps) <= STEP_POINTS:
+            axis.plot(steps, losses, linewidth=1)
+        else:  # a long run: each bucket's mean, and its lowest to highest loss shaded
+            x, mean, low, high = _buckets(steps, losses, STEP_POINTS)
+            axis.fill_between(x, low, high, alpha=0.25, linewidth=0, label="lowest to highest")
+            size = -(-len(steps) // STEP_POINTS)  # steps per bucket (rounded up)
+            axis.plot(x, mean, linewidth=1, label=f"mean of each {size:,} steps")
+            axis.legend()
         save(figure, "step_loss.png")
     # One plot per metric: the losses together, then each validation metric (accuracy,
     # r2, mae, ... whatever the task and the callbacks wrote), then the learning rate.
@@ -133,6 +140,9 @@ MAX_INCHES = 16.0
 # A regression's predicted-vs-true plot draws at most this many points, a random sample
 # (a fixed seed: the same report for the same outputs); the title says of how many.
 SCATTER_MAX = 10_000
+# The per-step loss plot draws every step up to this many; beyond, this many buckets of
+# consecutive steps (each one's mean, its range shaded).
+STEP_POINTS = 10_000
 
 
 def _confusion_figure(confusion: list[list[int]], names: list[str], title: str) -> tuple[Any, str]:
@@ -290,9 +300,39 @@ def _command(argv: Any) -> str:
     return " ".join([Path(str(argv[0])).name, *map(str, argv[1:])])
 
 
-def read_steps(run_dir: Path) -> list[dict[str, Any]]:
-    """The step rows of ``RUN_DIR/metrics.jsonl`` that carry a loss."""
-    return [row for row in read_rows(run_dir, "step") if _number(row.get("loss"))]
+def step_losses(run_dir: Path) -> tuple[list[int], list[float]]:
+    """Every step's training loss in ``RUN_DIR/metrics.jsonl``, in step order: each finished
+    epoch's (its ``"kind": "losses"`` row), and the logged steps (step rows, every
+    ``log_every``) of an epoch not finished yet or of a run from before those rows."""
+    found: dict[int, float] = {}
+    for row in read_rows(run_dir, "step"):
+        if _number(row.get("loss")) and _number(row.get("step")):
+            found[int(row["step"])] = float(row["loss"])
+    for row in read_rows(run_dir, "losses"):
+        first, values = row.get("first_step"), row.get("loss")
+        if not isinstance(first, int) or not isinstance(values, list):
+            continue  # (a file edited by hand: what is not a list of numbers is left out)
+        for i, value in enumerate(values):
+            if _number(value):
+                found[int(first) + i] = float(value)
+    steps = sorted(found)
+    return steps, [found[step] for step in steps]
+
+
+def _buckets(
+    steps: list[int], losses: list[float], count: int
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """``count`` runs of consecutive steps: each one's middle step, mean, lowest and highest
+    loss (a plot of a million steps stays a plot, drawn in a moment)."""
+    size = -(-len(steps) // count)  # (rounded up)
+    x, mean, low, high = [], [], [], []
+    for start in range(0, len(steps), size):
+        part = losses[start : start + size]
+        x.append((steps[start] + steps[start + len(part) - 1]) / 2)
+        mean.append(sum(part) / len(part))
+        low.append(min(part))
+        high.append(max(part))
+    return x, mean, low, high
 
 
 def _number(value: Any) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import sys
 import time
@@ -211,6 +212,21 @@ class RunLog:
                 "samples_per_s": rate,
             }
         )
+
+    def write_losses(self, epoch: int, last_step: int, losses: list[float]) -> None:
+        """An epoch's every step loss (``"kind": "losses"``, its first step and the list, NaN
+        as null), to ``metrics.jsonl`` only: the report's per-step plot, not a metric row for
+        the CSV, TensorBoard or a tracker (which get the step rows)."""
+        jsonl = [sink for sink in self._sinks if isinstance(sink, JSONLSink)]
+        if not jsonl or not losses:
+            return
+        first = last_step - len(losses) + 1
+        values = [value if math.isfinite(value) else None for value in losses]
+        row = {"kind": "losses", "epoch": epoch, "step": last_step, "first_step": first}
+        try:
+            jsonl[0].write({**row, "loss": values})
+        except OSError as err:
+            raise self.failure(err, jsonl[0].path) from err
 
     def report_due(self) -> bool:
         return time.monotonic() - self._last_report >= REPORT_EVERY_S

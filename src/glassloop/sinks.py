@@ -1,7 +1,9 @@
 """Where metric rows go: metrics.csv, metrics.jsonl, TensorBoard (the console is
 :mod:`glassloop.console`).
 
-Rows are plain dicts. A step row has ``kind="step"``; an epoch row has ``kind="epoch"``.
+Rows are plain dicts. A step row has ``kind="step"``; an epoch row has ``kind="epoch"``; a
+mid-epoch validation's ``kind="val"``; metrics.jsonl alone also gets each epoch's every step
+loss, ``kind="losses"`` (:meth:`glassloop.run_log.RunLog.write_losses`).
 """
 
 from __future__ import annotations
@@ -162,12 +164,13 @@ def _jsonl_row(line: str) -> dict[str, Any] | None:
 def _keep(row: dict[str, Any] | None, max_step: int, max_epoch: int) -> bool:
     """A row to keep: one of a step up to ``max_step`` (an epoch's: of an epoch up to
     ``max_epoch``); a line that is no row (cut short by a kill, damaged bytes) goes."""
-    if row is None or row.get("kind") not in ("step", "epoch", "val"):
+    if row is None or row.get("kind") not in ("step", "epoch", "val", "losses"):
         return False
     step, epoch = _number(row, "step"), _number(row, "epoch")
     if step is None or epoch is None:
         return False
-    return step <= max_step and (row["kind"] != "epoch" or epoch <= max_epoch)
+    # (an epoch's every step loss, "losses", is written with its row: kept alike)
+    return step <= max_step and (row["kind"] not in ("epoch", "losses") or epoch <= max_epoch)
 
 
 def _number(row: dict[str, Any], key: str) -> int | None:

@@ -96,6 +96,9 @@ class EpochRecord:
         self.weights: list[float] = []
         self.sizes: list[int] = []
         self.steps = 0  # steps recorded this epoch, alike in every process (the step rows')
+        # Each loss's step in the epoch where it is not its place in ``losses``: a resume
+        # with another number of processes (rank 0 holds every saved process's; None: in order).
+        self.positions: list[int] | None = None
         self.epoch_rng: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
 
@@ -117,6 +120,8 @@ class EpochRecord:
         if summed:  # reported per sample (float64: no rounding)
             loss = loss.double() / step_samples
         self.losses.append(loss)
+        if self.positions is not None:
+            self.positions.append(self.steps)
         self.sizes.append(samples)
         self.weights.append(step_samples / processes)
         self.steps += 1
@@ -139,6 +144,7 @@ class EpochRecord:
     def end_epoch(self, row: dict[str, Any]) -> None:
         self.history.append(row)
         self.losses, self.weights, self.sizes, self.steps = [], [], [], 0
+        self.positions = None
 
     def mean_loss(self) -> float | None:
         """This process's mean training loss of the epoch so far (a host sync), for the
@@ -148,6 +154,26 @@ class EpochRecord:
         weights = torch.tensor(self.weights, dtype=torch.float64, device=self.losses[0].device)
         totals = torch.stack([loss[0] if loss.ndim else loss for loss in self.losses])
         return float(totals.to(torch.float64) @ weights / weights.sum())
+
+    def step_losses(self, world: World) -> list[float]:
+        """Every step's loss of the epoch so far, each as its step row gives it
+        (:func:`step_loss`), in one host read (several processes: one collective): what the
+        report's per-step plot draws, whatever ``log_every`` is. NaN for a step no process
+        holds."""
+        totals = [loss[0] if loss.ndim else loss for loss in self.losses]
+        if not world.distributed and self.positions is None:  # one process, each step once
+            return torch.stack(totals).cpu().tolist() if totals else []
+        # Each process holds its share of a step's loss times the number of processes (a
+        # resume by fewer: several processes' in one): their sum over the processes that
+        # wrote it, divided by how many did.
+        sums = torch.zeros(2, self.steps, dtype=torch.float32)
+        if totals:
+            at = torch.tensor(self.positions if self.positions is not None else range(len(totals)))
+            sums[0].index_add_(0, at, torch.stack(totals).float().cpu())
+            sums[1].index_add_(0, at, torch.ones(len(totals)))
+        if world.distributed:
+            sums = all_reduce(sums)
+        return [s / n if n else float("nan") for s, n in zip(*sums.tolist(), strict=True)]
 
     def train_loss(self, world: World, device: torch.device) -> dict[str, float]:
         """The epoch's mean training loss over every process's samples (``train_loss``; NaN
@@ -171,6 +197,7 @@ class EpochRecord:
             "epoch_sizes": list(self.sizes),
             "epoch_weights": list(self.weights),
             "epoch_steps": self.steps,
+            **({"epoch_positions": list(self.positions)} if self.positions is not None else {}),
         }
 
     def state_dict(self, world: World | None = None) -> dict[str, Any]:
@@ -198,6 +225,8 @@ class EpochRecord:
         # (checkpoints written before weights were kept: each step weighed its samples)
         self.weights = [float(w) for w in steps.get("epoch_weights", self.sizes)]
         self.steps = int(steps.get("epoch_steps", len(self.losses)))
+        positions = steps.get("epoch_positions")
+        self.positions = [int(i) for i in positions] if positions is not None else None
         self.epoch_rng = state.get("epoch_rng")
         self.history = list(state["history"])
 
@@ -211,7 +240,7 @@ def _merged(per_rank: list[dict[str, Any]], size: int, rank: int) -> dict[str, A
     share = [done // size + (r < done % size) for r in range(size)]
     merged: dict[str, Any] = {"epoch_losses": None, "epoch_sizes": [share[rank]] if done else []}
     merged["epoch_loss_names"] = per_rank[0].get("epoch_loss_names", [])
-    merged["epoch_weights"] = []
+    merged["epoch_weights"], merged["epoch_positions"] = [], []  # (the steps to come: appended)
     first = per_rank[0]  # (every saved process recorded the same steps)
     losses = first["epoch_losses"]
     merged["epoch_steps"] = first.get("epoch_steps", 0 if losses is None else len(losses))
@@ -220,6 +249,12 @@ def _merged(per_rank: list[dict[str, Any]], size: int, rank: int) -> dict[str, A
         merged["epoch_losses"] = torch.cat(kept) if kept else None
         merged["epoch_weights"] = [
             float(w) for s in per_rank for w in s.get("epoch_weights", s["epoch_sizes"])
+        ]
+        merged["epoch_positions"] = [  # each saved process's steps, for the per-step losses
+            int(i)
+            for s in per_rank
+            if s["epoch_losses"] is not None
+            for i in s.get("epoch_positions", range(len(s["epoch_losses"])))
         ]
     return merged
 

@@ -226,6 +226,11 @@ def test_every_reported_number(
             row["loss"],
             loss,
         )  # (float32)
+    # Each epoch's every step loss (the report's per-step plot): once, equal to the step rows.
+    every = read_rows(run, "losses")
+    assert [r["epoch"] for r in every] == list(range(1, EPOCHS + 1))
+    plotted = [(r["first_step"] + i, loss) for r in every for i, loss in enumerate(r["loss"])]
+    assert plotted == [(row["step"], row["loss"]) for row in step_rows]
     # evaluate() after training is the last epoch's validation; predict() the hand model's.
     last = hand["history"][-1]
     for key, value in numbers["evaluate"].items():

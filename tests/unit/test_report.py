@@ -99,3 +99,36 @@ def test_best_means_checkpoint_monitor_everywhere(tmp_path: Path) -> None:
         assert summary is not None and summary.best == shown
         page = write_report(tmp_path, evaluation=None, class_names=None).read_text()
         assert f"<td>best epoch</td><td>{epoch}: " in page
+
+
+def test_the_per_step_loss_plot_has_every_step_whatever_log_every(tmp_path: Path) -> None:
+    """With log_every beyond an epoch the per-step plot had one point per epoch (the logged
+    steps): it now draws every step's loss, each the value its step row would have."""
+    import json
+
+    from glassloop.report import STEP_POINTS, _buckets, step_losses
+
+    settings = ["data.name=synthetic", "model.hidden=[8]", "train.epochs=3",
+                "train.progress=none", "train.log_every=1000"]  # fmt: skip
+    run = build(load_config(None, settings), run_dir=tmp_path / "run")
+    run.trainer.fit(run.train_loader, run.val_loader, epochs=3)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    steps_rows = [row for row in logged if row["kind"] == "step"]
+    last = run.trainer.state.step
+    assert len(steps_rows) == 3 and last > 3 * 5  # one logged step per epoch, many steps
+    steps, losses = step_losses(tmp_path / "run")
+    assert steps == list(range(1, last + 1))
+    assert all(losses[row["step"] - 1] == row["loss"] for row in steps_rows)
+    # the same through a second run that logs every step: equal values at every step
+    again = build(load_config(None, [*settings[:-1], "train.log_every=1"]), run_dir=tmp_path / "b")
+    again.trainer.fit(again.train_loader, again.val_loader, epochs=3)
+    rows = map(json.loads, (tmp_path / "b" / "metrics.jsonl").open())
+    every = {row["step"]: row["loss"] for row in rows if row["kind"] == "step"}
+    assert [every[s] for s in steps] == losses
+    with Image.open(tmp_path / "run" / "report" / "step_loss.png") as image:
+        assert image.format == "PNG"
+    # a million steps: STEP_POINTS buckets, each the mean, lowest and highest of its steps
+    x, mean, low, high = _buckets(list(range(10**6)), [float(i % 7) for i in range(10**6)],
+                                  STEP_POINTS)  # fmt: skip
+    assert len(x) == STEP_POINTS and low[0] == 0.0 and high[0] == 6.0
+    assert x[0] == 49.5 and abs(mean[0] - sum(i % 7 for i in range(100)) / 100) < 1e-12
