@@ -35,6 +35,7 @@ class ProgressReporter:
     short bar) and/or the tutorial's plain lines — and a one-line epoch summary."""
 
     REFRESH_S = 0.5  # the bar's loss is read from the device at most this often
+    VAL_REFRESH_S = 0.1  # a validation's numbers (no training waits on them): tqdm's pace
 
     def __init__(
         self, mode: str = "auto", stream: IO[str] | None = None, *, silent: bool = False
@@ -44,8 +45,10 @@ class ProgressReporter:
         self.mode = "none" if silent else mode
         self.bar, self.lines = (False, False) if silent else resolve_progress(mode)
         self._bar: Any = None
+        self._val_bar: Any = None
+        self._shown: dict[str, str] = {}  # the last mid-epoch validation's, in the bar
         self._total: int | None = None
-        self._refreshed = 0.0
+        self._refreshed = self._val_refreshed = 0.0
         self._epoch_seconds: list[float] = []  # each finished epoch's duration (run ETA)
 
     @property
@@ -75,25 +78,44 @@ class ProgressReporter:
 
     def advance(self, num_samples: int, record: Any = None) -> None:
         """``num_samples`` more trained; with ``record`` (an :class:`EpochRecord`) the bar's
-        running mean loss is refreshed when due (a host sync, at most twice a second)."""
+        running mean loss (and accuracy, when counted) is refreshed when due (a host sync,
+        at most twice a second), next to the last mid-epoch validation's numbers."""
         if self._bar is None:
             return
         self._bar.update(num_samples)
         now = time.monotonic()
         if record is not None and now - self._refreshed >= self.REFRESH_S:
             self._refreshed = now
-            mean = record.mean_loss()
-            if mean is not None:
-                self._bar.set_postfix(loss=f"{mean:.4f}", refresh=False)
+            mean, accuracy = record.mean_loss(), record.accuracy()
+            shown = {} if mean is None else {"loss": f"{mean:.4f}"}
+            if accuracy is not None:
+                shown["acc"] = f"{100 * accuracy:.2f}%"
+            self._bar.set_postfix({**shown, **self._shown}, refresh=False)
 
     def validation(self, loader: Iterable[Any]) -> Iterable[Any]:
-        """``loader``, drawn as a short "validate" bar on a terminal."""
+        """``loader``, drawn as a short "validate" bar on a terminal (its running numbers:
+        :meth:`live_validation`)."""
         if not self.bar:
             return loader
-        bar: Iterable[Any] = tqdm(
-            loader, desc="validate", unit="batch", leave=False, dynamic_ncols=True
-        )
+        self._val_bar = tqdm(loader, desc="validate", unit="batch", leave=False, dynamic_ncols=True)
+        self._val_refreshed = 0.0  # (its numbers from its first batch on)
+        bar: Iterable[Any] = self._val_bar
         return bar
+
+    def live_validation(self, loss_sum: Any, weight: Any, sums: Any) -> None:
+        """A validation's running loss (and accuracy, a classifier's) on its bar, read from
+        the device at most every ``VAL_REFRESH_S`` (:func:`glassloop.evaluate`'s ``live``)."""
+        now = time.monotonic()
+        if self._val_bar is None or now - self._val_refreshed < self.VAL_REFRESH_S:
+            return
+        self._val_refreshed = now
+        shown = {}
+        if float(weight):
+            shown["val_loss"] = f"{float(loss_sum) / float(weight):.4f}"
+        counts = getattr(sums, "sums", {})
+        if "correct" in counts and int(counts["counted"]):
+            shown["val_acc"] = f"{100 * int(counts['correct']) / int(counts['counted']):.2f}%"
+        self._val_bar.set_postfix(shown, refresh=False)
 
     def log_step(self, loss: float, seen_in_epoch: int) -> None:
         if self.lines:
@@ -106,13 +128,20 @@ class ProgressReporter:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        self._shown = {}  # (the epoch's line says its validation's numbers)
         if not self.quiet:
             print(format_epoch_summary(row, num_epochs), file=self.stream, flush=True)
 
     def validation_row(self, row: dict[str, Any]) -> None:
-        """A validation inside an epoch (``validate_every_n_steps``): its step and numbers."""
+        """A validation inside an epoch (``validate_every_n_steps``): its step and numbers,
+        which the bar then shows until the next."""
         numbers = ", ".join(f"{k} {v:.4g}" for k, v in row.items() if k.startswith("val_"))
         self.message(f"step {row['step']}: {numbers}")
+        for key in ("val_loss", "val_accuracy"):
+            if isinstance(row.get(key), float):
+                value = row[key]
+                text = f"{100 * value:.2f}%" if key.endswith("accuracy") else f"{value:.4f}"
+                self._shown[key.replace("accuracy", "acc")] = text
 
     def message(self, text: str) -> None:
         """Resume notices and warnings: printed whatever the progress mode."""

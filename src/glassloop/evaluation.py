@@ -66,6 +66,7 @@ def evaluate(
     loss_reduction: str = "auto",
     heads: Mapping[str, str] | None = None,
     outputs: str = "auto",
+    live: Callable[[torch.Tensor, torch.Tensor, TaskSums | None], None] | None = None,
 ) -> dict[str, Any]:
     """Return ``loss`` (mean over samples, or over labelled tokens; a loss that sums over its
     batch, ``loss_reduction="sum"`` or a loss module's ``reduction``, per sample too) and the
@@ -78,7 +79,9 @@ def evaluate(
     ``heads``: a task per head of a model with several (:func:`glassloop.tasks.
     resolve_heads`): each head's metrics on its part of the target, as ``<head>_<metric>``.
     ``outputs``: what the model returns (:func:`glassloop.tasks.outputs_are_probabilities`:
-    ``"auto"`` sees a BCELoss or a final ``nn.Sigmoid``/``nn.Softmax``).
+    ``"auto"`` sees a BCELoss or a final ``nn.Sigmoid``/``nn.Softmax``). ``live``: called
+    after each batch with the running loss sum, its weight and the task's sums (on the
+    device: a progress bar reads them when it redraws).
 
     The tutorial averages batch means (``test_loss / num_batches``), which over-weights a
     short last batch; here every sample counts once. Inside a multi-process job each process
@@ -146,6 +149,8 @@ def evaluate(
                     metric_input = metric_inputs(task, prediction, target, labels, probabilities)
                     for metric in extra.values():
                         metric.update(*metric_input)
+                if live is not None:
+                    live(loss_sum, weight, sums)
     finally:
         model.train(was_training)
     if distributed_job():  # each process saw its shard; report the whole validation set

@@ -41,6 +41,7 @@ from glassloop.device import move_to_device, resolve_device
 from glassloop.errors import GlassloopError
 from glassloop.evaluation import LossFn, Metric
 from glassloop.fsdp import gradient_sync
+from glassloop.gradient_flow import GradientFlow
 from glassloop.guards import NonFinitePolicy, NonFiniteWatch
 from glassloop.launched import since_launch
 from glassloop.micro_batches import MicroBatches
@@ -106,6 +107,7 @@ class Trainer:
         task: str | Mapping[str, str] = "auto",
         outputs: str = "auto",
         metrics: Sequence[str] | Mapping[str, Metric | str] | None = None,
+        train_accuracy: bool = False,
         # the step
         precision: str = "32",
         grad_accum_steps: int = 1,
@@ -163,6 +165,9 @@ class Trainer:
         self.loss_reduction = tasks.reduction_of(loss_fn, loss_reduction)
         self.summed = self.loss_reduction == "sum"  # (read every step: an attribute)
         self.metrics = evaluation.metric_table(metrics, self.task, self.heads)
+        # the training labels got right, counted on the device ([correct, counted]) per step
+        self.train_accuracy = tasks.check_train_accuracy(train_accuracy, self.task, loss_fn)
+        self._correct: torch.Tensor | None = None
         self.validate_every_n_steps, self.limit_batches = validate_every_n_steps, limit_batches
         if seed is not None:
             seed_everything(seed)
@@ -241,6 +246,9 @@ class Trainer:
         self.run_dir = self.run_log.run_dir
         # Only rank 0 talks: the other processes print nothing at all.
         self.console = ProgressReporter(progress, silent=not self.world.is_main)
+        # weights no gradient reaches, named after a fresh run's first steps (a warning)
+        unwrapped = distributed.unwrap_model(self.model)
+        self.gradient_flow = GradientFlow(unwrapped, self.console.message)
         self.checkpointer = Checkpointer(
             self.run_dir,
             checkpoint,
@@ -323,6 +331,7 @@ class Trainer:
         self.run_log.start(has_val=first_val is not None)
         self.watch.check(self.state, self.world)  # counts from here (a resumed run's step)
         self.state.began = time.perf_counter()  # the run's training time: from the header
+        self.gradient_flow.start(fresh=self.state.step == 0, sharded=self.sharded is not None)
         status, pairs = "failed", None  # pairs: a regression's outputs and targets, plotted
         self.profiler = fit_profiler(self.profile, self.world, self.run_dir, self.console.message)
         try:
@@ -401,7 +410,7 @@ class Trainer:
         row: dict[str, Any] = {"kind": "epoch", "epoch": epoch, "step": state.step}
         row["samples"] = state.samples_seen
         # train_loss (and a train_step's named losses: train_<name>), over every process
-        row.update(self.record.train_loss(self.world, self.device))
+        row.update(self.record.train_loss(self.world, self.device, accuracy=self.train_accuracy))
         state.validation_due = "epoch"  # (a stop signal inside it: validated again on resume)
         row.update(self.validator.row(self))  # val_* (nothing without a validation set)
         row["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -443,6 +452,8 @@ class Trainer:
                 loss, local, window.samples, self.world.size, summed=self.summed
             )
             state.step += 1
+            if self._correct is not None:  # train_accuracy: the step's right labels count
+                self.record.add_correct(self._correct)
             if self.watch.spike:  # checked with the non-finite values, without a host read
                 self.watch.observe_step(total, state, len(micro))
             if self.profiler is not None:
@@ -523,6 +534,7 @@ class Trainer:
         if zero_grad:
             self.optimizer.zero_grad(set_to_none=True)
         window_loss: torch.Tensor | None = None
+        self._correct = None  # (train_accuracy: this window's, added up below)
         last = len(window) - 1
         for i, (((args, kwargs), target), weight) in enumerate(
             zip(window, window.weights, strict=True)
@@ -536,6 +548,9 @@ class Trainer:
                     loss = (
                         model_loss(output) if self.loss_fn is None else self.loss_fn(output, target)
                     )
+                if self.train_accuracy:  # the labels it got right (on the device, no host read)
+                    counts = tasks.correct_labels(output, target, self.ignore_index)
+                    self._correct = counts if self._correct is None else self._correct + counts
                 if weight is not None:
                     # Its share of the window's samples (tokens): the summed gradients are one
                     # big batch's, also in an epoch's last, shorter window.
@@ -561,6 +576,8 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
             return False
         self.state.consecutive_nonfinite = 0
+        if self.gradient_flow.pending:  # a fresh run's first steps: weights left without one
+            self.gradient_flow.check(optimizer)
         fp16 = self.scaler.is_enabled()
         scale = self.scaler.get_scale() if fp16 else 1.0
         self.scaler.step(optimizer)  # optimizer.step(); fp16: unless gradients overflowed
@@ -748,6 +765,7 @@ class Trainer:
                 metrics=self.metrics,
                 heads=self.heads,
                 outputs="probabilities" if self.probabilities else "logits",
+                live=self.console.live_validation if self.console.bar else None,  # the bar's
             )
 
     def predict(

@@ -66,6 +66,11 @@ class TrainOptions:
     softmax by ``predict``, and a label is decided at 0.5."""
     metrics: list[str] = option([])
     """more metrics, by name (``['top5_accuracy']``) or, in Python, ``{name: metric}``."""
+    train_accuracy: bool = option(False)
+    """also count how many training labels each step's outputs get right, on the device as
+    they train (an argmax per batch: off by default, a few percent of a tiny model's step):
+    the bar's running ``acc`` and the epoch's ``train_accuracy``; a classifier's (one label
+    per row or per token) trained with a loss function."""
 
     # -------------------------------------------------------------------------------- the step
     precision: str = option("32", rule=("32", "bf16", "fp16"))

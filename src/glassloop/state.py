@@ -99,6 +99,8 @@ class EpochRecord:
         # Each loss's step in the epoch where it is not its place in ``losses``: a resume
         # with another number of processes (rank 0 holds every saved process's; None: in order).
         self.positions: list[int] | None = None
+        # ``[correct, counted]`` of the epoch's steps (``train_accuracy``; None: not counted)
+        self.correct: torch.Tensor | None = None
         self.epoch_rng: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
 
@@ -141,10 +143,14 @@ class EpochRecord:
         total = torch.as_tensor(losses["loss"]).detach().float() if "loss" in losses else None
         return torch.stack([sum(values) if total is None else total, *values])  # type: ignore[list-item]
 
+    def add_correct(self, counts: torch.Tensor) -> None:
+        """A step's ``[correct, counted]`` labels (kept on the device, as the losses)."""
+        self.correct = counts if self.correct is None else self.correct + counts
+
     def end_epoch(self, row: dict[str, Any]) -> None:
         self.history.append(row)
         self.losses, self.weights, self.sizes, self.steps = [], [], [], 0
-        self.positions = None
+        self.positions, self.correct = None, None
 
     def mean_loss(self) -> float | None:
         """This process's mean training loss of the epoch so far (a host sync), for the
@@ -154,6 +160,14 @@ class EpochRecord:
         weights = torch.tensor(self.weights, dtype=torch.float64, device=self.losses[0].device)
         totals = torch.stack([loss[0] if loss.ndim else loss for loss in self.losses])
         return float(totals.to(torch.float64) @ weights / weights.sum())
+
+    def accuracy(self) -> float | None:
+        """This process's running training accuracy of the epoch so far (a host sync), for
+        the progress bar; ``None`` when not counted or nothing counted yet."""
+        if self.correct is None:
+            return None
+        correct, counted = self.correct.tolist()
+        return correct / counted if counted else None
 
     def step_losses(self, world: World) -> list[float]:
         """Every step's loss of the epoch so far, each as its step row gives it
@@ -175,20 +189,31 @@ class EpochRecord:
             sums = all_reduce(sums)
         return [s / n if n else float("nan") for s, n in zip(*sums.tolist(), strict=True)]
 
-    def train_loss(self, world: World, device: torch.device) -> dict[str, float]:
+    def train_loss(
+        self, world: World, device: torch.device, *, accuracy: bool = False
+    ) -> dict[str, float]:
         """The epoch's mean training loss over every process's samples (``train_loss``; NaN
-        when every step of the epoch was skipped) and each named loss's (``train_<name>``)."""
+        when every step of the epoch was skipped) and each named loss's (``train_<name>``);
+        with ``accuracy``, the share of every process's counted labels its steps' outputs
+        got right (``train_accuracy``, in the same collective)."""
         keys = ["train_loss", *(f"train_{name}" for name in self.names)]
         sums = torch.zeros(len(keys) + 1, dtype=torch.float64)  # (none: a resume's other ranks)
         if self.losses:
             weights = torch.tensor(self.weights, dtype=torch.float64, device=device)
             means = torch.stack(self.losses).to(torch.float64).reshape(len(self.losses), -1)
             sums = torch.cat([weights @ means, weights.sum().reshape(1)]).cpu()
+        if accuracy:  # [correct, counted] after them (none counted: a resume's other ranks)
+            counts = self.correct.cpu() if self.correct is not None else torch.zeros(2)
+            sums = torch.cat([sums, counts.to(torch.float64)])
         if world.distributed:  # the mean over every process's samples
             sums = all_reduce(sums)
-        if not sums[len(keys)]:  # every step of the epoch skipped
-            return {key: float("nan") for key in keys}
-        return {key: float(sums[i] / sums[len(keys)]) for i, key in enumerate(keys)}
+        row = {key: float("nan") for key in keys}  # every step of the epoch skipped
+        if sums[len(keys)]:
+            row = {key: float(sums[i] / sums[len(keys)]) for i, key in enumerate(keys)}
+        if accuracy:
+            correct, counted = sums[-2:].tolist()
+            row["train_accuracy"] = correct / counted if counted else float("nan")
+        return row
 
     def _steps(self) -> dict[str, Any]:
         return {
@@ -198,6 +223,7 @@ class EpochRecord:
             "epoch_weights": list(self.weights),
             "epoch_steps": self.steps,
             **({"epoch_positions": list(self.positions)} if self.positions is not None else {}),
+            **({"epoch_correct": self.correct.tolist()} if self.correct is not None else {}),
         }
 
     def state_dict(self, world: World | None = None) -> dict[str, Any]:
@@ -227,6 +253,8 @@ class EpochRecord:
         self.steps = int(steps.get("epoch_steps", len(self.losses)))
         positions = steps.get("epoch_positions")
         self.positions = [int(i) for i in positions] if positions is not None else None
+        correct = steps.get("epoch_correct")
+        self.correct = None if correct is None else torch.tensor(correct, device=device)
         self.epoch_rng = state.get("epoch_rng")
         self.history = list(state["history"])
 
@@ -245,6 +273,9 @@ def _merged(per_rank: list[dict[str, Any]], size: int, rank: int) -> dict[str, A
     losses = first["epoch_losses"]
     merged["epoch_steps"] = first.get("epoch_steps", 0 if losses is None else len(losses))
     if rank == 0:
+        counts = [s["epoch_correct"] for s in per_rank if s.get("epoch_correct") is not None]
+        if counts:  # train_accuracy's labels: every saved process's, added up
+            merged["epoch_correct"] = [sum(c[0] for c in counts), sum(c[1] for c in counts)]
         kept = [s["epoch_losses"] for s in per_rank if s["epoch_losses"] is not None]
         merged["epoch_losses"] = torch.cat(kept) if kept else None
         merged["epoch_weights"] = [

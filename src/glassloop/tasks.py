@@ -332,6 +332,41 @@ def class_scores(prediction: torch.Tensor, target: Any) -> tuple[torch.Tensor, t
     return found if found is not None and found[0].shape[-1] >= 2 else None
 
 
+def check_train_accuracy(wanted: bool, task: str, loss_fn: Any) -> bool:
+    """``train_accuracy`` where it has a meaning: class labels (a classifier's, a language
+    model's tokens) and a loss function that gets them (a model computing its own loss shifts
+    them its way); one line otherwise."""
+    if wanted and (task not in LABEL_TASKS or loss_fn is None):
+        why = f"this run's task is {task!r}" if loss_fn is not None else "the model's own loss"
+        raise ConfigError(
+            f"train_accuracy counts a classifier's labels with a loss function; {why}: "
+            "leave it off (the validation metrics still say how the model does)"
+        )
+    return bool(wanted)
+
+
+def correct_labels(output: Any, target: Any, ignore_index: int = -100) -> torch.Tensor:
+    """``[correct, counted]`` labels of a training batch (on the device, no host read; labels
+    equal to ``ignore_index`` left out; ``[0, 0]`` when its target is not class labels, e.g.
+    soft targets): the running ``train_accuracy``.
+
+    >>> correct_labels(torch.eye(3), torch.tensor([0, 2, -100])).tolist()
+    [1, 2]
+    >>> correct_labels(torch.eye(3), torch.tensor([0, 1, 0]), ignore_index=0).tolist()
+    [1, 1]
+    """
+    prediction = prediction_of(output)
+    found = class_scores(prediction, target)
+    if found is None:
+        return torch.zeros(2, dtype=torch.int64, device=prediction.device)
+    scores, labels = found
+    kept = labels != ignore_index
+    right = scores.detach().argmax(dim=-1) == labels
+    if ignore_index >= 0:  # (a negative one, -100, is never a predicted class: no mask)
+        right &= kept
+    return torch.stack([right.sum(), kept.sum()])
+
+
 def check_same_shape(prediction: torch.Tensor, target: Any, where: str) -> None:
     """A regression's outputs and targets must have one shape: torch broadcasts ``(N, 1)``
     against ``(N,)`` to ``(N, N)`` and trains on the wrong loss without an error."""

@@ -135,6 +135,7 @@ def main(argv: list[str]) -> None:
         loss_reduction="sum" if task == "sum" else "auto",
         # (a language model's loss is a mean over its tokens: processes weigh theirs so)
         loss_weighting="tokens" if task == "lm" else "samples",
+        train_accuracy=task == "classification",  # (counted as it trains)
         grad_accum_steps=accumulation(task), device="cpu", progress="none", log_every=1,
         run_dir=run, checkpoint=CheckpointConfig(
             every_n_steps=1, keep_last=2, async_save="--async-save" in argv

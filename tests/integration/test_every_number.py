@@ -1,5 +1,5 @@
 """Every number glassloop reports is right, not only the weights: for each task
-(classification; BCELoss on probabilities; multilabel; regression far from zero; a language
+(classification, its running train_accuracy too; BCELoss on probabilities; multilabel; regression far from zero; a language
 model with its own shifted loss; a loss that sums over its batch, accumulated) x {1 process,
 2 processes} x {uninterrupted; killed with SIGKILL mid-epoch or at an epoch boundary and
 resumed in a new process} x {glassloop's loader, a shuffling DataLoader, a DataLoader with its
@@ -47,10 +47,10 @@ SCRIPT = Path(__file__).with_name("matrix_runs.py")
 KILLS = {"none": None, "mid-epoch": (4, 5), "epoch-boundary": (7, 4)}  # (accum 1, accum 2)
 SAVES = ("sync", "async")
 DIAGONAL = [
-    ("classification", "generator", "mid-epoch", 1, "async"),
+    ("classification", "glassloop", "mid-epoch", 2, "async"),  # (a mid-epoch DDP resume)
     ("bce", "dataloader", "none", 1, "sync"),
     ("multilabel", "glassloop", "epoch-boundary", 1, "async"),
-    ("regression", "glassloop", "mid-epoch", 2, "async"),  # (a mid-epoch DDP resume)
+    ("regression", "generator", "mid-epoch", 1, "async"),
     ("lm", "glassloop", "mid-epoch", 1, "sync"),
     ("sum", "generator", "epoch-boundary", 1, "sync"),
 ]
@@ -88,14 +88,17 @@ def hand_run(task: str, kind: str) -> dict[str, Any]:
     for epoch in range(1, EPOCHS + 1):
         model.train()
         total = 0.0
-        seen = 0
+        seen = correct = 0  # (correct: train_accuracy's, a classifier's)
         batches = list(train)
         for start in range(0, len(batches), accum):
             window = batches[start : start + accum]
             window_total = 0.0
             for x, y in window:
-                loss = own_loss(model, x, y) if loss_fn is None else loss_fn(model(x), y)
+                out = None if loss_fn is None else model(x)
+                loss = own_loss(model, x, y) if loss_fn is None else loss_fn(out, y)
                 loss.backward()
+                if task == "classification":  # the labels this forward got right
+                    correct += int((out.argmax(-1) == y).sum())
                 per = float(loss.detach()) * (1 if task == "sum" else len(x))
                 window_total += per
             optimizer.step()
@@ -104,6 +107,8 @@ def hand_run(task: str, kind: str) -> dict[str, Any]:
             steps, samples, seen, total = steps + 1, samples + n, seen + n, total + window_total
             step_losses.append(window_total / n)
         row = {"epoch": epoch, "step": steps, "samples": samples, "train_loss": total / seen}
+        if task == "classification":
+            row["train_accuracy"] = correct / seen
         row.update({f"val_{k}": v for k, v in hand_evaluate(task, model, loss_fn, val).items()})
         row["lr"] = 1e-2
         history.append(row)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+import torch
 from cli_runner import run_glassloop
+from torch import nn
 
 from glassloop import load_config
 from glassloop.checklist import run_doctor
@@ -172,3 +175,151 @@ def test_a_first_loss_far_above_ln_c_is_said_in_fit(capsys: pytest.CaptureFixtur
         assert ("warning: the first batch's loss is" in out) is said, out
         if said:
             assert "over twice the ln(4) = 1.386 of an untrained classifier" in out
+
+
+class _Cut(nn.Module):
+    """A model with a layer its forward never uses and one whose gradient it zeroes; a
+    zero-initialised branch (LoRA's B, a ReZero residual) whose inputs' gradients are zero
+    at the first step only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 3)
+        self.down = nn.Linear(6, 2, bias=False)  # LoRA's A: zero gradient at step 1 only
+        self.up = nn.Linear(2, 3, bias=False)
+        nn.init.zeros_(self.up.weight)  # LoRA's B
+        self.unused = nn.Linear(4, 4)
+        self.cut = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.head(self.body(x).relu()) + self.up(self.down(x))
+        return out + 0 * self.cut(x)  # (its gradient: always zero)
+
+
+def test_weights_no_gradient_reaches_are_named_once_in_fit(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """doctor's "gradient flow" check inside fit (issue 37, item 1): after a fresh run's first
+    10 steps, one warning line names the weights that got no gradient (unused) or only zero
+    ones (cut off); a zero-initialised adapter's A (a zero gradient at step 1) and frozen
+    weights are not named; a resumed run and a healthy model say nothing."""
+    import glassloop
+
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(12)]
+    model = _Cut()
+    model.body.bias.requires_grad_(False)  # frozen: not named
+    trainer = glassloop.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                nn.CrossEntropyLoss(), progress="none", run_dir=tmp_path / "r",
+                                checkpoint=glassloop.CheckpointConfig(every_n_steps=5))  # fmt: skip
+    trainer.fit(data, epochs=1)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "gradients:" in line]
+    assert lines == [
+        "warning: gradients: in the first 10 steps, no gradient (unused by the forward) for "
+        "'unused.weight', 'unused.bias'; an all-zero gradient for 'cut.weight', 'cut.bias': "
+        "these weights do not learn; find what cuts them off (detach, a dead ReLU, a layer "
+        "left out of forward) or freeze them (requires_grad=False)"
+    ]
+    again = glassloop.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              nn.CrossEntropyLoss(), progress="none", run_dir=tmp_path / "r",
+                              checkpoint=glassloop.CheckpointConfig(every_n_steps=5))  # fmt: skip
+    again.fit(data, epochs=2, resume="auto")  # a resumed run: checked before
+    assert "gradients:" not in capsys.readouterr().out
+    healthy = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    glassloop.Trainer(healthy, torch.optim.SGD(healthy.parameters(), lr=0.1),
+                      nn.CrossEntropyLoss(), progress="none").fit(data, epochs=1)  # fmt: skip
+    assert "gradients:" not in capsys.readouterr().out
+
+
+def test_a_zero_initialised_adapter_trains_and_is_not_named() -> None:
+    """LoRA's A gets a zero gradient at the first step (B starts at zero) and a real one from
+    the second: the check waits for 10 steps before it names a weight."""
+    from glassloop.gradient_flow import GradientFlow
+
+    torch.manual_seed(0)
+    model = _Cut()
+    said: list[str] = []
+    flow = GradientFlow(model, said.append)
+    flow.start(fresh=True, sharded=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    zero_at_first = None
+    for step in range(10):
+        nn.functional.cross_entropy(model(x), y).backward()
+        if step == 0:
+            zero_at_first = bool(model.down.weight.grad.abs().max() == 0)
+        flow.check(optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert zero_at_first and not flow.pending
+    assert len(said) == 1 and "'down.weight'" not in said[0] and "'cut.weight'" in said[0]
+
+
+def test_train_accuracy_is_counted_as_it_trains_and_refused_where_it_means_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Keras's running accuracy (issue 37, item 10), opt-in: the epoch row's train_accuracy
+    is the share of the labels each step's forward got right (a hand count here); a
+    regression or a model computing its own loss is refused in one line."""
+    import glassloop
+    from glassloop.errors import ConfigError
+
+    torch.manual_seed(0)
+    data = [(torch.randn(16, 6), torch.randint(0, 3, (16,))) for _ in range(5)]
+    model = nn.Linear(6, 3)
+    hand = nn.Linear(6, 3)
+    hand.load_state_dict(model.state_dict())
+    trainer = glassloop.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                                nn.CrossEntropyLoss(), progress="lines",
+                                train_accuracy=True)  # fmt: skip
+    trainer.fit(data, epochs=2)
+    optimizer = torch.optim.SGD(hand.parameters(), lr=0.5)
+    for epoch in range(2):
+        right = 0
+        for x, y in data:
+            out = hand(x)
+            right += int((out.argmax(-1) == y).sum())
+            nn.functional.cross_entropy(out, y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert trainer.history[epoch]["train_accuracy"] == right / 80
+    assert f"train_accuracy {100 * right / 80:.2f}%" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="train_accuracy counts a classifier's labels with a "
+                       "loss function; this run's task is 'regression'"):  # fmt: skip
+        glassloop.Trainer(nn.Linear(6, 1), torch.optim.SGD(model.parameters(), lr=0.1),
+                          nn.MSELoss(), train_accuracy=True)  # fmt: skip
+    with pytest.raises(ConfigError, match="the model's own loss"):
+        glassloop.Trainer(nn.Linear(6, 1), torch.optim.SGD(model.parameters(), lr=0.1), None,
+                          task="classification", train_accuracy=True)  # fmt: skip
+
+
+def test_the_bar_shows_running_accuracy_and_live_validation_numbers(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's live numbers (issue 37, item 10): the training bar's running loss and
+    accuracy, the last mid-epoch validation's val_loss/val_acc in it, and the validation
+    bar's running numbers as it goes."""
+    import time
+
+    import glassloop
+    from glassloop.console import ProgressReporter
+
+    monkeypatch.setattr(ProgressReporter, "REFRESH_S", 0.0)
+    monkeypatch.setattr(ProgressReporter, "VAL_REFRESH_S", 0.0)
+
+    class Slow(nn.Linear):  # (each batch takes long enough for the bars to redraw)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.03)
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    data = [(torch.randn(16, 6), torch.randint(0, 3, (16,))) for _ in range(12)]
+    model = Slow(6, 3)
+    glassloop.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                      progress="bar", train_accuracy=True,
+                      validate_every_n_steps=6).fit(data, data[:8], epochs=1)  # fmt: skip
+    bars = capsys.readouterr().err
+    assert re.search(r"epoch 1/1.*loss=\d\.\d{4}, acc=\d+\.\d\d%", bars), bars[-2000:]
+    assert re.search(r"acc=\d+\.\d\d%, val_loss=\d\.\d{4}, val_acc=\d+\.\d\d%", bars), bars
+    assert re.search(r"validate.*val_loss=\d\.\d{4}, val_acc=\d+\.\d\d%", bars), bars
