@@ -49,6 +49,7 @@ class ProgressReporter:
         self._shown: dict[str, str] = {}  # the last mid-epoch validation's, in the bar
         self._total: int | None = None
         self._refreshed = self._val_refreshed = 0.0
+        self._said_uncounted = False  # (a NaN train_accuracy explained, once)
         self._epoch_seconds: list[float] = []  # each finished epoch's duration (run ETA)
 
     @property
@@ -129,6 +130,14 @@ class ProgressReporter:
             self._bar.close()
             self._bar = None
         self._shown = {}  # (the epoch's line says its validation's numbers)
+        accuracy = row.get("train_accuracy")
+        if isinstance(accuracy, float) and accuracy != accuracy and not self._said_uncounted:
+            self._said_uncounted = True
+            self.message(
+                "warning: train_accuracy: no training label was counted this epoch (a "
+                "train_step that does not call forward_backward, or targets that are not "
+                "class labels): reported as NaN"
+            )
         if not self.quiet:
             print(format_epoch_summary(row, num_epochs), file=self.stream, flush=True)
 

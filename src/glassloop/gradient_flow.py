@@ -32,8 +32,11 @@ class GradientFlow:
     """The check (see the module docstring): :meth:`check` before each of the first steps
     while :attr:`pending`."""
 
-    def __init__(self, model: nn.Module, say: Callable[[str], None]) -> None:
+    def __init__(self, model: nn.Module, say: Callable[[str], None], loss: object = None) -> None:
+        """``loss``: the loss function, named ``loss.<name>`` when it has parameters."""
         self.names = {id(p): name for name, p in model.named_parameters()}
+        if isinstance(loss, nn.Module):  # (a loss with learnable weights)
+            self.names.update({id(p): f"loss.{name}" for name, p in loss.named_parameters()})
         self.say = say
         self.pending = False  # set by fit: a fresh run, not sharded
         self._suspects: dict[int, list[torch.nn.Parameter]] = {}  # per optimizer
@@ -51,8 +54,8 @@ class GradientFlow:
         steps = self._steps[key] = self._steps.get(key, 0) + 1
         if steps <= STEPS:
             if steps == 1:  # its first step: every parameter it trains
-                trained = [p for group in optimizer.param_groups for p in group["params"]]
-                self._suspects[key] = [p for p in trained if p.requires_grad]
+                trained = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+                self._suspects[key] = [p for p in trained.values() if p.requires_grad]  # (once)
             suspects = self._suspects[key]
             if suspects:  # (one host read)
                 suspects = [p for p, dead in zip(suspects, _dead(suspects), strict=True) if dead]
@@ -70,9 +73,10 @@ class GradientFlow:
         if zero:
             parts.append(f"an all-zero gradient for {_listed(zero)}")
         return (
-            f"warning: gradients: in the first {STEPS} steps, {'; '.join(parts)}: these "
-            "weights do not learn; find what cuts them off (detach, a dead ReLU, a layer "
-            "left out of forward) or freeze them (requires_grad=False)"
+            f"warning: gradients: in the first {STEPS} steps, {'; '.join(parts)}: they have "
+            "not learned yet; if they should, find what cuts them off (detach, a dead ReLU, a "
+            "layer left out of forward, a learning rate of 0), else freeze them "
+            "(requires_grad=False)"
         )
 
 
@@ -84,7 +88,10 @@ def _dead(parameters: list[torch.nn.Parameter]) -> list[bool]:
         return [True] * len(parameters)
     device = present[0].device
     one = torch.ones((), device=device)  # (an empty tensor has no maximum: never dead)
-    peaks = [g.abs().amax().float().to(device) if g.numel() else one for g in present]
+    peaks = [
+        g.abs().amax().float().to(device) if g.numel() and g.layout == torch.strided else one
+        for g in present  # (a sparse gradient, nn.Embedding(sparse=True)'s: rows it reached)
+    ]
     found = iter(torch.stack(peaks).tolist())
     return [p.grad is None or next(found) == 0 for p in parameters]
 

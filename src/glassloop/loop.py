@@ -248,7 +248,7 @@ class Trainer:
         self.console = ProgressReporter(progress, silent=not self.world.is_main)
         # weights no gradient reaches, named after a fresh run's first steps (a warning)
         unwrapped = distributed.unwrap_model(self.model)
-        self.gradient_flow = GradientFlow(unwrapped, self.console.message)
+        self.gradient_flow = GradientFlow(unwrapped, self.console.message, loss_fn)
         self.checkpointer = Checkpointer(
             self.run_dir,
             checkpoint,
@@ -433,6 +433,7 @@ class Trainer:
             self._checked_first_batch = True
             self.check_first_batch(*micro[0])
         local = sum(batch_size_of(target, inputs) for inputs, target in micro)  # this process's
+        self._correct = None  # (train_accuracy: counted by this step's first forward_backward)
         window, signum = self._window(self.micro_batches.split(micro))  # (micro_batch_size)
         if self.micro_batches.trying:  # "auto", a first step: out of memory halves, retried
             loss, window, signum = self._step_that_fits(micro, window, signum)
@@ -478,6 +479,7 @@ class Trainer:
         plan = self.micro_batches
         while not (tried := plan.attempt(self, window)).fits:  # (undone: RNG, buffers, grads)
             plan.halve(micro)
+            self._correct = None  # (what the failed try counted)
             window, signum = self._window(plan.split(micro))
         if (line := plan.settled(micro)) is not None:
             self.console.message(line)
@@ -534,7 +536,7 @@ class Trainer:
         if zero_grad:
             self.optimizer.zero_grad(set_to_none=True)
         window_loss: torch.Tensor | None = None
-        self._correct = None  # (train_accuracy: this window's, added up below)
+        counting = self.train_accuracy and self._correct is None  # (once a step: LBFGS, a retry)
         last = len(window) - 1
         for i, (((args, kwargs), target), weight) in enumerate(
             zip(window, window.weights, strict=True)
@@ -548,7 +550,7 @@ class Trainer:
                     loss = (
                         model_loss(output) if self.loss_fn is None else self.loss_fn(output, target)
                     )
-                if self.train_accuracy:  # the labels it got right (on the device, no host read)
+                if counting:  # the labels it got right (on the device, no host read)
                     counts = tasks.correct_labels(output, target, self.ignore_index)
                     self._correct = counts if self._correct is None else self._correct + counts
                 if weight is not None:

@@ -70,7 +70,9 @@ class TrainOptions:
     """also count how many training labels each step's outputs get right, on the device as
     they train (an argmax per batch: off by default, a few percent of a tiny model's step):
     the bar's running ``acc`` and the epoch's ``train_accuracy``; a classifier's (one label
-    per row or per token) trained with a loss function."""
+    per row or per token) trained with a loss function. Counted in a step's first
+    ``forward_backward`` (LBFGS's first evaluation); batches whose targets are not class
+    labels (soft targets) are not counted."""
 
     # -------------------------------------------------------------------------------- the step
     precision: str = option("32", rule=("32", "bf16", "fp16"))

@@ -306,11 +306,12 @@ def step_losses(run_dir: Path) -> tuple[list[int], list[float]]:
     ``log_every``) of an epoch not finished yet or of a run from before those rows."""
     found: dict[int, float] = {}
     for row in read_rows(run_dir, "step"):
-        if _number(row.get("loss")) and _number(row.get("step")):
-            found[int(row["step"])] = float(row["loss"])
+        step = row.get("step")  # (a whole number: a hand-edited NaN or 1e400 is left out)
+        if _number(row.get("loss")) and isinstance(step, int) and not isinstance(step, bool):
+            found[step] = float(row["loss"])
     for row in read_rows(run_dir, "losses"):
         first, values = row.get("first_step"), row.get("loss")
-        if not isinstance(first, int) or not isinstance(values, list):
+        if not isinstance(first, int) or isinstance(first, bool) or not isinstance(values, list):
             continue  # (a file edited by hand: what is not a list of numbers is left out)
         for i, value in enumerate(values):
             if _number(value):

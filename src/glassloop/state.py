@@ -175,19 +175,25 @@ class EpochRecord:
         report's per-step plot draws, whatever ``log_every`` is. NaN for a step no process
         holds."""
         totals = [loss[0] if loss.ndim else loss for loss in self.losses]
-        if not world.distributed and self.positions is None:  # one process, each step once
+        known = self.positions is not None or len(totals) <= self.steps  # (else: see below)
+        if not world.distributed and self.positions is None and known:  # each step once
             return torch.stack(totals).cpu().tolist() if totals else []
         # Each process holds its share of a step's loss times the number of processes (a
         # resume by fewer: several processes' in one): their sum over the processes that
-        # wrote it, divided by how many did.
-        sums = torch.zeros(2, self.steps, dtype=torch.float32)
-        if totals:
+        # wrote it, divided by how many did. The last column: processes whose losses have
+        # no known steps (a checkpoint of an older glassloop resumed at another number of
+        # processes mid-epoch): then no row at all, never a wrong one.
+        sums = torch.zeros(2, self.steps + 1, dtype=torch.float64)
+        sums[0, -1] = float(not known)
+        if totals and known:
             at = torch.tensor(self.positions if self.positions is not None else range(len(totals)))
-            sums[0].index_add_(0, at, torch.stack(totals).float().cpu())
-            sums[1].index_add_(0, at, torch.ones(len(totals)))
+            sums[0].index_add_(0, at, torch.stack(totals).double().cpu())
+            sums[1].index_add_(0, at, torch.ones(len(totals), dtype=torch.float64))
         if world.distributed:
             sums = all_reduce(sums)
-        return [s / n if n else float("nan") for s, n in zip(*sums.tolist(), strict=True)]
+        if sums[0, -1]:
+            return []
+        return [s / n if n else float("nan") for s, n in zip(*sums[:, :-1].tolist(), strict=True)]
 
     def train_loss(
         self, world: World, device: torch.device, *, accuracy: bool = False
@@ -297,4 +303,6 @@ def step_loss(loss: torch.Tensor, world: World) -> float:
     every sample of the step."""
     if not world.distributed:
         return loss.item()
-    return float(all_reduce(loss.detach().float().cpu().reshape(1))) / world.size
+    # (float64: three or more processes' float32 shares add up exactly in any order, so the
+    # epoch's every step losses, reduced as one vector, give the same values)
+    return float(all_reduce(loss.detach().double().cpu().reshape(1))) / world.size

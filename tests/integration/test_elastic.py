@@ -105,6 +105,17 @@ def test_two_then_one_then_three_processes_keep_the_global_batch_and_the_sample_
         b = load_file(cut / kind / "model.safetensors")
         worst = max(float((a[k] - b[k]).abs().max()) for k in a)
         assert worst < 1e-6, (kind, worst)  # measured: 6e-8
+        # each step's loss in the epochs' "losses" rows: its step row's, to the bit, whatever
+        # the number of processes that wrote either (float64 sums: any order adds up alike)
+        logged = [json.loads(line) for line in (cut / kind / "metrics.jsonl").open()]
+        every = {
+            row["first_step"] + i: loss
+            for row in logged
+            if row["kind"] == "losses"
+            for i, loss in enumerate(row["loss"])
+        }
+        steps = [row for row in logged if row["kind"] == "step"]
+        assert steps and all(every[row["step"]] == row["loss"] for row in steps), kind
         rows_a, rows_b = numbers(tmp_path / "ref" / kind), numbers(cut / kind)
         assert [(r["kind"], r["step"]) for r in rows_a] == [(r["kind"], r["step"]) for r in rows_b]
         for row_a, row_b in zip(rows_a, rows_b, strict=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -218,8 +219,9 @@ def test_weights_no_gradient_reaches_are_named_once_in_fit(
     assert lines == [
         "warning: gradients: in the first 10 steps, no gradient (unused by the forward) for "
         "'unused.weight', 'unused.bias'; an all-zero gradient for 'cut.weight', 'cut.bias': "
-        "these weights do not learn; find what cuts them off (detach, a dead ReLU, a layer "
-        "left out of forward) or freeze them (requires_grad=False)"
+        "they have not learned yet; if they should, find what cuts them off (detach, a dead "
+        "ReLU, a layer left out of forward, a learning rate of 0), else freeze them "
+        "(requires_grad=False)"
     ]
     again = glassloop.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
                               nn.CrossEntropyLoss(), progress="none", run_dir=tmp_path / "r",
@@ -323,3 +325,38 @@ def test_the_bar_shows_running_accuracy_and_live_validation_numbers(
     assert re.search(r"epoch 1/1.*loss=\d\.\d{4}, acc=\d+\.\d\d%", bars), bars[-2000:]
     assert re.search(r"acc=\d+\.\d\d%, val_loss=\d\.\d{4}, val_acc=\d+\.\d\d%", bars), bars
     assert re.search(r"validate.*val_loss=\d\.\d{4}, val_acc=\d+\.\d\d%", bars), bars
+
+
+def test_train_accuracy_is_the_steps_first_forward_and_says_when_nothing_was_counted(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """(review of issue 37) LBFGS evaluates the model several times per step: the count is
+    its first evaluation's, on the weights the reported loss is of; a train_step that never
+    calls forward_backward counts nothing: NaN, said once."""
+    import glassloop
+
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 6), torch.randint(0, 2, (32,))
+    model = nn.Linear(6, 2)
+    before = int((model(x).argmax(-1) == y).sum())
+    trainer = glassloop.Trainer(model, torch.optim.LBFGS(model.parameters(), lr=1, max_iter=5),
+                                nn.CrossEntropyLoss(), progress="none",
+                                train_accuracy=True)  # fmt: skip
+    trainer.fit([(x, y)], epochs=1)
+    assert trainer.history[0]["train_accuracy"] == before / 32
+    assert before / 32 != float((model(x).argmax(-1) == y).float().mean())  # (it moved)
+
+    class OwnStep(glassloop.Trainer):
+        def train_step(self, window: Any) -> Any:
+            (((inputs,), _), target), *_ = window
+            loss = nn.functional.cross_entropy(self.model(inputs), target)
+            loss.backward()
+            self.step(self.optimizer, loss.detach())
+            return loss.detach()
+
+    other = nn.Linear(6, 2)
+    OwnStep(other, torch.optim.SGD(other.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+            progress="lines", train_accuracy=True).fit([(x, y)] * 3, epochs=2)  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.count("warning: train_accuracy: no training label was counted this epoch") == 1
+    assert "train_accuracy nan%" in out

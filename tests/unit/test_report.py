@@ -132,3 +132,55 @@ def test_the_per_step_loss_plot_has_every_step_whatever_log_every(tmp_path: Path
                                   STEP_POINTS)  # fmt: skip
     assert len(x) == STEP_POINTS and low[0] == 0.0 and high[0] == 6.0
     assert x[0] == 49.5 and abs(mean[0] - sum(i % 7 for i in range(100)) / 100) < 1e-12
+
+
+def test_hand_edited_or_older_rows_never_break_the_per_step_plot(tmp_path: Path) -> None:
+    """(review of issue 37) A step row whose step is NaN or 1e400 and losses rows that are not
+    lists of numbers are left out; a run from before "losses" rows plots its step rows."""
+    import json
+
+    from glassloop.report import step_losses
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [
+        {"kind": "step", "epoch": 1, "step": 1, "loss": 2.0},
+        {"kind": "step", "epoch": 1, "step": float("nan"), "loss": 1.0},
+        {"kind": "step", "epoch": 1, "step": True, "loss": 1.0},
+        {"kind": "losses", "epoch": 1, "step": 3, "first_step": "2", "loss": [1.0]},
+        {"kind": "losses", "epoch": 1, "step": 3, "first_step": 2, "loss": "1.0"},
+        {"kind": "losses", "epoch": 1, "step": 4, "first_step": 3, "loss": [1.5, None, "x"]},
+        {"kind": "epoch", "epoch": 1, "step": 5, "train_loss": 1.2},
+    ]
+    text = "\n".join(json.dumps(row) for row in rows).replace("NaN", "1e400", 1)
+    (run / "metrics.jsonl").write_text(text + '\n{"kind": "step", "step": NaN, "loss": 3}\n')
+    assert step_losses(run) == ([1, 3], [2.0, 1.5])
+    write_report(run)
+    assert (run / "report" / "step_loss.png").is_file()
+
+
+def test_an_older_checkpoints_merged_losses_give_no_row_rather_than_a_wrong_one() -> None:
+    """(review of issue 37) A checkpoint of an older glassloop resumed at another number of
+    processes mid-epoch holds every saved process's losses without their steps: the epoch's
+    per-step losses are then left out (one process here; several agree in the collective)."""
+    import torch
+
+    from glassloop.distributed import SINGLE
+    from glassloop.state import EpochRecord
+
+    saved = {  # two processes, 3 steps each, as an older glassloop wrote them
+        "epoch_losses": None, "epoch_sizes": [], "epoch_steps": 3, "epoch_rng": None,
+        "history": [], "epoch_per_rank": [
+            {"epoch_losses": torch.tensor([1.0, 2.0, 3.0]), "epoch_sizes": [4, 4, 4],
+             "epoch_weights": [8.0, 8.0, 8.0], "epoch_steps": 3},
+            {"epoch_losses": torch.tensor([3.0, 4.0, 5.0]), "epoch_sizes": [4, 4, 4],
+             "epoch_weights": [8.0, 8.0, 8.0], "epoch_steps": 3},
+        ],
+    }  # fmt: skip
+    record = EpochRecord()
+    record.load_state_dict(saved, torch.device("cpu"), SINGLE)
+    assert record.step_losses(SINGLE) == [2.0, 3.0, 4.0]  # (this glassloop's: positions)
+    record.add_step(torch.tensor(6.0), 8, 8, 1)
+    assert record.step_losses(SINGLE) == [2.0, 3.0, 4.0, 6.0]
+    record.positions = None  # as a checkpoint of the older glassloop loads
+    assert record.step_losses(SINGLE) == []
