@@ -76,10 +76,13 @@ def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
+EVERY_STEP = '{"kind": "losses"'  # how metrics.jsonl's "losses" rows begin (JSONLSink)
+
+
 def read_rows(run_dir: Path, kind: str) -> list[dict[str, Any]]:
-    """The rows of one ``kind`` ("epoch", "step", "val") of ``RUN_DIR/metrics.jsonl`` (none
-    if it is missing or unreadable); a line cut short by a kill, one that is not a row or not
-    UTF-8 text, is skipped."""
+    """The rows of one ``kind`` ("epoch", "step", "val", "losses") of
+    ``RUN_DIR/metrics.jsonl`` (none if it is missing or unreadable); a line cut short by a
+    kill, one that is not a row or not UTF-8 text, is skipped."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
@@ -89,6 +92,8 @@ def read_rows(run_dir: Path, kind: str) -> list[dict[str, Any]]:
         return []
     rows = []
     for line in text.splitlines():
+        if kind != "losses" and line.startswith(EVERY_STEP):
+            continue  # (an epoch's every step loss: a long line, only the report reads it)
         try:
             row = json.loads(line)
         except (ValueError, RecursionError):
