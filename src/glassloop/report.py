@@ -7,7 +7,7 @@ import html
 import json
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from glassloop.atomic import atomic_path, own_dir
 from glassloop.errors import GlassloopError
@@ -307,15 +307,15 @@ def step_losses(run_dir: Path) -> tuple[list[int], list[float]]:
     found: dict[int, float] = {}
     for row in read_rows(run_dir, "step"):
         step = row.get("step")  # (a whole number: a hand-edited NaN or 1e400 is left out)
-        if _number(row.get("loss")) and isinstance(step, int) and not isinstance(step, bool):
+        if _number(row.get("loss")) and _whole(step):
             found[step] = float(row["loss"])
     for row in read_rows(run_dir, "losses"):
         first, values = row.get("first_step"), row.get("loss")
-        if not isinstance(first, int) or isinstance(first, bool) or not isinstance(values, list):
+        if not _whole(first) or not isinstance(values, list):
             continue  # (a file edited by hand: what is not a list of numbers is left out)
         for i, value in enumerate(values):
             if _number(value):
-                found[int(first) + i] = float(value)
+                found[first + i] = float(value)
     steps = sorted(found)
     return steps, [found[step] for step in steps]
 
@@ -334,6 +334,10 @@ def _buckets(
         low.append(min(part))
         high.append(max(part))
     return x, mean, low, high
+
+
+def _whole(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _number(value: Any) -> bool:
