@@ -113,9 +113,10 @@ class ProgressReporter:
         shown = {}
         if float(weight):
             shown["val_loss"] = f"{float(loss_sum) / float(weight):.4f}"
-        counts = getattr(sums, "sums", {})
-        if "correct" in counts and int(counts["counted"]):
-            shown["val_acc"] = f"{100 * int(counts['correct']) / int(counts['counted']):.2f}%"
+        # (a classifier's sums have an accuracy; by name: this module is imported before torch)
+        accuracy = sums.accuracy() if hasattr(sums, "accuracy") else None
+        if accuracy is not None:
+            shown["val_acc"] = f"{100 * accuracy:.2f}%"
         self._val_bar.set_postfix(shown, refresh=False)
 
     def log_step(self, loss: float, seen_in_epoch: int) -> None:

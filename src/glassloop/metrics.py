@@ -74,6 +74,12 @@ class ClassificationSums(Sums):
             ones = torch.ones_like(cell, dtype=torch.float64)
             self.sums["confusion"].index_add_(0, cell, ones)
 
+    def accuracy(self) -> float | None:
+        """The share of counted labels predicted right so far (one host read); ``None``
+        before any (also what a progress bar shows while the sums grow)."""
+        correct, counted = torch.stack([self.sums["correct"], self.sums["counted"]]).tolist()
+        return correct / counted if counted else None
+
     def compute(self) -> dict[str, Any]:
         """``accuracy`` and, up to :data:`CONFUSION_MAX_CLASSES` classes, ``confusion`` and
         ``report`` (per-class precision/recall/F1/support)."""
@@ -84,10 +90,10 @@ class ClassificationSums(Sums):
                 f"data: {invalid} evaluation label(s) outside [0, {c}) for a model with {c} "
                 "outputs; check the labels or the model's output size"
             )
-        counted = int(self.sums["counted"])
-        if counted == 0:
+        accuracy = self.accuracy()
+        if accuracy is None:
             return {}
-        result: dict[str, Any] = {"accuracy": int(self.sums["correct"]) / counted}
+        result: dict[str, Any] = {"accuracy": accuracy}
         if self.keep_confusion:
             confusion = self.sums["confusion"][:-1].view(c, c).to(torch.int64).cpu()
             result["confusion"] = confusion.tolist()
