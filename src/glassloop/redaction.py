@@ -14,6 +14,11 @@ What it replaces by ``***``, in every form a URI is written:
 * the same, percent-encoded (``pass%77ord=...``, ``%3Ftoken%3D...``, ``user%3Apw%40host``):
   when a secret shows only once decoded, the decoded text is what is kept, redacted.
 
+* every secret a URI glassloop was given holds (:func:`remember_secrets`: a run directory's
+  or a tracking server's user part, password or token), wherever it shows, in whatever
+  shape: a driver's own message quotes what it was handed (botocore's ``Invalid bucket
+  name "TOKEN@bucket"``), which no pattern can tell from an e-mail address.
+
 What it keeps: ``host:5000``, ``sqlite:///mlflow.db``, ``git@github.com:org/repo``, and an
 e-mail address that is not in a URI (``ann@example.com`` as a tag or in a message: an address
 is not a credential, and a reader needs it). A raw ``/`` in a password ends the user part
@@ -32,7 +37,7 @@ import re
 import sys
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 SECRET = "***"
 # Where a URI written without a scheme can begin: the start, a space, a quote, a bracket,
@@ -62,6 +67,45 @@ TOKEN_VALUE = re.compile(
     re.IGNORECASE,
 )
 URI_KEY = re.compile(r"(?<![A-Za-z])ur[il]$", re.IGNORECASE)  # uri, url, base_url, tracking_uri
+# The secrets of the URIs this process was given (remember_secrets), longest first: each is
+# replaced wherever it shows. A secret shorter than this is left to the patterns (replacing
+# every "ab" in a message would make it unreadable, and hides nothing worth hiding).
+_KNOWN: list[str] = []
+MIN_SECRET = 4
+
+
+def remember_secrets(uri: str) -> None:
+    """Remember the secrets ``uri`` holds (its user part, the password or token in it, and
+    token-like query and fragment values, as written and percent-decoded): every later
+    :func:`redact` in this process replaces each of them wherever it shows.
+
+    >>> remember_secrets("s3://T0KEN-42@bucket/run")
+    >>> redact('Invalid bucket name "T0KEN-42@bucket"')
+    'Invalid bucket name "***@bucket"'
+    """
+    try:
+        parts = urlsplit(uri if "://" in uri else f"//{uri}")
+    except ValueError:  # (an invalid IPv6 host: nothing parsed, the patterns still apply)
+        return
+    found: list[str] = []
+    user, at, _ = parts.netloc.rpartition("@")
+    if at:
+        _, colon, password = user.partition(":")
+        found += [user, password] if colon else [user]
+    for text in (parts.query, parts.fragment):
+        found += [value for key, value in parse_qsl(text) if TOKEN_VALUE.search(f"?{key}=")]
+    for secret in found:
+        for form in {secret, unquote(secret)}:
+            if len(form) >= MIN_SECRET and form not in _KNOWN:
+                _KNOWN.append(form)
+    _KNOWN.sort(key=len, reverse=True)
+
+
+def remember_secrets_in(text: str) -> None:
+    """:func:`remember_secrets` of every URI with a scheme in ``text`` (a command-line
+    argument: ``--run-dir=s3://...``, ``tracking.uri=http://...``)."""
+    for uri in re.findall(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+", text):
+        remember_secrets(uri)
 
 
 def redact(text: str, *, uri: bool = False) -> str:
@@ -78,6 +122,8 @@ def redact(text: str, *, uri: bool = False) -> str:
     >>> redact("host:5000 sqlite:///mlflow.db ann@example.com git@github.com:org/repo")
     'host:5000 sqlite:///mlflow.db ann@example.com git@github.com:org/repo'
     """
+    for secret in _KNOWN:  # (a remembered secret, whatever surrounds it)
+        text = text.replace(secret, SECRET)
     cleaned = decoded = _redact_plain(text, uri=uri)
     # A secret that shows only percent-decoded (`pass%77ord=`, `%3Ftoken%3D`, a URI inside a
     # query value, `%2540`: encoded twice): keep the decoded text, redacted.

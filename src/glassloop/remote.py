@@ -48,6 +48,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from glassloop.atomic import atomic_path, own_dir, remove_tree, replace_own
 from glassloop.cache import cache_dir
@@ -64,7 +65,7 @@ from glassloop.checkpoint import (
 )
 from glassloop.errors import CheckpointError, CheckpointWriteError, GlassloopError
 from glassloop.file_names import is_url as is_url  # (re-exported: its first home)
-from glassloop.redaction import redacted
+from glassloop.redaction import redacted, remember_secrets
 from glassloop.run_lock import RunLock
 
 # The run's own files, copied at each checkpoint and at the end (those that exist).
@@ -116,16 +117,28 @@ class RemoteRun:
                 "fsspec and its driver: pip install 'glassloop[cloud]' (s3fs; gcsfs for gs://, "
                 "adlfs for az://)"
             ) from err
+        remember_secrets(url)  # (a driver's own message may quote them: never printed)
         self.url = url.rstrip("/")
         self.shown = redacted(self.url)  # (never a secret on screen or on disk)
+        if urlsplit(self.url).query or urlsplit(self.url).fragment:
+            raise GlassloopError(
+                f"run: run_dir {self.shown!r} has a query ('?...') or a fragment ('#...'), "
+                "which would become part of every object's name in the store; give the URL "
+                "without it and credentials through the driver's own sources (environment "
+                "variables such as AWS_ACCESS_KEY_ID, a profile)"
+            )
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url)
         except (ImportError, ValueError) as err:
             raise GlassloopError(
                 f"run: cannot open {self.shown}: {self.scrub(err)} (the driver for this "
                 "scheme is missing? s3:// needs s3fs, gs:// gcsfs, az:// adlfs)"
-            ) from err
+            ) from None  # (the driver's own error may hold what scrub removed)
         self.root = self.root.rstrip("/")
+        # An object store's bucket (s3fs, gcsfs and adlfs split a path into one): it must
+        # exist, since its driver would create a mistyped one and train into it.
+        split = getattr(self.fs, "split_path", None)
+        self.bucket: str | None = str(split(self.root)[0]) if callable(split) else None
         digest = hashlib.sha256(self.url.encode("utf-8")).hexdigest()[:16]
         # The local copy: RUN inside a folder of glassloop's that holds the lock, so a pull
         # can fill RUN while no other process on this machine uses it.
@@ -145,11 +158,22 @@ class RemoteRun:
         return "/".join([self.root, *parts])
 
     def scrub(self, err: BaseException | str, limit: int = 300) -> str:
-        """An error's text with the remote path as shown (a driver may keep credentials in
-        it: ``key:secret@bucket``) and any other secret replaced."""
+        """An error's text with the remote path as shown and every secret replaced (a
+        driver quotes what it was handed, ``TOKEN@bucket`` or ``key:secret@bucket``: the
+        URL's secrets are remembered, :func:`glassloop.redaction.remember_secrets`)."""
         text = str(err).replace(self.url, self.shown).replace(str(self.local), self.shown)
         text = re.sub(r"[^\s/@'\"]+:[^\s/@'\"]+@", "***@", text)  # (user:password@, bare)
         return str(redacted(text))[:limit]
+
+    def check_bucket(self) -> None:
+        """An object store's bucket that does not exist (or that these credentials cannot
+        see) is one line: never created, never a fresh run in a mistyped name."""
+        if self.bucket is not None and not self.fs.exists(self.bucket):
+            raise GlassloopError(
+                f"run: the bucket {redacted(self.bucket)!r} of {self.shown} does not exist (or "
+                "these credentials cannot see it); glassloop never creates one: create it "
+                "(e.g. aws s3 mb s3://BUCKET) or correct the URL"
+            )
 
     # ------------------------------------------------------------------------- pull
     @contextlib.contextmanager
@@ -195,6 +219,7 @@ class RemoteRun:
         try:
             with contextlib.suppress(AttributeError):
                 self.fs.invalidate_cache()  # (another process may have written since)
+            self.check_bucket()
             there = self._remote_steps(complete=True)
             found, problems = self._download_newest(there)
             if there and found is None:
@@ -393,7 +418,7 @@ class RemoteRun:
             for name, entry in sorted(files.items()):
                 if (path / name).is_symlink():  # (never read through a link)
                     raise OSError(f"'{path / name}' is a symbolic link")
-                self.fs.makedirs(f"{where}/{name}".rsplit("/", 1)[0], exist_ok=True)
+                self._makedirs(f"{where}/{name}".rsplit("/", 1)[0])
                 self.fs.put_file(str(path / name), f"{where}/{name}")
                 size = self.fs.info(f"{where}/{name}")["size"]
                 if size != entry["size"]:
@@ -438,13 +463,13 @@ class RemoteRun:
         checkpoint): never the final weights nor a run.json that says the run finished,
         which training may have written while this checkpoint's upload waited its turn:
         the bucket says "finished" only after its final checkpoint (the end's own upload)."""
-        self.fs.makedirs(self.root, exist_ok=True)
+        self._makedirs(self.root)
         for folder in RUN_FOLDERS:
             if (self.local / folder).is_symlink() or not (self.local / folder).is_dir():
                 continue
             for file in sorted((self.local / folder).glob("[!.]*")):
                 if file.is_file() and not file.is_symlink():
-                    self.fs.makedirs(self.remote(folder), exist_ok=True)
+                    self._makedirs(self.remote(folder))
                     with contextlib.suppress(FileNotFoundError):  # (replaced meanwhile)
                         self.fs.pipe_file(self.remote(folder, file.name), file.read_bytes())
         for name in RUN_FILES:
@@ -459,6 +484,12 @@ class RemoteRun:
             if not final and name == "run.json" and _says_finished(data):
                 continue
             self.fs.pipe_file(self.remote(name), data)
+
+    def _makedirs(self, folder: str) -> None:
+        """``folder`` made where folders are real (``memory://``, a mounted disk); an object
+        store has none, and its driver's makedirs would create a bucket deleted since."""
+        if self.bucket is None:
+            self.fs.makedirs(folder, exist_ok=True)
 
     def shown_path(self, path: Path) -> str:
         """``path`` of the local copy as the remote run's URL (secrets replaced)."""

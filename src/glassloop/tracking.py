@@ -43,7 +43,7 @@ from glassloop.atomic import atomic_path
 from glassloop.best import is_number
 from glassloop.errors import ConfigError
 from glassloop.options import TrackingConfig as TrackingConfig  # (re-exported: its old home)
-from glassloop.redaction import redact, redacted_output
+from glassloop.redaction import redact, redacted_output, remember_secrets
 from glassloop.runs import read_json_object, read_rows
 from glassloop.serialization import dotted
 
@@ -315,6 +315,7 @@ def make_tracker(
     """The tracker ``config`` asks for (``None`` when tracking is off)."""
     if config is None or not config.backend:
         return None
+    remember_secrets(config.uri)  # (the library's own messages may quote them)
     if config.backend not in TRACKERS:
         raise ConfigError(
             "config: tracking.backend must be '', 'mlflow' or 'wandb', "

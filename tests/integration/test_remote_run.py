@@ -520,3 +520,76 @@ def test_two_processes_keep_a_run_in_a_bucket_and_resume_it(tmp_path: Path) -> N
     )
     assert json.loads((bucket / "run.json").read_text())["status"] == "finished"
     assert load((bucket / "model.safetensors").read_bytes())
+
+
+# ---------------------------------------------------------------- what a URL may hold
+TOKEN = "Tok3nXq7Zsecret"  # (a bare token as the URL's user part, as a user pastes one)
+
+
+def everything_written(where: Path) -> bytes:
+    """Every byte a run could have left a secret in: the files under ``where`` (the working
+    directory and the cache), their names, and every object of the S3 server (its key and
+    its bytes), in every bucket."""
+    import s3fs
+
+    found = [str(p).encode() + (p.read_bytes() if p.is_file() else b"") for p in where.rglob("*")]
+    fs = s3fs.S3FileSystem()
+    fs.invalidate_cache()
+    for bucket in fs.ls(""):
+        found += [key.encode() + bytes(fs.cat_file(key)) for key in fs.find(bucket)]
+    return b"\n".join(found)
+
+
+@pytest.mark.parametrize("url", [f"s3://{TOKEN}@bucket/run", f"s3://ann:{TOKEN}@bucket/run"])
+def test_a_secret_in_a_run_url_is_printed_and_written_nowhere(
+    tmp_path: Path, s3: dict[str, str], url: str
+) -> None:
+    """botocore's own error quotes the bucket it was handed (``Invalid bucket name
+    "TOKEN@bucket"``): the secret is replaced there too, in the one line the run ends with
+    (exit 2), and it is in no file of the working directory or the cache, and in no object
+    of the server (new process: nothing remembered from an earlier call)."""
+    done = train(tmp_path, s3, url)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert TOKEN not in done.stdout + done.stderr and "***@bucket" in done.stderr
+    assert TOKEN.encode() not in everything_written(tmp_path)
+
+
+@pytest.mark.parametrize("tail", [f"?secret={TOKEN}", f"#{TOKEN}", f"?x=1#token={TOKEN}"])
+def test_a_query_or_a_fragment_in_a_run_url_is_refused(
+    tmp_path: Path, s3: dict[str, str], tail: str
+) -> None:
+    """A query or a fragment would become part of every object's key: one line, exit 2,
+    nothing created in the bucket."""
+    from cli_runner import run_glassloop
+
+    before = s3_files("s3://bucket")
+    done = run_glassloop("train", *SMALL, "--run-dir", f"s3://bucket/q{tail}", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "has a query ('?...') or a fragment ('#...')" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and TOKEN not in done.stderr
+    assert s3_files("s3://bucket") == before
+
+
+@pytest.mark.parametrize("resume", [[], ["--resume"]])
+def test_a_bucket_that_does_not_exist_is_one_line_and_never_created(
+    tmp_path: Path, s3: dict[str, str], resume: list[str]
+) -> None:
+    """A mistyped bucket is not created and trained into (a fresh run), nor resumed as a fresh
+    start: one line, exit 2, the bucket still missing. A prefix that does not exist yet in a
+    bucket that does is a fresh run (every other test here)."""
+    import s3fs
+
+    from cli_runner import run_glassloop
+
+    done = run_glassloop("train", *SMALL, "--run-dir", "s3://typo-bucket/run", *resume,
+                         cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == (
+        "glassloop: error: run: the bucket 'typo-bucket' of s3://typo-bucket/run does not "
+        "exist (or these credentials cannot see it); glassloop never creates one: create it "
+        "(e.g. aws s3 mb s3://BUCKET) or correct the URL"
+    )
+    fs = s3fs.S3FileSystem()
+    fs.invalidate_cache()
+    assert "typo-bucket" not in fs.ls("")

@@ -8,22 +8,25 @@ codes listed once, in ``EPILOG`` (``glassloop --help`` prints them). Supervising
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import signal
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 # (No torch in either: `glassloop --help` stays fast.)
 from glassloop.cli.launch import is_worker, launch_torchrun, worker_finished, worker_started
 
 # Every line the CLI prints that can quote a config value, a path or a command line goes
 # through it: a URI's password prints as ***.
-from glassloop.redaction import redact, redacted
+from glassloop.redaction import redact, redacted, remember_secrets_in
 
 if TYPE_CHECKING:
     from glassloop.preemption import Preempted
@@ -648,6 +651,10 @@ def run_command(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = make_parser().parse_args(argv)
     args.argv = argv  # (what a worker of --nproc runs, less --nproc)
+    for value in argv:  # (a URI's secrets: replaced wherever a driver quotes them)
+        remember_secrets_in(value)
+    warnings.showwarning = show_warning  # (and what libraries warn or log, below)
+    logging.lastResort = RedactedLastResort()
     from glassloop.errors import CheckpointWriteError, GlassloopError, NonFiniteError
     from glassloop.preemption import Preempted
 
@@ -692,6 +699,37 @@ def run_command(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{chr(10) if sys.stderr.isatty() else ''}glassloop: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception:  # a bug, or a library's own error: its traceback, through the redaction
+        print(redact(traceback.format_exc()), end="", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """``warnings.showwarning`` through the redaction: a library's warning may quote a URI
+    it was handed."""
+    text = warnings.formatwarning(message, category, filename, lineno, line)
+    (file or sys.stderr).write(redact(text))
+
+
+class RedactedLastResort(logging.Handler):
+    """What a library logs with no handler configured (logging's last resort: a driver's
+    retry warnings), through the redaction, to stderr as before."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(redact(self.format(record)) + "\n")
+        except Exception:
+            self.handleError(record)
 
 
 if __name__ == "__main__":
