@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cli_runner import run_glassloop, sets
+from cli_runner import run_glassloop, run_python, sets
 
 from glassloop.redaction import redact, redacted
 from glassloop.tracking import TrackingConfig
@@ -174,3 +174,28 @@ def test_glassloop_config_prints_the_uri_redacted(tmp_path: Path) -> None:
     done = run_glassloop("config", *sets([f"tracking.uri=http://ann:{SECRET}@host"]))
     assert done.returncode == 0, done.stderr
     assert SECRET not in done.stdout + done.stderr and 'uri = "http://***@host"' in done.stdout
+
+
+def test_what_a_library_raises_warns_or_logs_in_the_cli_is_redacted(tmp_path: Path) -> None:
+    """A library's own exception (a traceback, exit 1), its warning and what it logs with no
+    handler configured quote the URI they were handed in any shape (``TOKEN@bucket``: no
+    pattern tells it from an e-mail address): each passes the one redaction, since the
+    command line named that URI (a new process, as the console script runs)."""
+    token = "Zq9TokenOnly"
+    script = f"""
+import logging, sys, warnings
+import glassloop.cli.main as cli_main
+
+def library_code(args):  # (what a driver does with the URL it was handed)
+    warnings.warn("retrying {token}@bucket", UserWarning, stacklevel=1)
+    logging.getLogger("a.driver").warning("HEAD %s@bucket failed", "{token}")
+    raise RuntimeError('Invalid bucket name "{token}@bucket"')
+
+cli_main.cmd_config = library_code
+sys.exit(cli_main.main(["config", "--set", "tracking.uri=http://{token}@host"]))
+"""
+    done = run_python(script, tmp_path)
+    assert done.returncode == 1 and "Traceback" in done.stderr, done.stderr
+    assert token not in done.stdout + done.stderr, done.stderr
+    assert 'Invalid bucket name "***@bucket"' in done.stderr
+    assert "retrying ***@bucket" in done.stderr and "HEAD ***@bucket failed" in done.stderr
