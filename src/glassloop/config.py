@@ -32,7 +32,7 @@ from typing import Any
 
 from glassloop.data.options import DataConfig as DataConfig
 from glassloop.errors import ConfigError
-from glassloop.loss_options import LOSS_TASKS
+from glassloop.loss_options import LOSS_TASKS, TASK_LOSSES, loss_fits
 from glassloop.loss_options import LossConfig as LossConfig
 from glassloop.metric_names import check_metric_name
 from glassloop.model_options import BUILT_IN_KEYS
@@ -233,6 +233,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
             f"{cfg.model.name!r} takes {keys} (set those instead), or set model.target = "
             "'package.module:Class'"
         )
+    task_fits_loss(cfg, given="name" in raw.get("loss", {}))
     for name in cfg.train.metrics:
         check_metric_name(name, config_task(cfg))
     if cfg.scheduler.name == "warmup_cosine":
@@ -257,6 +258,26 @@ def class_kwargs(section: str, name: str, kwargs: dict[str, Any]) -> dict[str, A
 
     check = optimizer_kwargs if section == "optim" else scheduler_kwargs
     return check(name, kwargs)
+
+
+def task_fits_loss(cfg: Config, *, given: bool) -> None:
+    """A ``train.task`` without ``loss.name`` trains with the task's loss (``regression``:
+    mse); a loss named for another task is refused (a cross-entropy over a regression's one
+    column is 0.0 at every step)."""
+    task = cfg.train.task
+    if task == "auto":
+        return
+    if not given:
+        cfg.loss.name = TASK_LOSSES[task]
+        return
+    implied = LOSS_TASKS[cfg.loss.name]
+    if not loss_fits(implied, task):
+        fitting = [name for name, kind in LOSS_TASKS.items() if loss_fits(kind, task)]
+        raise ConfigError(
+            f"config: loss.name {cfg.loss.name!r} is a {implied} loss, but train.task is "
+            f"{task!r}: drop loss.name (a {task} trains with {TASK_LOSSES[task]!r}) or give "
+            f"one of {', '.join(fitting)}"
+        )
 
 
 def config_task(cfg: Config) -> str:

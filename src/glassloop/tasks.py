@@ -50,6 +50,7 @@ from torch.nn import functional as F
 
 from glassloop.errors import ConfigError, DataError, ModelError
 from glassloop.file_names import check_name
+from glassloop.loss_options import loss_fits
 
 TASKS = ("classification", "multilabel", "regression", "language-model", "custom")
 # Tasks whose targets are class labels (per sample or per token); "auto" is treated as one
@@ -84,11 +85,19 @@ def resolve_task(task: str, loss_fn: Any) -> str:
     >>> resolve_task("auto", nn.MSELoss()), resolve_task("auto", F.cross_entropy)
     ('regression', 'classification')
     """
+    by_function = (t for function, t in FUNCTION_TASKS.items() if loss_fn is function)
+    implied = LOSS_TASKS.get(type(loss_fn)) or next(by_function, "auto")
     if task == "auto":
-        by_function = (t for function, t in FUNCTION_TASKS.items() if loss_fn is function)
-        return LOSS_TASKS.get(type(loss_fn)) or next(by_function, "auto")
+        return implied
     if task not in TASKS:
         raise ConfigError(f"task must be 'auto' or one of {', '.join(TASKS)}; got {task!r}")
+    if implied != "auto" and not loss_fits(implied, task):
+        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+        raise ConfigError(
+            f"task {task!r} does not fit the loss {name}, a {implied} loss (it would train "
+            f"and report as another task without an error): give a {task} loss, or "
+            f"task={implied!r} (or 'custom': the loss only)"
+        )
     return task
 
 

@@ -165,6 +165,34 @@ def test_real_valued_targets_are_never_read_as_classes(tmp_path: Path) -> None:
     assert "must be integers (class indices)" in done.stderr
 
 
+def test_the_task_alone_trains_with_its_loss(tmp_path: Path) -> None:
+    """What the float-target error advises, ``train.task = 'regression'`` without a
+    loss.name, trains the regression's loss (mse): every metric row equals the run that
+    names loss.name = 'mse' (it trained a cross-entropy over one column: 0.0 at every step)."""
+    table = diabetes_csv(tmp_path / "d.csv")
+    common = [
+        f"data.path={table}",
+        "data.name=csv",
+        "data.label_column=progression",
+        "train.epochs=1",
+        "train.progress=none",
+        "model.hidden=[8]",
+    ]
+    rows = {}
+    for name, extra in (("task", ["train.task=regression"]), ("loss", ["loss.name=mse"])):
+        done = run_glassloop("train", *sets([*common, *extra]), "--run-dir", str(tmp_path / name))
+        assert done.returncode == 0, done.stderr
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        timeless = (
+            {k: v for k, v in json.loads(line).items() if not k.endswith(("_s", "seconds"))}
+            for line in lines
+        )
+        rows[name] = list(timeless)
+    epoch = [r for r in rows["task"] if r["kind"] == "epoch"][-1]
+    assert epoch["train_loss"] > 0.1 and "val_r2" in epoch
+    assert rows["task"] == rows["loss"]
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
@@ -172,6 +200,14 @@ def test_real_valued_targets_are_never_read_as_classes(tmp_path: Path) -> None:
         (["loss.name=hinge"], "loss.name must be one of"),
         (["checkpoint.monitor=r2"], "must be 'train_loss' or a validation metric"),
         (["train.metrics=['r2']"], "no metric 'r2' for a classification task"),
+        (
+            ["train.task=regression", "loss.name=cross_entropy"],
+            "config: loss.name 'cross_entropy' is a classification loss, but train.task is "
+            "'regression': drop loss.name (a regression trains with 'mse') or give one of mse, "
+            "l1, huber, smooth_l1",
+        ),
+        (["train.task=multilabel", "loss.name=mse"], "is a regression loss, but train.task"),
+        (["train.task=classification", "loss.name=bce_with_logits"], "is a multilabel loss"),
     ],
 )
 def test_task_settings_are_checked(settings: list[str], message: str) -> None:

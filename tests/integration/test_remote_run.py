@@ -579,11 +579,11 @@ def test_a_bucket_that_does_not_exist_is_one_line_and_never_created(
     start: one line, exit 2, the bucket still missing. A prefix that does not exist yet in a
     bucket that does is a fresh run (every other test here)."""
     import s3fs
-
     from cli_runner import run_glassloop
 
-    done = run_glassloop("train", *SMALL, "--run-dir", "s3://typo-bucket/run", *resume,
-                         cwd=tmp_path)  # fmt: skip
+    done = run_glassloop(
+        "train", *SMALL, "--run-dir", "s3://typo-bucket/run", *resume, cwd=tmp_path
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip() == (
         "glassloop: error: run: the bucket 'typo-bucket' of s3://typo-bucket/run does not "

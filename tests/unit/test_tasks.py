@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from torch.utils.data import IterableDataset
 
 import glassloop
-from glassloop import Callback, DataError, Trainer
+from glassloop import Callback, ConfigError, DataError, Trainer
 from glassloop.data import make_loader
 
 
@@ -574,3 +574,28 @@ def test_a_loss_that_sums_over_its_batch_is_reported_per_sample(accum: int) -> N
     # A module that carries reduction="sum" says so itself.
     assert Trainer(nn.Linear(2, 2), torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1),
                    nn.MSELoss(reduction="sum"), device="cpu").loss_reduction == "sum"  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("task", "loss_fn", "implied"),
+    [
+        ("regression", nn.CrossEntropyLoss(), "classification"),
+        ("multilabel", F.mse_loss, "regression"),
+        ("classification", nn.BCEWithLogitsLoss(), "multilabel"),
+    ],
+)
+def test_a_task_that_does_not_fit_its_loss_is_one_line(
+    task: str, loss_fn: Any, implied: str
+) -> None:
+    """Trainer(task="regression", loss_fn=nn.CrossEntropyLoss()) trained a cross-entropy over
+    one column (0.0 at every step) and reported a regression's metrics: refused, naming both;
+    a language model's per-token cross-entropy and "custom" take their losses."""
+    model = nn.Linear(3, 2)
+    with pytest.raises(
+        ConfigError, match=f"task '{task}' does not fit the loss .*, a {implied} loss"
+    ):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, task=task)
+    for fitting in ("language-model", "custom"):
+        Trainer(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), task=fitting
+        )
