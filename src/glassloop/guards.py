@@ -50,13 +50,16 @@ def check_first_batch(
     cross_entropy: bool = False,
     rows: int | None = None,
     say: Callable[[str], None] | None = None,
+    read_as_logits: bool = False,
 ) -> None:
     """Inputs free of NaN/inf; integer class labels within the model's outputs; a
     regression's outputs and targets of one shape (torch would broadcast them silently);
     under ``cross_entropy`` (an ``nn.CrossEntropyLoss``), no softmax already applied.
     ``rows``: the forward sees the first rows only (``micro_batch_size``: what fits); every
     label is still checked. ``say``: where a warning goes (a fresh run's: under
-    ``cross_entropy``, a first loss far above ln(C), what an untrained classifier gives).
+    ``cross_entropy``, a first loss far above ln(C), what an untrained classifier gives;
+    ``read_as_logits``, outputs taken for logits by ``outputs="auto"`` that look like a
+    sigmoid's or a softmax's, written as a function in ``forward``).
 
     The outputs come from an eval-mode, no-grad forward of ``model`` (pass the unwrapped
     module): no dropout, no batch-norm update, no RNG draw, so training is not changed by it.
@@ -69,8 +72,10 @@ def check_first_batch(
                 f"data: the first training batch has NaN or inf in input {name!r}; "
                 "clean or impute the data before training"
             )
-    if not isinstance(target, torch.Tensor) or task in ("custom", "multilabel"):
+    if not isinstance(target, torch.Tensor) or task == "custom":
         return  # nothing about the outputs to check
+    if task == "multilabel" and not (read_as_logits and say is not None):
+        return
     if task in LABEL_TASKS and target.is_floating_point():
         return  # soft targets (probabilities)
     every = target
@@ -86,10 +91,16 @@ def check_first_batch(
     if task == "regression":
         check_same_shape(prediction, target, "the first training batch")
         return
+    if task == "multilabel":
+        if say is not None and _in_unit_interval(prediction.float()):
+            say(_looks_activated("a sigmoid's", "the sigmoid"))
+        return
     labels = class_scores(prediction, target)
     if labels is None:
         return
     classes = int(labels[0].shape[-1])
+    if read_as_logits and not cross_entropy and say and _softmaxed(labels[0].float()):
+        say(_looks_activated("a softmax's (each row summing to 1)", "the softmax"))
     if cross_entropy and _softmaxed(labels[0].float()):
         raise ModelError(
             "model: its outputs on the first training batch are probabilities (each row in "
@@ -114,6 +125,29 @@ def check_first_batch(
                 "initial weights, a biased last layer or unscaled inputs "
                 "(glassloop.doctor(trainer, loader) checks more)"
             )
+
+
+def _looks_activated(shape: str, activation: str) -> str:
+    """The warning for outputs read as logits that look like probabilities already (a
+    ``torch.sigmoid``/``softmax`` call in ``forward``, which ``outputs="auto"`` cannot see):
+    the accuracy would be decided on them as scores and ``predict`` would apply the
+    activation a second time."""
+    return (
+        f"warning: the model's outputs on the first training batch look like {shape}, all "
+        "in [0, 1], but are read as logits (outputs='auto' sees no final nn.Sigmoid or "
+        f"nn.Softmax module, and the loss does not take probabilities): accuracy and predict "
+        f"would apply {activation} again; if forward returns probabilities, set "
+        "outputs='probabilities' (train.outputs in a config), else return the logits"
+    )
+
+
+def _in_unit_interval(scores: torch.Tensor) -> bool:
+    """Whether every score lies in [0, 1] (and not all at one value: a constant output says
+    nothing)."""
+    if scores.numel() < 2 or not bool(scores.isfinite().all()):
+        return False
+    low, high = float(scores.min()), float(scores.max())
+    return 0.0 <= low and high <= 1.0 and low < high
 
 
 def _softmaxed(scores: torch.Tensor) -> bool:

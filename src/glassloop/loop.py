@@ -681,6 +681,7 @@ class Trainer:
             cross_entropy=isinstance(self.loss_fn, nn.CrossEntropyLoss),  # no softmax before
             rows=self.micro_batches.rows or (1 if self.micro_batches.auto else None),  # fits
             say=None if self.state.step else self.console.message,
+            read_as_logits=self.options["outputs"] == "auto" and not self.probabilities,
         )
 
     # ----------------------------------------------------------------------- checkpoints

@@ -143,3 +143,51 @@ def test_train_outputs_in_a_config_reaches_the_trainer() -> None:
     assert run.trainer.probabilities
     with pytest.raises(glassloop.ConfigError, match=r"train\.outputs"):
         load_config(None, [*base, "train.outputs=probability"])
+
+
+class SoftmaxInForward(nn.Module):
+    """Ends in ``torch.softmax`` in its forward, trained with a loss of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.linear(x), dim=1)
+
+
+def nll_of_probabilities(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.nll_loss(torch.log(out), target)
+
+
+@pytest.mark.parametrize(
+    ("model", "loss", "task", "looks"),
+    [
+        (SigmoidInForward, bce_of_squeezed, "multilabel", "a sigmoid's"),
+        (SoftmaxInForward, nll_of_probabilities, "classification", "a softmax's"),
+    ],
+)
+def test_probabilities_from_a_function_in_forward_are_said_once(
+    model: type[nn.Module], loss: Any, task: str, looks: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``torch.sigmoid(...)`` (or softmax) written in forward, under a loss of the user's: the
+    outputs were read as logits without a word (val_accuracy 0.4375 where the hand count is
+    0.875; predict applied a second sigmoid). One warning names outputs='probabilities', and
+    with it set the accuracy is the hand count and nothing is said."""
+    torch.manual_seed(0)
+    data = pairs(100, 0)
+    if task == "classification":  # (three classes)
+        data = [(x, (y + x[:, 2].gt(1)).long()) for x, y in data]
+    trainer(model(), loss, task=task).fit(data, epochs=1)
+    said = capsys.readouterr()
+    warned = [line for line in (said.out + said.err).splitlines() if "'probabilities'" in line]
+    assert len(warned) == 1 and f"look like {looks}" in warned[0], said
+    torch.manual_seed(0)
+    right = trainer(model(), loss, task=task, outputs="probabilities")
+    row = right.fit(data, data, epochs=1)[-1]
+    assert "'probabilities'" not in "".join(capsys.readouterr())
+    x, y = torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])
+    with torch.no_grad():
+        out = right.model.eval()(x)
+    hand = (out.squeeze(1) > 0.5).float() == y if task == "multilabel" else out.argmax(1) == y
+    assert row["val_accuracy"] == pytest.approx(float(hand.double().mean()), abs=1e-12)
