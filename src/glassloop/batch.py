@@ -4,8 +4,9 @@ The convention (documented in the README):
 
 * a tuple or list ``(x, y)`` calls ``model(x)``; ``(x1, x2, ..., y)`` calls ``model(x1, x2, ...)``;
   the last element is always the target;
-* a dict calls ``model(**rest)`` with every key except the target key, which is the first of
-  ``"labels"``, ``"label"``, ``"targets"``, ``"target"``, ``"y"`` present;
+* a dict (any ``Mapping``: a tokenizer's ``BatchEncoding``, what ``DataCollatorWithPadding``
+  returns) calls ``model(**rest)`` with every key except the target key, which is the first
+  of ``"labels"``, ``"label"``, ``"targets"``, ``"target"``, ``"y"`` present;
 * a bare tensor is inputs only (for ``predict``);
 * when the model computes its own loss (``loss_fn=None``), the target is also passed to it as
   ``labels=`` (what Hugging Face models expect).
@@ -14,7 +15,7 @@ The convention (documented in the README):
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +54,7 @@ def _split(batch: Any) -> tuple[Inputs, Any]:
                 f"of length {len(batch)}"
             )
         return (tuple(batch[:-1]), {}), batch[-1]
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         for key in TARGET_KEYS:
             if key in batch:
                 kwargs = {k: v for k, v in batch.items() if k != key}
@@ -63,7 +64,7 @@ def _split(batch: Any) -> tuple[Inputs, Any]:
             f"got keys {sorted(batch)}"
         )
     raise DataError(
-        "data: a training batch must be a tuple/list (inputs..., target) or a dict with a "
+        "data: a training batch must be a tuple/list (inputs..., target) or a mapping with a "
         f"'labels' key, got {type(batch).__name__}"
     )
 
@@ -81,7 +82,7 @@ def split_inputs(batch: Any, required_inputs: int | None = None) -> Inputs:
     """
     if isinstance(batch, torch.Tensor):
         return (batch,), {}
-    if isinstance(batch, dict) and not any(key in batch for key in TARGET_KEYS):
+    if isinstance(batch, Mapping) and not any(key in batch for key in TARGET_KEYS):
         return (), dict(batch)
     if isinstance(batch, (tuple, list)) and len(batch) == required_inputs:
         return tuple(batch), {}
@@ -125,7 +126,7 @@ def describe_batch(batch: Any) -> str:
         return f"{tuple(batch.shape)} {str(batch.dtype).removeprefix('torch.')}"
     if isinstance(batch, (tuple, list)):
         return "(" + ", ".join(describe_batch(item) for item in batch) + ")"
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return "{" + ", ".join(f"{k}: {describe_batch(v)}" for k, v in batch.items()) + "}"
     return type(batch).__name__
 

@@ -185,23 +185,28 @@ def _finite_values(tensor: torch.Tensor) -> bool:
 
 def check_model(model: nn.Module) -> None:
     """Refuse, in one line, a model the loop cannot drive: its own ``train``/``eval`` in place
-    of ``nn.Module``'s (pytorch/examples' mnist_forward_forward defines ``train(self, x_pos,
-    x_neg)``: ``fit`` calls ``model.train()``, evaluation ``model.eval()``), or no parameters at
-    all (the optimizer would have nothing of it to step)."""
+    of ``nn.Module``'s, in the model or in any module in it, named by its path
+    (pytorch/examples' mnist_forward_forward defines ``train(self, x_pos, x_neg)`` on each
+    ``Layer`` of an ``nn.ModuleList``: ``fit`` calls ``model.train()``, which calls each
+    child's, evaluation ``model.eval()``), or no parameters at all (the optimizer would have
+    nothing of it to step)."""
+    for path, module in model.named_modules():  # (nn.Module.train calls each child's)
+        name = type(module).__name__ + (f" (model.{path})" if path else "")
+        for method, args in (("train", [(), (True,)]), ("eval", [()])):
+            bound = getattr(module, method, None)
+            if getattr(type(module), method, None) is getattr(nn.Module, method):
+                continue
+            try:
+                for given in args:
+                    inspect.signature(bound).bind(*given)  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                raise ModelError(
+                    f"model: {name} defines its own {method}() (not nn.Module's "
+                    f"{method}(mode=True)), which the loop calls to switch dropout and "
+                    f"batch-norm; rename yours (e.g. '{method}_step') or accept nn.Module's "
+                    f"signature and call super().{method}"
+                ) from None
     name = type(model).__name__
-    for method, args in (("train", [(), (True,)]), ("eval", [()])):
-        bound = getattr(model, method, None)
-        if getattr(type(model), method, None) is getattr(nn.Module, method):
-            continue
-        try:
-            for given in args:
-                inspect.signature(bound).bind(*given)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            raise ModelError(
-                f"model: {name} defines its own {method}() (not nn.Module's {method}(mode=True)"
-                f"), which the loop calls to switch dropout and batch-norm; rename yours (e.g. "
-                f"'{method}_step') or accept nn.Module's signature and call super().{method}"
-            ) from None
     if next(iter(model.parameters()), None) is None:
         raise ModelError(
             f"model: {name} registers no parameters (no nn.Parameter, no submodule with one): "

@@ -147,6 +147,28 @@ def test_a_model_the_loop_cannot_drive_is_refused_in_the_constructor() -> None:
     fit(lambda m: torch.optim.SGD(m.parameters(), lr=0.1), OwnTrain())  # trains
 
 
+class Layers(nn.Module):
+    """mnist_forward_forward's Net: its Layers, each with train(x_pos, x_neg), in a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([OwnTrain(), ForwardForward()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[1](x)
+
+
+def test_a_submodule_the_loop_cannot_drive_is_named_by_its_path() -> None:
+    """Accepted by the constructor, it was a raw TypeError at fit's model.train(), which
+    calls each child's train(mode)."""
+    with pytest.raises(ModelError) as err:
+        fit(lambda m: torch.optim.SGD(m.parameters(), lr=0.1), Layers())
+    assert one_line(err).startswith(
+        "model: ForwardForward (model.layers.1) defines its own train() (not nn.Module's "
+        "train(mode=True))"
+    )
+
+
 def test_loss_spike_at_or_below_1_is_refused_in_the_trainer_and_the_config() -> None:
     for spike in (0.5, 1.0):
         with pytest.raises(ConfigError, match=r"^Trainer: loss_spike must be 0 \(off\) or over 1"):

@@ -475,6 +475,64 @@ def test_a_real_hugging_face_model_trains_with_its_own_loss_bitwise() -> None:
     assert torch.allclose(probs, expected, atol=1e-6)
 
 
+def test_a_tokenizers_padded_batches_train_and_predict_as_they_come() -> None:
+    """DataCollatorWithPadding (and tokenizer.pad) returns a BatchEncoding, a Mapping but no
+    dict: fit and predict refused it ("a training batch must be a tuple/list ... or a dict").
+    Fed as it comes, with no glue, the weights equal a hand loop's over the same loader."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models
+    from torch.utils.data import DataLoader
+
+    words = {"[PAD]": 0, **{f"w{i}": i for i in range(1, 50)}}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="[PAD]")), pad_token="[PAD]"
+    )
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for _ in range(64):
+        ids = torch.randint(1, 50, (int(torch.randint(3, 12, (), generator=g)),), generator=g)
+        samples.append({"input_ids": ids.tolist(), "labels": int(ids[0] > 25)})
+    loader = DataLoader(
+        samples, batch_size=16, collate_fn=transformers.DataCollatorWithPadding(tokenizer)
+    )
+    assert isinstance(next(iter(loader)), transformers.BatchEncoding)
+    config = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=2,
+        max_position_embeddings=16,
+    )
+    torch.manual_seed(0)
+    ours = transformers.BertForSequenceClassification(config)
+    hand = copy.deepcopy(ours)
+    torch.manual_seed(1)  # dropout masks
+    optimizer = torch.optim.AdamW(hand.parameters(), lr=3e-3)
+    hand.train()
+    for batch in loader:
+        hand(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.manual_seed(1)
+    trainer = Trainer(
+        ours,
+        torch.optim.AdamW(ours.parameters(), lr=3e-3),
+        None,
+        task="classification",
+        device="cpu",
+        progress="none",
+    )
+    trainer.fit(loader, epochs=1)
+    for a, b in zip(ours.parameters(), hand.parameters(), strict=True):
+        assert torch.equal(a, b)
+    batch = tokenizer.pad([{"input_ids": [3, 4, 5]}, {"input_ids": [30]}], return_tensors="pt")
+    with torch.no_grad():
+        expected = torch.softmax(ours.eval()(**batch).logits, -1)
+    assert torch.allclose(trainer.predict([batch]), expected, atol=1e-6)
+
+
 def test_a_causal_lm_that_shifts_its_labels_gets_its_token_accuracy_shifted_too() -> None:
     """A Hugging Face causal LM given labels= shifts them inside (position t predicts token
     t+1). Compared unshifted, val_accuracy stayed 0.3853 for three epochs while the loss

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ def pad_collate(
         raise ValueError("pad_collate: empty batch")
     sequences, labels = [], []
     for sample in samples:
-        if isinstance(sample, dict):
+        if isinstance(sample, Mapping):  # (a tokenizer's BatchEncoding too)
             sequences.append(torch.as_tensor(sample["input_ids"]))
             labels.append(sample.get("labels", sample.get("label")))
         else:
