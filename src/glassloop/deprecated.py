@@ -15,12 +15,13 @@ replaced                use instead
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from glassloop.errors import GlassloopError
 from glassloop.guards import NonFinitePolicy
 from glassloop.options import RunInfo
+from glassloop.rules import suggest
 
 REPLACED = {
     "max_nonfinite_skips": "nonfinite=NonFinitePolicy(policy, max_skips=N)",
@@ -37,13 +38,23 @@ def fold_replaced(
     nonfinite: str | NonFinitePolicy,
     compile: bool | Mapping[str, Any],
     run_info: RunInfo | None,
+    known: Collection[str] = (),
 ) -> tuple[NonFinitePolicy, dict[str, Any] | None, RunInfo]:
     """``nonfinite`` as a policy, ``compile`` as ``torch.compile``'s options (``None``: not
     compiled) and the run's info, with the replaced names in ``replaced`` folded in (each
-    with a warning); an unknown name is a ``TypeError``, as Python's own would be."""
+    with a warning); an unknown name is a ``TypeError``, as Python's own would be, with the
+    argument of ``known`` (the Trainer's) it most likely means, as a config's typo gets.
+
+    >>> fold_replaced({"log_evry": 10}, "raise", False, None, ["log_every"])
+    Traceback (most recent call last):
+    ...
+    TypeError: Trainer() got an unexpected keyword argument 'log_evry' (did you mean 'log_every'?)
+    """
     for name in replaced:
         if name not in REPLACED:
-            raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}")
+            guess = suggest(name, [k for k in known if k not in ("self", "replaced")])
+            hint = f" (did you mean {guess!r}?)" if guess else ""
+            raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}{hint}")
         warnings.warn(
             f"Trainer({name}=...) is replaced by {REPLACED[name]}; the old name goes in "
             "glassloop 0.2",

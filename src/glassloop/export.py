@@ -15,6 +15,7 @@ passes the class (``model_class=``) or says it trusts the file (``trust_code=Tru
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,13 +32,15 @@ from glassloop.checkpoint import (
     find_resumable,
     read_checkpoint,
 )
-from glassloop.config import from_dict
+from glassloop.assemble import located
+from glassloop.config import Config, from_dict
 from glassloop.errors import ConfigError, ModelError
 from glassloop.frozen_base import METADATA_KEY as BASE_KEY
 from glassloop.frozen_base import recorded_names
 from glassloop.hashed_files import write_safetensors
 from glassloop.hugging_face import MAX_SHARD_BYTES, write_run_hf
 from glassloop.models import ModelConfig, build_model, data_kwargs, target_scale_of
+from glassloop.provenance import recorded_folder
 from glassloop.tasks import TASK_ATTRIBUTE, TASKS
 from glassloop.weights import (
     check_fit,
@@ -66,6 +69,11 @@ def read_weights(source: str | Path) -> Weights:
     run with ``train.ema_decay``, the EMA weights (what the run evaluates and exports), not
     the raw ones."""
     source = Path(source)
+    if not os.path.lexists(source):
+        raise CheckpointError(
+            f"checkpoint: '{source}' not found (expected a run directory, a checkpoint or a "
+            ".safetensors file)"
+        )
     if source.is_file():
         tensors, metadata = read_safetensors(source)
         config = _json_field(metadata, "glassloop.config", source)
@@ -197,7 +205,8 @@ def export_run_hf(
 
 def model_description(weights: Weights) -> dict[str, Any]:
     """The ``glassloop.model`` metadata of a weights file, checked: a model section that
-    passes the config's own validation, a positive input shape and class count."""
+    passes the config's own validation (a file ``model.target`` found as a resume finds it,
+    :func:`glassloop.assemble.located`), a positive input shape and class count."""
     spec = _json_field(weights.metadata, "glassloop.model", weights.path)
     if spec is None:
         raise CheckpointError(
@@ -206,6 +215,8 @@ def model_description(weights: Weights) -> dict[str, Any]:
         )
     try:
         model = from_dict({"model": spec["model"]}).model
+        # (a file model.target found from here or from the folder the run was started in)
+        model = located(Config(model=model), recorded_folder(weights.path)).model
         input_shape = [_positive(d) for d in spec["input_shape"]]
         num_classes = _positive(spec["num_classes"])
         for key in ("vocab_size", "pad_id"):

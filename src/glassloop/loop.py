@@ -151,7 +151,7 @@ class Trainer:
         # config's), and what a run built in Python records.
         options.check_options(locals())
         self.options = {name: value for name, value in locals().items() if name in options.OPTIONS}
-        policy, compiled, run_info = fold_replaced(replaced, nonfinite, compile, run_info)
+        policy, compiled, run_info = fold_replaced(replaced, nonfinite, compile, run_info, locals())
         guards.check_model(model)  # its own train()/eval() in place of nn.Module's, no weights
         optimizer = optimizers.one_optimizer(optimizer)  # several by name (a GAN's): one
         scheduler = Schedulers(scheduler) if isinstance(scheduler, Mapping) else scheduler
@@ -193,9 +193,8 @@ class Trainer:
         )
         self._parameters = list(self.model.parameters())
         optimizers.check_kernels(optimizer)  # on the device: capturable=True needs a GPU
-        self.optimizer, self.loss_fn = optimizer, loss_fn
+        self.optimizer, self.loss_fn, self.precision = optimizer, loss_fn, precision
         self.scheduler, self.scheduler_interval = scheduler, scheduler_interval
-        self.precision = precision
         self.scaler = make_scaler(precision, self.device)
         self.grad_accum_steps, self.loss_weighting = grad_accum_steps, loss_weighting
         self.ignore_index = ignore_index

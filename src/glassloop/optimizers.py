@@ -5,6 +5,8 @@ arguments checked against the class's signature, and building them for a model."
 from __future__ import annotations
 
 import inspect
+import re
+import warnings
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -231,11 +233,19 @@ def build_scheduler(
 
 def step_per_epoch(scheduler: Any, row: Mapping[str, Any]) -> None:
     """An epoch's scheduler step: ``ReduceLROnPlateau`` (and several by name, which hand it
-    on) on the row's ``val_loss`` (``train_loss`` without validation), any other as is."""
-    if isinstance(scheduler, (torch.optim.lr_scheduler.ReduceLROnPlateau, Schedulers)):
-        scheduler.step(row.get("val_loss", row["train_loss"]))
-    else:
-        scheduler.step()
+    on) on the row's ``val_loss`` (``train_loss`` without validation), any other as is.
+
+    After an optimizer step (the row's ``step`` over 0), torch's "``lr_scheduler.step()``
+    before ``optimizer.step()``" warning is wrong and not shown: a run resumed from its first
+    epoch's last step, whose checkpoint came before that epoch's scheduler step, steps the
+    scheduler first in its new process, the optimizer having stepped in the one before."""
+    with warnings.catch_warnings():
+        if row["step"] > 0:
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"))
+        if isinstance(scheduler, (torch.optim.lr_scheduler.ReduceLROnPlateau, Schedulers)):
+            scheduler.step(row.get("val_loss", row["train_loss"]))
+        else:
+            scheduler.step()
 
 
 def needs_closure(optimizer: Any) -> bool:

@@ -206,3 +206,27 @@ def test_a_run_dir_with_checkpoints_is_not_overwritten_without_resume(workdir: P
 def test_keep_last_prunes_only_our_checkpoints(workdir: Path) -> None:
     names = sorted(p.name for p in (workdir / "reference" / "checkpoints").iterdir())
     assert names == ["latest", "step-00000044", "step-00000045"]
+
+
+def test_a_resume_from_an_epochs_last_step_says_nothing_of_the_scheduler(workdir: Path) -> None:
+    """A checkpoint at an epoch's last step comes before that epoch's scheduler step: the
+    resumed process steps the scheduler first, and torch warned "lr_scheduler.step() before
+    optimizer.step()" (the optimizer had stepped, in the process before)."""
+    per_epoch = (
+        "--set",
+        "scheduler.name=StepLR",
+        "--set",
+        "scheduler.step_size=1",
+        "--set",
+        "scheduler.interval=epoch",
+        "--set",
+        "checkpoint.every_n_steps=5",
+        "--set",
+        "checkpoint.every_n_epochs=0",
+    )
+    killed = glassloop(workdir, "last-step", *per_epoch, kill_at=16)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = glassloop(workdir, "last-step", "--resume", *per_epoch)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "at step 15 (epoch 1, batch 15)" in resumed.stdout
+    assert "lr_scheduler" not in resumed.stderr, resumed.stderr

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from cli_runner import run_glassloop, sets
 
+import glassloop
+
 NET = """from torch import nn
 
 class Net(nn.Module):
@@ -62,6 +64,15 @@ def test_eval_report_predict_and_resume_work_from_another_folder(
     ):
         done = run_glassloop(*args, cwd=b)
         assert done.returncode == 0, (args, done.stderr)
+    with pytest.MonkeyPatch.context() as patch:  # (Python finds the file as the CLI does)
+        patch.chdir(b)
+        assert (
+            type(glassloop.load_model(run / "model.safetensors", trust_code=True)).__name__ == "Net"
+        )
+        with pytest.raises(
+            glassloop.CheckpointError, match=r"^checkpoint: 'nope.safetensors' not found"
+        ):
+            glassloop.load_model("nope.safetensors")
     # A resume in a new process, from b/: the same config (no "config changed"), and its
     # run.json still names a/, where the paths point.
     resumed = subprocess.run(

@@ -201,6 +201,12 @@ def test_an_unknown_argument_is_a_type_error() -> None:
         make(max_skips=3)
     with pytest.raises(Exception, match="compile takes"):
         make(compile={"fullgraph": True})
+    # A typo gets what a config's gets: the argument it most likely means (any of them).
+    for typo, meant in (("log_evry", "log_every"), ("callback", "callbacks"), ("lr", None)):
+        with pytest.raises(TypeError) as err:
+            make(**{typo: 1})
+        hint = f" (did you mean '{meant}'?)" if meant else ""
+        assert str(err.value) == f"Trainer() got an unexpected keyword argument '{typo}'{hint}"
 
 
 def test_save_checkpoint_still_works_with_a_warning_and_state_loads_back(tmp_path: Path) -> None:

@@ -512,21 +512,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from glassloop.assemble import located
-    from glassloop.config import Config
     from glassloop.errors import GlassloopError, writing
-    from glassloop.export import model_description, model_from, read_weights
     from glassloop.prediction import Predictor, format_predictions, write_predictions
-    from glassloop.provenance import recorded_folder
 
     if args.top_k < 1:
         raise GlassloopError("predict: --top-k must be >= 1")
-    # Predictor.from_path, with a model.target file found from here or from where the run
-    # was started.
-    weights = read_weights(args.source)
-    spec = model_description(weights)
-    spec["model"] = located(Config(model=spec["model"]), recorded_folder(weights.path)).model
-    predictor = Predictor(model_from(weights, spec, None, args.trust_code), spec)
+    predictor = Predictor.from_path(args.source, trust_code=args.trust_code)
     sources, probs = predictor.predict_files(args.inputs)
     for warning in predictor.warnings:
         print(warning, file=sys.stderr)
