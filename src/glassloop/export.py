@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from glassloop.assemble import located
 from glassloop.atomic import atomic_path
 from glassloop.checkpoint import (
     SHARDS,
@@ -32,7 +33,6 @@ from glassloop.checkpoint import (
     find_resumable,
     read_checkpoint,
 )
-from glassloop.assemble import located
 from glassloop.config import Config, from_dict
 from glassloop.errors import ConfigError, ModelError
 from glassloop.frozen_base import METADATA_KEY as BASE_KEY

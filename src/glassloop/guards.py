@@ -147,7 +147,7 @@ def _in_unit_interval(scores: torch.Tensor) -> bool:
     if scores.numel() < 2 or not bool(scores.isfinite().all()):
         return False
     low, high = float(scores.min()), float(scores.max())
-    return 0.0 <= low and high <= 1.0 and low < high
+    return low >= 0.0 and high <= 1.0 and low < high
 
 
 def _softmaxed(scores: torch.Tensor) -> bool:
