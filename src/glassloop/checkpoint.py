@@ -54,7 +54,14 @@ from glassloop.serialization import (
     unflatten,
 )
 from glassloop.snapshot import Snapshot, snapshot
-from glassloop.weights import all_finite, read_safetensors, weights_finite, weights_metadata
+from glassloop.weights import (
+    all_finite,
+    header_shapes,
+    read_safetensors,
+    read_safetensors_header,
+    weights_finite,
+    weights_metadata,
+)
 
 FORMAT_VERSION = 1
 CREATOR = "glassloop"
@@ -119,6 +126,8 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 # A resuming side's test of the state it reads back (meta.json's and state.json's trees):
 # raises ValueError/TypeError/KeyError for numbers that cannot be right.
 StateCheck = Callable[[Any, Any], None]
+# The resuming side's test of a checkpoint's weights: (meta, each key's shape and dtype, path).
+WeightsCheck = Callable[[Any, dict[str, tuple[list[int], str]], Path], None]
 
 
 def require_run_dir(run_dir: Path) -> None:
@@ -456,13 +465,17 @@ def verify_files(path: Path) -> bool:
     return sharded
 
 
-def read_checkpoint(path: Path, check: StateCheck | None = None) -> Checkpoint:
+def read_checkpoint(
+    path: Path, check: StateCheck | None = None, fits: WeightsCheck | None = None
+) -> Checkpoint:
     """Verify every file against the manifest (size, SHA-256), then read and check it: strict
     JSON, well-formed safetensors, finite tensors, and a training state whose numbers and RNG
     states make sense (``check(meta, state)``: the resuming side's test of its own state, e.g.
-    :func:`glassloop.checkpointer.check_training_state`; storage knows no state's layout).
-    Any problem is one :class:`CheckpointError` naming the path and the reason, raised
-    before anything is loaded into a model or optimizer."""
+    :func:`glassloop.checkpointer.check_training_state`; storage knows no state's layout);
+    ``fits(meta, shapes, path)``: the weights' keys, shapes and dtypes fit the model, from
+    the header, before a tensor is read (a file may hold 300,000 of them). Any problem is
+    one :class:`CheckpointError` naming the path and the reason, raised before anything is
+    loaded into a model or optimizer."""
     path = Path(path)
     sharded = verify_files(path)
     meta = _read_json(path / "meta.json", path)
@@ -470,7 +483,10 @@ def read_checkpoint(path: Path, check: StateCheck | None = None) -> Checkpoint:
     model_tensors: dict[str, torch.Tensor] = {}
     model_metadata: dict[str, str] = {}
     if not sharded:  # (a sharded one's weights are read by whoever needs them)
-        model_tensors, model_metadata = read_safetensors(path / "model.safetensors")
+        header = read_safetensors_header(path / "model.safetensors")
+        if fits is not None:
+            fits(meta, header_shapes(header), path)
+        model_tensors, model_metadata = read_safetensors(path / "model.safetensors", header)
     state_tensors, _ = read_safetensors(path / "state.safetensors")
     # Each in memory of its own: safetensors hands them out packed in one buffer, at 4-byte
     # offsets, and a reduction over memory aligned otherwise sums in another order (an LBFGS
@@ -532,18 +548,24 @@ def _read_json(file: Path, checkpoint: Path) -> Any:
 
 
 def find_resumable(
-    run_dir: Path, check: StateCheck | None = None
+    run_dir: Path, check: StateCheck | None = None, fits: WeightsCheck | None = None
 ) -> tuple[Checkpoint | None, list[str]]:
     """The newest checkpoint that verifies, and what is wrong with each newer one (every
-    ``step-`` folder counts, also one whose manifest is unreadable, or whose state fails
-    ``check``)."""
+    ``step-`` folder counts, also one whose manifest is unreadable, whose state fails
+    ``check``, or that ``fits`` refuses: weights that do not fit the model)."""
     problems: list[str] = []
     # Newest first. A committed directory is complete (renamed into place only after its
     # manifest was written), so one newer than `latest` (a crash between the rename and the
     # pointer move) is as good as the one `latest` names.
     for path in reversed(step_dirs(run_dir)):
         try:
-            return read_checkpoint(path, check), problems
+            return read_checkpoint(path, check, fits), problems
         except CheckpointError as err:
-            problems.append(str(err))
+            problems.append(short(str(err)))
     return None, problems
+
+
+def short(problem: str, limit: int = 500) -> str:
+    """A problem as one line quotes it: at most ``limit`` characters (a crafted file's own
+    text can be megabytes)."""
+    return problem if len(problem) <= limit else f"{problem[: limit - 3]}..."

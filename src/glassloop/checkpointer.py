@@ -70,7 +70,7 @@ from glassloop.rng import capture_rng_state, check_rng_state, restore_rng_state
 from glassloop.serialization import dotted, stable_repr
 from glassloop.snapshot import Snapshot, snapshot
 from glassloop.state import EpochRecord, TrainState
-from glassloop.weights import load_checked
+from glassloop.weights import check_fit, load_checked
 
 
 class Watch(Protocol):
@@ -476,10 +476,10 @@ class Checkpointer:
         (``None`` when there is none; an error when there are some and none is valid, so
         nothing a user may want to repair is overwritten); a path is read as is."""
         if str(resume) != "auto":
-            return read_checkpoint(Path(resume), check_training_state)  # no fallback
+            return read_checkpoint(Path(resume), check_training_state, self.fits)  # as it is
         if self.run_dir is None:
             raise GlassloopError("resume='auto' needs a run_dir to look for checkpoints in")
-        found, problems = find_resumable(self.run_dir, check_training_state)
+        found, problems = find_resumable(self.run_dir, check_training_state, self.fits)
         if found is None and problems:
             raise CheckpointError(
                 f"checkpoint: no valid checkpoint to resume in '{self.run_dir}' (nothing "
@@ -490,6 +490,25 @@ class Checkpointer:
         if found is None:
             warn(f"no checkpoint in '{self.run_dir / 'checkpoints'}'; starting at step 0")
         return found
+
+    def fits(self, meta: Any, shapes: dict[str, tuple[list[int], str]], path: Path) -> None:
+        """Raise a :class:`CheckpointError` (a resume passes over the checkpoint for an older
+        one, as over a damaged one) when its weights (each key's ``shapes`` and dtype, from
+        the file's header) do not fit the model (a fine-tuned run's base left out), though
+        the config says it is the model they were saved from (a changed model or data
+        section is :meth:`check_compatible`'s to say)."""
+        changes = config_differences(meta.get("config"), self.info.config)
+        if self.shards is not None or any(c.startswith(("model.", "data.")) for c in changes):
+            return
+        base = self.base.check(self.model, meta.get("base"), set(shapes), path)
+        check_fit(self.model, shapes, path, base)
+
+    def usable(self, path: Path) -> None:
+        """Raise a :class:`CheckpointError` unless the checkpoint at ``path`` is one a resume
+        takes (it verifies, its state makes sense, its weights fit): a remote run's pull
+        takes the newest such one (:class:`glassloop.remote.RemoteRun`), as a local resume
+        does."""
+        read_checkpoint(path, check_training_state, self.fits)
 
     def check_compatible(
         self,

@@ -311,7 +311,7 @@ class Trainer:
         self.info.config = self.config or self.python_config()
         self.info.versions = environment(self.deterministic) if self.run_dir else {}
         self.checkpointer.attach(self.stateful(), loader=train_loader)  # what a save holds
-        with self.run_log.hold():  # the run directory's lock, for the whole fit
+        with self.run_log.hold(self.checkpointer.usable):  # its lock, for the whole fit
             distributed.barrier()  # nobody reads the run dir while rank 0 tidies it
             self.checkpointer.resume(resume, epochs=epochs, allow_config_change=allow_config_change)
             if self.state.epoch >= epochs or self.state.stopped:

@@ -74,6 +74,9 @@ WEIGHTS = "model.safetensors"
 RUN_FILES = ("config.json", "metrics.csv", "metrics.jsonl", WEIGHTS, "run.json")
 RUN_FOLDERS = ("report",)
 CHUNK = 8 << 20
+# A resume's test of a downloaded checkpoint (raises CheckpointError when it is not one to
+# resume from: Checkpointer.usable).
+Usable = Callable[[Path], None]
 
 
 def local_copy_root() -> Path:
@@ -177,7 +180,7 @@ class RemoteRun:
 
     # ------------------------------------------------------------------------- pull
     @contextlib.contextmanager
-    def held(self) -> Iterator[str | None]:
+    def held(self, usable: Usable | None = None) -> Iterator[str | None]:
         """Hold the local copy (one process on this machine), :meth:`pull` into it, and at
         the end wait for every upload (its failure, if the run did not raise one: a warning
         while another error is on its way out, see :meth:`close`); yield what was pulled."""
@@ -195,7 +198,7 @@ class RemoteRun:
         lock = RunLock(self.container)
         lock.acquire()
         try:
-            yield self.pull()
+            yield self.pull(usable)
         except GlassloopError as err:  # its lines name the run, not glassloop's cache
             err.args = (self.scrub(err, limit=100_000), *err.args[1:])
             raise
@@ -205,12 +208,14 @@ class RemoteRun:
             finally:
                 lock.release()
 
-    def pull(self) -> str | None:
+    def pull(self, usable: Usable | None = None) -> str | None:
         """Make the local copy the remote run: a fresh folder (the previous local copy,
         glassloop's own cache, removed: the bucket is the run, and a checkpoint a kill kept
         from reaching it is lost as the machine's disk would be) with the newest remote
-        checkpoint whose every file verifies, then the run's files and a ``best/`` that
-        verifies; the checkpoint's name, or ``None`` (a bucket without checkpoints).
+        checkpoint whose every file verifies and that ``usable`` takes (the resume's own
+        test: its state and weights, :meth:`glassloop.checkpointer.Checkpointer.usable`),
+        then the run's files and a ``best/`` that verifies; the checkpoint's name, or
+        ``None`` (a bucket without checkpoints).
 
         A bucket that cannot be read is an error, never a fresh start; remote checkpoints
         that all fail to verify are one error naming each (nothing is changed in the bucket
@@ -221,7 +226,7 @@ class RemoteRun:
                 self.fs.invalidate_cache()  # (another process may have written since)
             self.check_bucket()
             there = self._remote_steps(complete=True)
-            found, problems = self._download_newest(there)
+            found, problems = self._download_newest(there, usable=usable)
             if there and found is None:
                 raise CheckpointError(
                     f"checkpoint: no valid checkpoint to resume in {self.shown} (nothing was "
@@ -248,18 +253,27 @@ class RemoteRun:
         own_dir(self.local)
 
     def _download_newest(
-        self, names: list[str], *, folder: str | None = None, target: Path | None = None
+        self,
+        names: list[str],
+        *,
+        folder: str | None = None,
+        target: Path | None = None,
+        usable: Usable | None = None,
     ) -> tuple[str | None, list[str]]:
-        """The newest of the remote checkpoints ``names`` whose files verify, downloaded (a
-        missing object, a bad manifest or a failed check: the next older one, with a line;
-        ``folder``/``target``: one folder elsewhere, e.g. ``best/``); what failed, each."""
+        """The newest of the remote checkpoints ``names`` whose files verify and that
+        ``usable`` takes, downloaded (a missing object, a bad manifest, a failed check: the
+        next older one, with a line; ``folder``/``target``: one folder elsewhere, e.g.
+        ``best/``); what failed, each."""
         problems = []
+        failed = (CheckpointError, ValueError, KeyError, TypeError, OSError, RecursionError)
         for name in reversed(names):
             into = target if target is not None else self.local / CHECKPOINTS / name
             try:
                 self._download_dir(folder or self.remote(CHECKPOINTS, name), into)
                 verify_files(into)
-            except (CheckpointError, ValueError, KeyError, TypeError, FileNotFoundError) as err:
+                if usable is not None:
+                    usable(into)
+            except failed as err:  # (a manifest nested 200,000 deep: RecursionError)
                 problem = self.scrub(err)
                 self.say(f"warning: {problem} (after download); falling back to an older one")
                 problems.append(problem)

@@ -42,7 +42,7 @@ from glassloop.hugging_face import describe
 from glassloop.launched import since_launch
 from glassloop.options import RunInfo as RunInfo  # (re-exported: its old home)
 from glassloop.options import TrackingConfig
-from glassloop.remote import open_run_dir
+from glassloop.remote import Usable, open_run_dir
 from glassloop.run_lock import RunLock
 from glassloop.runs import read_json_object
 from glassloop.serialization import behaviour_digest, stable_repr, write_json
@@ -102,14 +102,15 @@ class RunLog:
         self._started: str | None = None
 
     @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
+    def hold(self, usable: Usable | None = None) -> Iterator[None]:
         """Create the run directory, hold its lock (one training process per directory) and
-        remove what an interrupted glassloop left in it, for the whole ``fit``."""
+        remove what an interrupted glassloop left in it, for the whole ``fit`` (a remote run:
+        pulled first, its newest checkpoint that ``usable`` takes)."""
         if not self.active:
             yield
             return
         assert self.run_dir is not None
-        remote = self.remote.held() if self.remote is not None else contextlib.nullcontext()
+        remote = self.remote.held(usable) if self.remote is not None else contextlib.nullcontext()
         with remote, self._held(self.run_dir):  # (a remote run: pulled first, then held)
             yield
 

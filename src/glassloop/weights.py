@@ -60,10 +60,12 @@ def save_weights(
         tmp.chmod(0o644)  # safetensors creates 0600; weights are meant to be shared
 
 
-def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_safetensors(
+    path: Path, header: dict[str, Any] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and the metadata of a safetensors file, its header checked first (one
-    read of it: :func:`read_safetensors_header`)."""
-    header = read_safetensors_header(path)
+    read of it: :func:`read_safetensors_header`; ``header``: read and checked already)."""
+    header = header if header is not None else read_safetensors_header(path)
     return _load_checked(path), dict(header.get("__metadata__") or {})
 
 
@@ -136,9 +138,9 @@ def check_fit(
     missing = sorted(set(expected) - set(stored) - set(base))
     unexpected = sorted(set(stored) - set(expected))
     if missing:
-        problems.append(f"missing keys {missing}")
+        problems.append(f"missing keys {few(missing)}")
     if unexpected:
-        problems.append(f"unexpected keys {unexpected}")
+        problems.append(f"unexpected keys {few(unexpected)}")
     for key in sorted(set(expected) & set(stored)):
         want = expected[key]
         shape, dtype = stored[key]
@@ -149,9 +151,22 @@ def check_fit(
                 f"'{key}' is {dtype}, the model expects {safetensors_dtype(want.dtype)}"
             )
     if problems:
-        raise CheckpointError(
-            f"checkpoint: '{source}' does not fit the model: " + "; ".join(problems)
-        )
+        shown = problems[:FEW] + ([f"{len(problems) - FEW:,} more"] if len(problems) > FEW else [])
+        raise CheckpointError(f"checkpoint: '{source}' does not fit the model: " + "; ".join(shown))
+
+
+FEW = 5  # names an error line quotes before it counts the rest (a file may hold 300,000)
+
+
+def few(names: list[str]) -> str:
+    """``names`` as an error line quotes them: the first few, then how many more.
+
+    >>> few(["a", "b"]), few([f"k{i}" for i in range(300_000)])
+    ("['a', 'b']", "['k0', 'k1', 'k2', 'k3', 'k4'] and 299,995 more")
+    """
+    if len(names) <= FEW:
+        return str(names)
+    return f"{names[:FEW]} and {len(names) - FEW:,} more"
 
 
 def load_checked(

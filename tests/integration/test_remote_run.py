@@ -593,3 +593,58 @@ def test_a_bucket_that_does_not_exist_is_one_line_and_never_created(
     fs = s3fs.S3FileSystem()
     fs.invalidate_cache()
     assert "typo-bucket" not in fs.ls("")
+
+
+def test_a_remote_resume_falls_back_past_weights_that_do_not_fit(
+    tmp_path: Path, s3: dict[str, str]
+) -> None:
+    """The newest checkpoint in the bucket has weights of 20,000 keys that are not the
+    model's, its manifest consistent: a resume stopped with an error line of megabytes (and a
+    local one too). In a new process it falls back to the one before, with one short line,
+    as for a damaged checkpoint."""
+    import hashlib
+
+    import s3fs
+    from safetensors.torch import save
+
+    url = "s3://bucket/fallback"
+    per_epoch = ["--set", "checkpoint.every_n_steps=0", "--set", "train.epochs=2"]
+    first = train(tmp_path, s3, url, *per_epoch)
+    assert first.returncode == 0, first.stderr
+    fs = s3fs.S3FileSystem()
+    fs.invalidate_cache()
+    newest = "bucket/fallback/checkpoints/step-00000016"
+    wrong = save({f"wrong.layer{i}.weight": torch.zeros(1) for i in range(20_000)})
+    manifest = json.loads(fs.cat_file(f"{newest}/manifest.json"))
+    entry = {"size": len(wrong), "sha256": hashlib.sha256(wrong).hexdigest()}
+    manifest["files"]["model.safetensors"] = entry
+    fs.pipe_file(f"{newest}/model.safetensors", wrong)
+    fs.pipe_file(f"{newest}/manifest.json", json.dumps(manifest).encode())
+    more = ["--set", "train.epochs=3", "--allow-config-change", "--resume"]  # (on purpose)
+    resumed = train(tmp_path, s3, url, *per_epoch, *more)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    said = (resumed.stdout + resumed.stderr).splitlines()
+    fell_back = [line for line in said if "falling back to an older one" in line]
+    assert len(fell_back) == 1 and len(fell_back[0]) < 1000, fell_back
+    assert "unexpected keys ['wrong.layer0.weight'" in fell_back[0]
+    assert "and 19,995 more" in fell_back[0]
+    assert f"resumed from '{url}/checkpoints/step-00000008'" in resumed.stdout
+
+
+def test_a_remote_manifest_nested_too_deep_is_passed_over(
+    cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A manifest nested 200,000 deep: a RecursionError escaped the download; now the
+    resume falls back to the checkpoint before it, as for any unreadable manifest."""
+    url = "memory://bucket/deep"
+    trainer(url).fit(loader(), epochs=1)
+    fs = memory()
+    steps = sorted(p for p in fs.ls("/bucket/deep/checkpoints", detail=False) if "step-" in p)
+    deep = b'{"files": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    fs.pipe_file(f"{steps[-1]}/manifest.json", deep)
+    capsys.readouterr()
+    trainer(url).fit(loader(), epochs=2, resume="auto", allow_config_change=True)
+    said = capsys.readouterr().out.splitlines()
+    fell_back = [line for line in said if "falling back to an older one" in line]
+    assert len(fell_back) == 1 and len(fell_back[0]) < 1000, said
+    assert f"resumed from '{url}/checkpoints/{steps[-2].rsplit('/', 1)[-1]}'" in "\n".join(said)
