@@ -151,7 +151,8 @@ def check_fit(
                 f"'{key}' is {dtype}, the model expects {safetensors_dtype(want.dtype)}"
             )
     if problems:
-        shown = problems[:FEW] + ([f"{len(problems) - FEW:,} more"] if len(problems) > FEW else [])
+        cut = 2 * FEW  # (each names one key: a shape or a dtype)
+        shown = problems[:cut] + ([f"{len(problems) - cut:,} more"] if len(problems) > cut else [])
         raise CheckpointError(f"checkpoint: '{source}' does not fit the model: " + "; ".join(shown))
 
 

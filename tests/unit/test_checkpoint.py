@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -81,13 +84,23 @@ def corrupt(path: Path, how: str) -> None:
         path.write_bytes(b"\x00garbage" * 50)
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run's last checkpoint, shared (each test damages a copy of its own)."""
+    run = tmp_path_factory.mktemp("trained")
+    train(run)
+    return run / "checkpoints" / "step-00000012"
+
+
 @pytest.mark.parametrize("how", ["truncated", "empty", "bit-flipped", "garbage"])
 @pytest.mark.parametrize(
     "name", ["model.safetensors", "state.safetensors", "state.json", "meta.json"]
 )
-def test_damaged_files_raise_one_checkpoint_error(tmp_path: Path, how: str, name: str) -> None:
-    train(tmp_path)
-    ckpt = tmp_path / "checkpoints" / "step-00000012"
+def test_damaged_files_raise_one_checkpoint_error(
+    tmp_path: Path, trained: Path, how: str, name: str
+) -> None:
+    ckpt = tmp_path / "step-00000012"
+    shutil.copytree(trained, ckpt)
     corrupt(ckpt / name, how)
     with pytest.raises(CheckpointError) as info:
         read_checkpoint(ckpt)
@@ -117,6 +130,31 @@ def test_resume_falls_back_to_the_previous_valid_checkpoint(
     assert "step-00000006" in warnings[0] and "SHA-256" in warnings[0]
     t = train(tmp_path, epochs=1, resume="auto", every_n_steps=3)
     assert "warning: checkpoint:" in capsys.readouterr().out
+    assert t.state.step == 6
+
+
+def test_resume_falls_back_past_weights_that_do_not_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The newest checkpoint's weights hold 20,000 keys that are not the model's, its
+    manifest consistent (nothing damaged): the resume stopped with a line of megabytes; it
+    passes over it for the one before, as over a damaged one, saying so in a short line."""
+    train(tmp_path, epochs=1, every_n_steps=3)
+    ckpt = tmp_path / "checkpoints" / "step-00000006"
+    wrong = save({f"wrong.{i}": torch.zeros(1) for i in range(20_000)})
+    (ckpt / "model.safetensors").write_bytes(wrong)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["model.safetensors"] = {
+        "size": len(wrong),
+        "sha256": hashlib.sha256(wrong).hexdigest(),
+    }
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    t = train(tmp_path, epochs=1, resume="auto", every_n_steps=3)
+    said = capsys.readouterr().out.splitlines()
+    assert said[0].startswith(f"warning: checkpoint: '{ckpt}' does not fit the model: missing")
+    assert said[0].endswith("and 19,995 more; falling back to an older checkpoint")
+    assert len(said[0]) < 600 and "step-00000003' at step 3" in said[1]
     assert t.state.step == 6
 
 
