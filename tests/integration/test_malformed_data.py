@@ -5,6 +5,7 @@ exit code 2 before training, never a traceback, a hang or a silent wrong run."""
 from __future__ import annotations
 
 import io
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,6 +49,21 @@ def truncated_npz() -> bytes:
     buffer = io.BytesIO()
     np.savez(buffer, x=rng.normal(size=(40, 3)), y=np.arange(40) % 2)
     return buffer.getvalue()[:300]
+
+
+def claiming(shape: tuple[int, ...]) -> bytes:
+    """A .npy whose header claims ``shape`` float32 values and whose data is 64 bytes."""
+    header = f"{{'descr': '<f4', 'fortran_order': False, 'shape': {shape}, }}"
+    header += " " * (117 - len(header)) + "\n"
+    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + bytes(64)
+
+
+def claiming_npz() -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("x.npy", claiming((10**12, 10**6)))
+        archive.writestr("y.npy", claiming((40,)))
+    return buffer.getvalue()
 
 
 def images(defect: str) -> Callable[[Path], list[str]]:
@@ -100,7 +116,17 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "npz float labels": (npz_file(x=x40, y=np.arange(40) / 3), "labels must be integers"),
     "npz lengths differ": (npz_file(x=x40, y=np.arange(39) % 2), "inputs but"),
     "npz of objects": (npz_file(x=np.array([{"a": 1}] * 40, dtype=object), y=np.arange(40) % 2),
-                       "is not a readable .npz file"),
+                       "array 'x' holds object values, not numbers"),
+    "npz of strings": (npz_file(x=np.array([["a", "b"]] * 40), y=np.arange(40) % 2),
+                       "array 'x' holds <U1 values, not numbers; glassloop reads integers"),
+    "npz of complex": (npz_file(x=x40 + 1j, y=np.arange(40) % 2),
+                       "array 'x' holds complex numbers; glassloop reads integers, floats or "
+                       "booleans: convert it first (x.real, if its real part is what you mean)"),
+    "npz 0-d": (npz_file(x=np.array(3.0), y=np.arange(40) % 2),
+                "array 'x' holds a single value (a 0-d array), not rows of samples"),
+    "npz claims 3.47 EiB": (raw_file("d.npz", claiming_npz(), "npz"),
+                            "array 'x' claims (1000000000000, 1000000) float32 values "
+                            "(4,000,000,000,000,000,000 bytes), more than the file holds"),
     "npz missing arrays": (npz_file(a=x40), "must hold arrays x and y"),
     "npz not a zip": (raw_file("d.npz", b"PK\x03\x04 not really a zip" * 10, "npz"),
                       "is not a readable .npz file"),
@@ -133,7 +159,8 @@ def test_predict_on_a_malformed_array_file_is_one_line(tmp_path: Path) -> None:
                                          "data.num_features=3"]),
                          "--run-dir", str(tmp_path / "run"))  # fmt: skip
     assert done.returncode == 0, done.stderr
-    for name, data in (("t.npy", b"\x93NUMPY\x01\x00" + b"{" * 20), ("z.npz", b"")):
+    crafted = (("huge.npy", claiming((10**12, 3))), ("t.npy", b"\x93NUMPY\x01\x00" + b"{" * 20))
+    for name, data in (*crafted, ("z.npz", b"")):
         (tmp_path / name).write_bytes(data)
         predicted = run_glassloop("predict", str(tmp_path / "run"), str(tmp_path / name))
         assert predicted.returncode == 2 and "Traceback" not in predicted.stderr, predicted.stderr

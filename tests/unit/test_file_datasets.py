@@ -113,6 +113,29 @@ def test_mnist_from_idx_files(tmp_path: Path) -> None:
     assert splits.preprocessing["mean"] == [0.1307]
 
 
+@pytest.mark.parametrize("compressed", [True, False])
+def test_an_idx_header_claiming_more_than_the_file_holds_reads_nothing(
+    tmp_path: Path, compressed: bool
+) -> None:
+    """A header claiming 10**9 x 10**6 pixels (or a .gz that would inflate past what gzip
+    can): refused from the dimensions, before the data is read or decompressed."""
+    from glassloop.data.files import read_idx
+
+    header = bytes([0, 0, 8, 2]) + (10**9).to_bytes(4, "big") + (10**6).to_bytes(4, "big")
+    path = tmp_path / ("x-idx2-ubyte" + (".gz" if compressed else ""))
+    if compressed:
+        with gzip.open(path, "wb") as f:
+            f.write(header + bytes(100))
+    else:
+        path.write_bytes(header + bytes(100))
+    with pytest.raises(
+        DataError, match=r"claims \[1000000000, 1000000\] bytes .* more than the file"
+    ):
+        read_idx(path)
+    write_idx(tmp_path / "ok.gz", np.arange(6).reshape(2, 3))
+    assert read_idx(tmp_path / "ok.gz").tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
 def test_cifar10_binary_batches(tmp_path: Path) -> None:
     folder = tmp_path / "cifar-10-batches-bin"
     folder.mkdir()

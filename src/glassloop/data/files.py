@@ -338,19 +338,33 @@ FASHION_CLASSES = [
 ]
 
 
+# How far gzip can shrink bytes at most (~1032:1): an IDX file's dimensions that claim more
+# than this times its .gz's size are refused before anything is decompressed.
+GZIP_MAX_RATIO = 1100
+
+
 def read_idx(path: Path) -> np.ndarray:
-    """An IDX file (the MNIST format): magic, dimensions, then unsigned bytes."""
+    """An IDX file (the MNIST format): magic, dimensions, then unsigned bytes. The dimensions
+    are read first and what they claim is checked against the file before the data is read
+    (a crafted header, a gzip bomb: never more than the file can hold)."""
     opener: Any = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as handle:
-        data = handle.read()
-    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
-        raise DataError(f"data: '{path}' is not an unsigned-byte IDX file")
-    ndim = data[3]
-    dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
-    body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
-    if body.size != int(np.prod(dims)):
-        raise DataError(f"data: '{path}' is truncated ({body.size} of {int(np.prod(dims))} bytes)")
-    return body.reshape(dims)
+        magic = handle.read(4)
+        if len(magic) < 4 or magic[:3] != b"\x00\x00\x08":
+            raise DataError(f"data: '{path}' is not an unsigned-byte IDX file")
+        head = handle.read(4 * magic[3])
+        dims = [int.from_bytes(head[4 * i : 4 * i + 4], "big") for i in range(len(head) // 4)]
+        claimed = int(np.prod(dims, dtype=object)) if dims else 0
+        stored = path.stat().st_size * (GZIP_MAX_RATIO if path.suffix == ".gz" else 1)
+        if len(dims) != magic[3] or claimed > stored:
+            raise DataError(
+                f"data: '{path}' claims {dims} bytes of images or labels, more than the file "
+                "holds: truncated or crafted"
+            )
+        data = handle.read(claimed + 1)  # (one more: bytes left over are a wrong file too)
+    if len(data) != claimed:
+        raise DataError(f"data: '{path}' is truncated or too long ({len(data)} of {claimed} bytes)")
+    return np.frombuffer(data, dtype=np.uint8).reshape(dims)
 
 
 def _find(root: Path, candidates: list[Path], name: str) -> Path | None:
