@@ -141,9 +141,18 @@ def beside_the_file(raw: dict[str, Any], folder: Path) -> None:
             model["target"] = f"{folder / module}:{name}"  # type: ignore[index]
 
 
+# A config file is a few KB; a run directory's config.json is input (copied, shared): one
+# larger than this is refused before it is parsed.
+MAX_CONFIG_BYTES = 4 << 20
+
+
 def read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config: file '{path}' not found")
+    if (size := path.stat().st_size) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"config: '{path}' has {size:,} bytes; a config has at most {MAX_CONFIG_BYTES:,}"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:

@@ -201,12 +201,21 @@ SUMMARY_SKIPS = (
 )
 
 
+# The numbers an epoch's line shows at most (a callback may log thousands of keys).
+EPOCH_LINE_NUMBERS = 16
+
+
 def format_epoch_summary(row: dict[str, Any], num_epochs: int) -> str:
     """``epoch 1/10  train_loss 0.4123  val_loss 0.3011  val_accuracy 91.20%  lr 1.00e-03  3.1s``"""
-    parts = [f"epoch {row['epoch']}/{num_epochs}"]
+    parts, shown = [f"epoch {row['epoch']}/{num_epochs}"], 0
+    numbers = [k for k, v in row.items() if k not in SUMMARY_SKIPS and isinstance(v, float)]
     for key, value in row.items():
         if key in SUMMARY_SKIPS or value is None:
             continue
+        if shown == EPOCH_LINE_NUMBERS and len(numbers) > shown:  # (a callback's thousands)
+            parts.append(f"(and {len(numbers) - shown:,} more in metrics.jsonl)")
+            break
+        shown += isinstance(value, float)
         if key.endswith("accuracy"):
             parts.append(f"{key} {100 * value:.2f}%")
         elif isinstance(value, float):

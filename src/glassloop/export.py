@@ -41,6 +41,7 @@ from glassloop.hashed_files import write_safetensors
 from glassloop.hugging_face import MAX_SHARD_BYTES, write_run_hf
 from glassloop.models import ModelConfig, build_model, data_kwargs, target_scale_of
 from glassloop.provenance import recorded_folder
+from glassloop.runs import read_json
 from glassloop.tasks import TASK_ATTRIBUTE, TASKS
 from glassloop.weights import (
     check_fit,
@@ -125,7 +126,7 @@ def full_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
 
 def _json_file(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json(path)  # (a run directory's config.json: at most a few MB)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
         raise CheckpointError(f"checkpoint: '{path}' is not readable JSON: {err}") from err
     if not isinstance(data, dict):
@@ -276,23 +277,33 @@ def model_from(
             raise ModelError(f"model: {model_class!r}(**{cfg.kwargs}) failed: {err}") from err
     else:
         require_trust({"model": {"target": cfg.target}}, weights.path, trust_code)
-        build: dict[str, Any] = {
-            "input_shape": tuple(spec["input_shape"]),
-            "num_classes": spec["num_classes"],
-            "vocab_size": int(spec.get("vocab_size", 0)),
-            "pad_id": int(spec.get("pad_id", 0)),
-            "target_scale": target_scale_of(spec.get("preprocessing") or {}),
-        }
-        if not cfg.target:
-            # Shapes first, on the meta device (no memory): a description that does not
-            # match the file's tensors is refused before anything is allocated.
-            with torch.device("meta"):
-                check_fits(build_model(cfg, **build), weights)
-        model = build_model(cfg, **build)
+        check_on_meta(cfg, spec, weights)
+        model = build_model(cfg, **build_arguments(spec))
     load_onto(model, weights.tensors, weights.path, weights.base)
     # What glassloop.predict(model, x) returns follows the task the weights were trained for.
     setattr(model, TASK_ATTRIBUTE, spec["task"])
     return model.eval()
+
+
+def build_arguments(spec: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`glassloop.models.build_model` takes besides the model section, from a
+    weights file's description (:func:`model_description`)."""
+    return {
+        "input_shape": tuple(spec["input_shape"]),
+        "num_classes": spec["num_classes"],
+        "vocab_size": int(spec.get("vocab_size", 0)),
+        "pad_id": int(spec.get("pad_id", 0)),
+        "target_scale": target_scale_of(spec.get("preprocessing") or {}),
+    }
+
+
+def check_on_meta(cfg: ModelConfig, spec: dict[str, Any], weights: Weights) -> None:
+    """A built-in model's shapes first, on the meta device (no memory): a model section that
+    does not match the file's tensors (``hidden = [2**20, 2**20]`` in an edited config.json:
+    4 TB) is refused before anything is allocated."""
+    if not cfg.target:
+        with torch.device("meta"):
+            check_fits(build_model(cfg, **build_arguments(spec)), weights)
 
 
 def check_fits(model: nn.Module, weights: Weights) -> None:

@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -212,9 +213,29 @@ def build_model(
 ) -> nn.Module:
     """The model the config names, for data of ``input_shape`` with ``num_classes`` classes
     (and, for text, a vocabulary of ``vocab_size`` tokens); with ``target_scale`` (mean and
-    std per output) inside a :class:`TargetScale`."""
+    std per output) inside a :class:`TargetScale`. A built-in model is built on the meta
+    device first (no memory): one whose weights would not fit in this machine's memory
+    (``hidden = [2**20, 2**20]``: 4 TB) is one line, never an allocation that fails."""
+    if not cfg.target and torch.empty(0).device.type != "meta":
+        with torch.device("meta"):
+            sizes = _build(cfg, input_shape, num_classes, vocab_size=vocab_size, pad_id=pad_id)
+        need = sum(p.numel() * p.element_size() for p in sizes.parameters())
+        if need > (memory := physical_memory()):
+            raise ModelError(
+                f"model: the {cfg.name} this config describes has {need / 2**30:,.1f} GiB of "
+                f"weights, more than this machine's {memory / 2**30:,.1f} GiB of memory: "
+                "check model.hidden (and the data's shape)"
+            )
     model = _build(cfg, input_shape, num_classes, vocab_size=vocab_size, pad_id=pad_id)
     return TargetScale(model, *target_scale) if target_scale is not None else model
+
+
+def physical_memory() -> int:
+    """This machine's memory in bytes (unbounded where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # (Windows: no sysconf)
+        return 2**63
 
 
 def target_scale_of(preprocessing: dict[str, Any]) -> tuple[list[float], list[float]] | None:

@@ -77,6 +77,7 @@ def write_report(
     # One plot per metric: the losses together, then each validation metric (accuracy,
     # r2, mae, ... whatever the task and the callbacks wrote), then the learning rate.
     metrics = sorted({k for r in rows for k in r if k.startswith("val_") and k != "val_loss"})
+    metrics, left_out = metrics[:MAX_METRIC_PLOTS], metrics[MAX_METRIC_PLOTS:]
     panels = [("loss.png", "loss", ["train_loss", "val_loss"])]
     # (a key is input: a run directory's files are copied and shared)
     panels += [(file_name(key, ".png"), _label(key[4:]), [key]) for key in metrics]
@@ -125,8 +126,14 @@ def write_report(
         images.append(("predicted_vs_true.png", title))
     index = out / "index.html"
     with atomic_path(index) as tmp:
-        tmp.write_text(_html(run_dir, rows, images, report_text), encoding="utf-8")
+        tmp.write_text(_html(run_dir, rows, images, report_text, left_out), encoding="utf-8")
     return index
+
+
+# At most this many plots of one validation metric each: a run's rows are input, and a
+# callback may log thousands of keys (3,000 val_ keys drew 1,155 plots in 300 s); the rest
+# are named under the plots, their numbers in the final metrics table and metrics.jsonl.
+MAX_METRIC_PLOTS = 24
 
 
 # The confusion matrix costs at most a second or two whatever the number of classes (1,024
@@ -215,7 +222,11 @@ def _label(name: str, limit: int = 60) -> str:
 
 
 def _html(
-    run_dir: Path, rows: list[dict[str, Any]], images: list[tuple[str, str]], report: str
+    run_dir: Path,
+    rows: list[dict[str, Any]],
+    images: list[tuple[str, str]],
+    report: str,
+    left_out: list[str],
 ) -> str:
     info = read_json_object(run_dir / "run.json")
     config = read_json_object(run_dir / "config.json")
@@ -252,6 +263,13 @@ def _html(
         f"<figcaption>{html.escape(title)}</figcaption></figure>"
         for name, title in images
     )
+    if left_out:
+        names = ", ".join(left_out)
+        figures += (
+            f"<p>{len(left_out):,} more validation metrics are not drawn (at most "
+            f"{MAX_METRIC_PLOTS} plots; their numbers are in the table above and in "
+            f"metrics.jsonl): {html.escape(names)}</p>"
+        )
     report_block = (
         f"<h2>Classification report</h2><pre>{html.escape(report)}</pre>" if report else ""
     )

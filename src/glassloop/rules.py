@@ -96,8 +96,48 @@ def check_choice(key: str, value: Any, choices: tuple[Any, ...], *, where: str =
             )
 
 
+# What one value of a config may hold, checked before any work: a config is input (a run
+# directory's config.json is copied and shared), and 5,000,001 entries in model.hidden built
+# that many layers (~30 min) for eval, report and --resume. A list or a table holds at most
+# MAX_ITEMS items (in all, nested), a string at most MAX_TEXT characters.
+MAX_ITEMS = 10_000
+MAX_TEXT = 10_000
+
+
+def check_size(key: str, value: Any, *, where: str = "config") -> None:
+    """Raise ConfigError if ``value`` (a list, a table, nested) holds more than
+    :data:`MAX_ITEMS` items in all or a string longer than :data:`MAX_TEXT`.
+
+    >>> try:
+    ...     check_size("model.hidden", [4] * 10_001)
+    ... except ConfigError as err:
+    ...     print(err)
+    config: model.hidden holds more than 10,000 items; a config value holds at most 10,000
+    """
+    stack, items = [value], 0
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str) and len(item) > MAX_TEXT:
+            raise ConfigError(
+                f"{where}: {key} holds a string of {len(item):,} characters; a config value "
+                f"holds at most {MAX_TEXT:,}"
+            )
+        if isinstance(item, (list, dict)):
+            items += len(item)
+            if items > MAX_ITEMS:
+                raise ConfigError(
+                    f"{where}: {key} holds more than {MAX_ITEMS:,} items; a config value "
+                    f"holds at most {MAX_ITEMS:,}"
+                )
+            stack.extend(item.values() if isinstance(item, dict) else item)
+            if isinstance(item, dict):
+                stack.extend(item)
+
+
 def check_type(key: str, value: Any, hint: Any) -> Any:
-    """Return ``value`` (ints widened to float) if it fits ``hint``, else raise ConfigError."""
+    """Return ``value`` (ints widened to float) if it fits ``hint``, else raise ConfigError
+    (a value larger than :func:`check_size` allows too)."""
+    check_size(key, value)
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(hint)

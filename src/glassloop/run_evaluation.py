@@ -108,13 +108,17 @@ def report_run(run_dir: str | Path, *, trust_code: bool = False) -> Path:
     """
     from glassloop.data.splits import Splits
     from glassloop.report import write_report
-    from glassloop.runs import read_json_object
+    from glassloop.runs import read_json
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
         raise GlassloopError(f"report: '{run_dir}' is not a run directory (no config.json)")
     written = writing("report", run_dir / "report", "the run's own files are unchanged")
-    if made_in_python(read_json_object(run_dir / "config.json")):
+    try:  # (unreadable is an error: never taken for a run made in Python)
+        config = read_json(run_dir / "config.json")
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise GlassloopError(f"report: '{run_dir / 'config.json'}' is unreadable: {err}") from None
+    if made_in_python(config):
         # Its model and data live in the user's code: the report of its files (curves,
         # metrics), without a fresh evaluation.
         with written:
@@ -154,7 +158,7 @@ def _evaluated(
     from glassloop.assemble import build_parts
     from glassloop.config import apply_override, from_dict
     from glassloop.evaluation import evaluate
-    from glassloop.export import read_weights, require_trust
+    from glassloop.export import check_on_meta, model_description, read_weights, require_trust
     from glassloop.precision import autocast
     from glassloop.provenance import recorded_folder
     from glassloop.weights import load_onto
@@ -175,8 +179,11 @@ def _evaluated(
     require_trust(config, source, trust_code)
     for item in overrides:
         apply_override(config, item)
+    cfg = from_dict(config)
+    if "glassloop.model" in weights.metadata:  # (the config's model against the file's shapes)
+        check_on_meta(cfg.model, model_description(weights), weights)
     # (Its relative paths, from here or from where the run was started.)
-    parts = build_parts(from_dict(config), files_from=recorded_folder(weights.path))
+    parts = build_parts(cfg, files_from=recorded_folder(weights.path))
     load_onto(parts.model, weights.tensors, weights.path, weights.base)  # (a frozen base: its own)
     model = parts.model.to(parts.device)
     with autocast(parts.config.train.precision, parts.device):  # as training evaluated

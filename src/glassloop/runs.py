@@ -29,7 +29,7 @@ class RunSummary:
 def summarise(run_dir: Path) -> RunSummary | None:
     """The summary of one run directory, or ``None`` if it is not one."""
     try:
-        info = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+        info = read_json(run_dir / "run.json")
     except FileNotFoundError:
         return None
     except (OSError, ValueError, RecursionError):
@@ -112,10 +112,23 @@ def read_json_object(path: Path) -> dict[str, Any]:
     """A JSON file of a run directory (run.json, config.json, tracking.json) as a dict;
     ``{}`` when it is missing, unreadable or not an object."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json(path)
     except (OSError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+# run.json, config.json and tracking.json are a few KB; a run directory is input (copied,
+# shared): a larger one is unreadable, never parsed.
+MAX_JSON_BYTES = 4 << 20
+
+
+def read_json(path: Path) -> Any:
+    """A run directory's JSON file, parsed (``ValueError`` when it is larger than
+    :data:`MAX_JSON_BYTES` or not JSON)."""
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise ValueError(f"'{path}' has {path.stat().st_size:,} bytes, over {MAX_JSON_BYTES:,}")
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def best_of(run_dir: Path, rows: list[dict[str, Any]]) -> str:
