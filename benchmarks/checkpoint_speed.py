@@ -15,7 +15,7 @@ deleted before each timed run (not timed). Medians over ``--repeats``:
 2. ``torch.save({"model": ..., "optimizer": ...})`` to one file, flush, ``os.fsync``.
 3. DCP: ``torch.distributed.checkpoint.save(..., no_dist=True)`` (one process, no process
    group); its FileSystemWriter fsyncs its own files (``sync_files=True``, the default).
-4. glassloop sync: ``glassloop.checkpoint.save_checkpoint`` (safetensors, fsync of every file,
+4. glassloop sync: ``glassloop.checkpoint.commit_checkpoint`` (safetensors, fsync of every file,
    SHA-256 manifest, atomic rename of ``checkpoints/step-N``, the ``latest`` pointer).
 5. glassloop async: ``Checkpointer(..., CheckpointConfig(async_save=True))``: "blocking" is
    ``save()`` (returns once the state is copied), "total" until ``wait()`` returns (the
@@ -49,8 +49,9 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from glassloop.checkpoint import save_checkpoint
+from glassloop.checkpoint import commit_checkpoint, refuse_not_finite
 from glassloop.checkpointer import CheckpointConfig, Checkpointer
+from glassloop.snapshot import snapshot
 from glassloop.state import TrainState
 
 ROWS = ("disk", "torch.save", "DCP", "glassloop sync", "glassloop async")
@@ -58,7 +59,7 @@ LABELS = {
     "disk": "disk: `os.write` + fsync",
     "torch.save": "`torch.save` + fsync",
     "DCP": "DCP `save` (one process)",
-    "glassloop sync": "glassloop `save_checkpoint`",
+    "glassloop sync": "glassloop `commit_checkpoint`",
 }
 
 # The resume, in a fresh process: what a restarted job does before its first step.
@@ -153,7 +154,10 @@ def measure(millions: int, root: Path, repeats: int) -> tuple[Path, int]:
 
     def glassloop_sync() -> None:
         state = {"optimizer": optimizer.state_dict()}
-        saved.append(save_checkpoint(out["glassloop sync"], model, state, {"step": step}))
+        refuse_not_finite(out["glassloop sync"], model, step)  # (as the checkpointer's save)
+        saved.append(
+            commit_checkpoint(out["glassloop sync"], snapshot(model, state, {"step": step}))
+        )
 
     runs: dict[str, Callable[[], None]] = {
         "disk": lambda: write_raw(out["disk"], tensors),

@@ -53,7 +53,7 @@ from glassloop.serialization import (
     sha256_of,
     unflatten,
 )
-from glassloop.snapshot import Snapshot, snapshot
+from glassloop.snapshot import Snapshot
 from glassloop.weights import (
     all_finite,
     header_shapes,
@@ -317,32 +317,13 @@ def commit_dir(tmp: Path, target: Path) -> None:
     fsync_dir(target.parent)
 
 
-def save_checkpoint(
-    run_dir: Path,
-    model: nn.Module | None,
-    state: dict[str, Any],
-    meta: dict[str, Any],
-    *,
-    staged: Path | None = None,
-) -> Path:
-    """Commit ``checkpoints/step-<step>/`` and move ``latest`` to it; return its path.
-
-    A checkpoint of the same step is replaced: the state after an epoch's end (evaluation,
-    scheduler step, history) differs from the state after its last batch.
-
-    Refuses non-finite weights; a failed write removes its temporary directory, keeps every
-    earlier checkpoint and raises :class:`CheckpointWriteError` naming the last good one.
-    ``model=None``: a sharded checkpoint already in ``staged`` (its weights were checked by
-    every process, see :class:`glassloop.checkpointer.Checkpointer`).
-    """
-    if model is not None:
-        refuse_not_finite(run_dir, model, int(meta["step"]))
-    return commit_checkpoint(run_dir, snapshot(model, state, meta), staged=staged)
-
-
 def commit_checkpoint(run_dir: Path, snap: Snapshot, *, staged: Path | None = None) -> Path:
-    """Write ``snap`` as ``checkpoints/step-<step>/`` and move ``latest`` to it (the part of
-    :func:`save_checkpoint` that a background save does)."""
+    """Write ``snap`` as ``checkpoints/step-<step>/`` and move ``latest`` to it; return its
+    path. A checkpoint of the same step is replaced: the state after an epoch's end
+    (evaluation, scheduler step, history) differs from the state after its last batch. A
+    failed write removes its temporary directory, keeps every earlier checkpoint and raises
+    :class:`CheckpointWriteError` naming the last good one (the weights were checked to be
+    finite before the snapshot was taken: :func:`refuse_not_finite`)."""
     root = checkpoints_dir(run_dir)
     target = root / step_dir_name(snap.step)
     try:
@@ -372,18 +353,6 @@ def not_finite(step: int, last_good: str) -> CheckpointError:
         f"checkpoint: the weights at step {step} are not finite (NaN/inf); not saving them "
         f"over good checkpoints. Last good checkpoint: {last_good}"
     )
-
-
-def save_best(
-    run_dir: Path,
-    model: nn.Module | None,
-    state: dict[str, Any],
-    meta: dict[str, Any],
-    *,
-    staged: Path | None = None,
-) -> Path:
-    """Write (or replace) ``RUN_DIR/best/`` with a full checkpoint, atomically."""
-    return commit_best(run_dir, snapshot(model, state, meta), staged=staged)
 
 
 def commit_best(run_dir: Path, snap: Snapshot, *, staged: Path | None = None) -> Path:

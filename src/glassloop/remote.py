@@ -265,7 +265,15 @@ class RemoteRun:
         next older one, with a line; ``folder``/``target``: one folder elsewhere, e.g.
         ``best/``); what failed, each."""
         problems = []
-        failed = (CheckpointError, ValueError, KeyError, TypeError, OSError, RecursionError)
+        # (not OSError: a store that cannot be read is an error, never a fall back)
+        failed = (
+            CheckpointError,
+            ValueError,
+            KeyError,
+            TypeError,
+            FileNotFoundError,
+            RecursionError,
+        )
         for name in reversed(names):
             into = target if target is not None else self.local / CHECKPOINTS / name
             try:

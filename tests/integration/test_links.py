@@ -18,12 +18,13 @@ from glassloop.atomic import ForeignPathError, atomic_path, open_own, remove_tre
 from glassloop.checkpoint import (
     MARKER,
     clean_temporaries,
+    commit_best,
+    commit_checkpoint,
     prune,
     remove_marked,
-    save_best,
-    save_checkpoint,
 )
 from glassloop.run_lock import RunLock
+from glassloop.snapshot import snapshot as snapshot_of
 
 # Its tests share module fixtures: one worker of `make test` runs them all, in order.
 pytestmark = pytest.mark.xdist_group("test_links")
@@ -137,10 +138,10 @@ def test_replacing_a_checkpoint_never_follows_a_link_in_its_place(
     before = snapshot(victims["dir"])
     plant(run / "checkpoints" / "step-00000004", victims["dir"])
     with pytest.raises(ForeignPathError, match="is a symbolic link"):
-        save_checkpoint(run, model, state, meta)
+        commit_checkpoint(run, snapshot_of(model, state, meta))
     plant(run / "best", victims["dir"])
     with pytest.raises(ForeignPathError, match="is a symbolic link"):
-        save_best(run, model, state, meta)
+        commit_best(run, snapshot_of(model, state, meta))
     assert snapshot(victims["dir"]) == before
     # Nothing was left behind by the refused writes either.
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
@@ -149,7 +150,7 @@ def test_replacing_a_checkpoint_never_follows_a_link_in_its_place(
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
     with pytest.raises(ForeignPathError, match="not a checkpoint glassloop wrote"):
-        save_checkpoint(run, model, state, {**meta, "step": 6})
+        commit_checkpoint(run, snapshot_of(model, state, {**meta, "step": 6}))
     assert (foreign / "notes.txt").read_text() == "mine"
 
 
