@@ -32,20 +32,18 @@ from typing import Any
 
 from glassloop.data.options import DataConfig as DataConfig
 from glassloop.errors import ConfigError
-from glassloop.loss_options import LOSS_TASKS, TASK_LOSSES, loss_fits
-from glassloop.loss_options import LossConfig as LossConfig
 from glassloop.metric_names import check_metric_name
-from glassloop.model_options import BUILT_IN_KEYS
-from glassloop.model_options import ModelConfig as ModelConfig
-from glassloop.optim_options import DEFAULT_OPTIM_KWARGS
-from glassloop.optim_options import OptimConfig as OptimConfig
-from glassloop.optim_options import SchedulerConfig as SchedulerConfig
 from glassloop.options import CheckpointConfig as CheckpointConfig
 from glassloop.options import EarlyStoppingConfig as EarlyStoppingConfig
 from glassloop.options import TrackingConfig as TrackingConfig
 from glassloop.options import TrainConfig as TrainConfig
 from glassloop.options import rules
-from glassloop.rules import Range, check_choice, check_range, check_type, unknown_key
+from glassloop.rules import Range, check_choice, check_range, check_type, loss_fits, unknown_key
+from glassloop.sections import BUILT_IN_KEYS, DEFAULT_OPTIM_KWARGS, LOSS_TASKS, TASK_LOSSES
+from glassloop.sections import LossConfig as LossConfig
+from glassloop.sections import ModelConfig as ModelConfig
+from glassloop.sections import OptimConfig as OptimConfig
+from glassloop.sections import SchedulerConfig as SchedulerConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from glassloop.errors import ConfigError
-from glassloop.loss_options import LossConfig as LossConfig  # (re-exported: its old home)
+from glassloop.sections import LossConfig as LossConfig  # (re-exported: its old home)
 
 
 def build_loss(cfg: LossConfig, *, num_outputs: int, ignore_index: int = -100) -> nn.Module:

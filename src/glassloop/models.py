@@ -17,8 +17,8 @@ from torch import nn
 from glassloop.errors import ModelError
 
 # (BUILT_IN_KEYS and ModelConfig re-exported: their old home)
-from glassloop.model_options import BUILT_IN_KEYS as BUILT_IN_KEYS
-from glassloop.model_options import ModelConfig as ModelConfig
+from glassloop.sections import BUILT_IN_KEYS as BUILT_IN_KEYS
+from glassloop.sections import ModelConfig as ModelConfig
 
 
 def mlp(

@@ -14,10 +14,6 @@ import torch
 from torch import nn
 
 from glassloop.errors import ConfigError
-
-# (OptimConfig and SchedulerConfig re-exported: their old home)
-from glassloop.optim_options import OptimConfig as OptimConfig
-from glassloop.optim_options import SchedulerConfig as SchedulerConfig
 from glassloop.rules import (
     AT_LEAST_0,
     AT_LEAST_1,
@@ -28,6 +24,10 @@ from glassloop.rules import (
     unknown_key,
 )
 from glassloop.schedules import warmup_cosine
+
+# (OptimConfig and SchedulerConfig re-exported: their old home)
+from glassloop.sections import OptimConfig as OptimConfig
+from glassloop.sections import SchedulerConfig as SchedulerConfig
 
 # Optimizer arguments that choose a kernel, not the mathematics; not recorded as defaults.
 IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")

@@ -202,3 +202,14 @@ def unknown_key(prefix: str, name: str, candidates: list[str], owner: str = "") 
         what = f"{owner} accepts" if owner else "known keys"
         hint = f" ({what}: {', '.join(sorted(candidates))})"
     return ConfigError(f"config: unknown key '{full}'{hint}")
+
+
+def loss_fits(implied: str, task: str) -> bool:
+    """Whether a loss that implies the task ``implied`` can train ``task`` (a language
+    model's loss is a classification's, per token; ``custom`` takes any loss).
+
+    >>> loss_fits("classification", "language-model"), loss_fits("classification", "regression")
+    (True, False)
+    """
+    same_kind = implied == "classification" and task == "language-model"
+    return implied == task or same_kind or task == "custom"

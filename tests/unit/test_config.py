@@ -10,7 +10,7 @@ import pytest
 
 from glassloop import Config, ConfigError, load_config
 from glassloop.config import from_dict, to_dict
-from glassloop.optim_options import DEFAULT_OPTIM_KWARGS
+from glassloop.sections import DEFAULT_OPTIM_KWARGS
 
 
 def test_defaults_are_the_demo_run() -> None:
