@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 from glassloop import build, load_config
-from glassloop.checkpoint import read_checkpoint
-from glassloop.checkpointer import check_training_state
-from glassloop.weights import load_weights
+from glassloop.checkpoint.resume import check_training_state
+from glassloop.run_dir.checkpoints import read_checkpoint
+from glassloop.storage.weights import load_weights
 
 
 def main() -> None:

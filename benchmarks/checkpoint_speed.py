@@ -15,8 +15,8 @@ deleted before each timed run (not timed). Medians over ``--repeats``:
 2. ``torch.save({"model": ..., "optimizer": ...})`` to one file, flush, ``os.fsync``.
 3. DCP: ``torch.distributed.checkpoint.save(..., no_dist=True)`` (one process, no process
    group); its FileSystemWriter fsyncs its own files (``sync_files=True``, the default).
-4. glassloop sync: ``glassloop.checkpoint.commit_checkpoint`` (safetensors, fsync of every file,
-   SHA-256 manifest, atomic rename of ``checkpoints/step-N``, the ``latest`` pointer).
+4. glassloop sync: ``glassloop.run_dir.checkpoints.commit_checkpoint`` (safetensors, fsync of
+   every file, SHA-256 manifest, atomic rename of ``checkpoints/step-N``, the ``latest`` pointer).
 5. glassloop async: ``Checkpointer(..., CheckpointConfig(async_save=True))``: "blocking" is
    ``save()`` (returns once the state is copied), "total" until ``wait()`` returns (the
    background write committed). Printed as "not available" where glassloop has no async save.
@@ -49,10 +49,11 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from glassloop.checkpoint import commit_checkpoint, refuse_not_finite
-from glassloop.checkpointer import CheckpointConfig, Checkpointer
-from glassloop.snapshot import snapshot
+from glassloop.checkpoint.checkpointer import Checkpointer
+from glassloop.options import CheckpointConfig
+from glassloop.run_dir.checkpoints import commit_checkpoint, refuse_not_finite
 from glassloop.state import TrainState
+from glassloop.storage.snapshot import snapshot
 
 ROWS = ("disk", "torch.save", "DCP", "glassloop sync", "glassloop async")
 LABELS = {
@@ -68,8 +69,8 @@ import json, sys, time
 from pathlib import Path
 import torch
 from torch import nn
-from glassloop.checkpoint import read_checkpoint
-from glassloop.weights import load_checked
+from glassloop.run_dir.checkpoints import read_checkpoint
+from glassloop.storage.weights import load_checked
 imported = time.time()
 width, layers, path = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
 model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))

@@ -46,8 +46,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 
 from glassloop import Trainer
+from glassloop.config.models import cnn, mlp
 from glassloop.data import make_loader
-from glassloop.models import cnn, mlp
 from glassloop.precision import autocast
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from glassloop import Trainer
+from glassloop.config.models import mlp
 from glassloop.data import make_loader
-from glassloop.models import mlp
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 COUNT = {"accuracy": False}  # --train-accuracy: both loops count the right labels

@@ -93,8 +93,8 @@ def measure(path: str, mode: str, workers: int) -> None:
     """One epoch in this process; prints a JSON line (run in a fresh process per mode)."""
     import torch
 
-    from glassloop.assemble import parquet_data
-    from glassloop.config import load_config
+    from glassloop.config.assemble import parquet_data
+    from glassloop.config.schema import load_config
     from glassloop.data import make_loader
     from glassloop.data.lazy import read_image
 

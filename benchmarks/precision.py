@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from glassloop import Trainer
+from glassloop.config.models import mlp
 from glassloop.device import resolve_device
-from glassloop.models import mlp
 
 PRECISIONS = ("32", "bf16", "fp16")
 

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from glassloop import Trainer
-from glassloop.metrics import ClassificationSums
-from glassloop.report import write_report
+from glassloop.evaluation.metrics import ClassificationSums
+from glassloop.tracking.report import write_report
 
 
 def run_dir(root: Path) -> Path:

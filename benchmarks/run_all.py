@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import peers
 
 from glassloop import build, load_config
-from glassloop.checkpoint import read_checkpoint
-from glassloop.checkpointer import check_training_state
+from glassloop.checkpoint.resume import check_training_state
 from glassloop.data import InMemoryLoader
-from glassloop.weights import load_weights
+from glassloop.run_dir.checkpoints import read_checkpoint
+from glassloop.storage.weights import load_weights
 
 ROWS: list[tuple[str, str, str]] = []
 

@@ -7,7 +7,7 @@ The public names below are imported when first used (PEP 562), so ``import glass
 >>> {"Trainer", "evaluate", "predict", "load_model"} <= set(glassloop.__all__)
 True
 >>> glassloop.evaluate.__module__, glassloop.build.__module__
-('glassloop.evaluation', 'glassloop.assemble')
+('glassloop.evaluation.evaluate', 'glassloop.config.assemble')
 >>> set(glassloop.__all__) == {*_EXPORTS, "__version__"}
 True
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-import glassloop.launched  # noqa: F401  (the launch's moment: before any heavy import)
+import glassloop.tracking.launched  # noqa: F401  (the launch's moment: before any heavy import)
 from glassloop._version import __version__
 
 # Each public name and the module that defines it.
@@ -25,37 +25,37 @@ _EXPORTS = {
     "Callback": "glassloop.callbacks",
     "CheckpointConfig": "glassloop.options",
     "CheckpointError": "glassloop.errors",
-    "Config": "glassloop.config",
+    "Config": "glassloop.config.schema",
     "ConfigError": "glassloop.errors",
     "DataError": "glassloop.errors",
     "EarlyStopping": "glassloop.callbacks",
     "GlassloopError": "glassloop.errors",
     "ModelError": "glassloop.errors",
-    "NonFinitePolicy": "glassloop.guards",
-    "Predictor": "glassloop.prediction",
-    "Preempted": "glassloop.preemption",
-    "Run": "glassloop.assemble",
-    "RunEvaluation": "glassloop.run_evaluation",
+    "NonFinitePolicy": "glassloop.step.guards",
+    "Predictor": "glassloop.tools.prediction",
+    "Preempted": "glassloop.distributed.preemption",
+    "Run": "glassloop.config.assemble",
+    "RunEvaluation": "glassloop.tools.run_evaluation",
     "RunInfo": "glassloop.options",
     "TrackingConfig": "glassloop.options",
     "TrainOptions": "glassloop.options",
     "TrainState": "glassloop.state",
     "Trainer": "glassloop.loop",
-    "build": "glassloop.assemble",
-    "doctor": "glassloop.checklist",
-    "evaluate": "glassloop.evaluation",
-    "evaluate_run": "glassloop.run_evaluation",
-    "export_hf": "glassloop.hugging_face",
-    "export_model": "glassloop.export",
-    "export_run_hf": "glassloop.export",
-    "format_report": "glassloop.metrics",
-    "load_config": "glassloop.config",
-    "load_model": "glassloop.export",
-    "load_weights": "glassloop.weights",
-    "lr_find": "glassloop.lr_finder",
-    "predict": "glassloop.evaluation",
-    "report_run": "glassloop.run_evaluation",
-    "save_weights": "glassloop.weights",
+    "build": "glassloop.config.assemble",
+    "doctor": "glassloop.tools.checklist",
+    "evaluate": "glassloop.evaluation.evaluate",
+    "evaluate_run": "glassloop.tools.run_evaluation",
+    "export_hf": "glassloop.storage.hugging_face",
+    "export_model": "glassloop.tools.export",
+    "export_run_hf": "glassloop.tools.export",
+    "format_report": "glassloop.evaluation.metrics",
+    "load_config": "glassloop.config.schema",
+    "load_model": "glassloop.tools.export",
+    "load_weights": "glassloop.storage.weights",
+    "lr_find": "glassloop.tools.lr_finder",
+    "predict": "glassloop.evaluation.evaluate",
+    "report_run": "glassloop.tools.run_evaluation",
+    "save_weights": "glassloop.storage.weights",
     "seed_everything": "glassloop.rng",
 }
 
@@ -113,22 +113,22 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from glassloop.assemble import Run, build
     from glassloop.callbacks import Callback, EarlyStopping
-    from glassloop.checklist import doctor
-    from glassloop.config import Config, load_config
+    from glassloop.config.assemble import Run, build
+    from glassloop.config.schema import Config, load_config
+    from glassloop.distributed.preemption import Preempted
     from glassloop.errors import CheckpointError, ConfigError, DataError, GlassloopError, ModelError
-    from glassloop.evaluation import evaluate, predict
-    from glassloop.export import export_model, export_run_hf, load_model
-    from glassloop.guards import NonFinitePolicy
-    from glassloop.hugging_face import export_hf
+    from glassloop.evaluation.evaluate import evaluate, predict
+    from glassloop.evaluation.metrics import format_report
     from glassloop.loop import Trainer
-    from glassloop.lr_finder import lr_find
-    from glassloop.metrics import format_report
     from glassloop.options import CheckpointConfig, RunInfo, TrackingConfig, TrainOptions
-    from glassloop.prediction import Predictor
-    from glassloop.preemption import Preempted
     from glassloop.rng import seed_everything
-    from glassloop.run_evaluation import RunEvaluation, evaluate_run, report_run
     from glassloop.state import TrainState
-    from glassloop.weights import load_weights, save_weights
+    from glassloop.step.guards import NonFinitePolicy
+    from glassloop.storage.hugging_face import export_hf
+    from glassloop.storage.weights import load_weights, save_weights
+    from glassloop.tools.checklist import doctor
+    from glassloop.tools.export import export_model, export_run_hf, load_model
+    from glassloop.tools.lr_finder import lr_find
+    from glassloop.tools.prediction import Predictor
+    from glassloop.tools.run_evaluation import RunEvaluation, evaluate_run, report_run

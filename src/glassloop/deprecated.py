@@ -19,9 +19,9 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from glassloop.errors import GlassloopError
-from glassloop.guards import NonFinitePolicy
 from glassloop.options import RunInfo
 from glassloop.rules import suggest
+from glassloop.step.guards import NonFinitePolicy
 
 REPLACED = {
     "max_nonfinite_skips": "nonfinite=NonFinitePolicy(policy, max_skips=N)",

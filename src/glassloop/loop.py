@@ -16,12 +16,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-import glassloop.distributed as distributed
-import glassloop.evaluation as evaluation
-import glassloop.fsdp as fsdp
-import glassloop.guards as guards
-import glassloop.optimizers as optimizers
+import glassloop.distributed.fsdp as fsdp
+import glassloop.distributed.world as distributed
+import glassloop.evaluation.evaluate as evaluation
 import glassloop.options as options
+import glassloop.step.guards as guards
+import glassloop.step.optim as optimizers
 import glassloop.tasks as tasks
 from glassloop.batch import (
     Inputs,
@@ -33,33 +33,33 @@ from glassloop.batch import (
     without_empty,
 )
 from glassloop.callbacks import Callback
-from glassloop.checkpointer import Checkpointer
-from glassloop.console import ProgressReporter
+from glassloop.checkpoint.checkpointer import Checkpointer
 from glassloop.data.position import epoch_batches, waits_cut
 from glassloop.deprecated import fold_replaced, warn_replaced
 from glassloop.device import move_to_device, resolve_device
+from glassloop.distributed.fsdp import gradient_sync
+from glassloop.distributed.preemption import Preempted, StopRequested, StopSignals
 from glassloop.errors import GlassloopError
-from glassloop.evaluation import LossFn, Metric
-from glassloop.fsdp import gradient_sync
-from glassloop.gradient_flow import GradientFlow
-from glassloop.guards import NonFinitePolicy, NonFiniteWatch
-from glassloop.launched import since_launch
-from glassloop.micro_batches import MicroBatches
-from glassloop.optimizers import Schedulers, optimizer_parameters
+from glassloop.evaluation.evaluate import LossFn, Metric
+from glassloop.evaluation.validator import Validation, Validator
 from glassloop.options import CheckpointConfig, RunInfo, TrackingConfig
-from glassloop.parallelize import averaged, evaluated, prepare_model
 from glassloop.precision import autocast, check_precision, make_scaler
-from glassloop.preemption import Preempted, StopRequested, StopSignals
-from glassloop.profiling import StepProfiler, fit_profiler
-from glassloop.provenance import environment
-from glassloop.redaction import redacted
 from glassloop.rng import seed_everything, use_deterministic
-from glassloop.run_log import RunLog, python_config
 from glassloop.state import EpochRecord, TrainState, step_loss
-from glassloop.summary import end_summary, samples_in, start_header
+from glassloop.step.gradient_flow import GradientFlow
+from glassloop.step.guards import NonFinitePolicy, NonFiniteWatch
+from glassloop.step.micro_batches import MicroBatches
+from glassloop.step.optim import Schedulers, optimizer_parameters
+from glassloop.step.parallelize import averaged, evaluated, prepare_model
+from glassloop.step.profiling import StepProfiler, fit_profiler
+from glassloop.step.throughput import Throughput, peak_flops
+from glassloop.storage.redaction import redacted
 from glassloop.tasks import model_loss
-from glassloop.throughput import Throughput, peak_flops
-from glassloop.validator import Validation, Validator
+from glassloop.tracking.console import ProgressReporter
+from glassloop.tracking.launched import since_launch
+from glassloop.tracking.provenance import environment
+from glassloop.tracking.run_log import RunLog, python_config
+from glassloop.tracking.summary import end_summary, samples_in, start_header
 
 # What a train_step returns: the step's loss, named losses, or None (skipped).
 StepLoss = torch.Tensor | Mapping[str, torch.Tensor] | None
@@ -178,7 +178,7 @@ class Trainer:
         self.device = distributed.local_device(resolved, self.world)
         self.distributed = self.world.distributed  # (read every step: an attribute)
         self.precision_note = check_precision(precision, self.device)
-        # Compiled, then under DDP or FSDP2 with several processes (glassloop.parallelize);
+        # Compiled, then under DDP or FSDP2 with several processes (glassloop.step.parallelize);
         # sharded: an FSDP run's weights and optimizer state, which checkpoints save.
         self.model, self.sharded = prepare_model(
             model,
@@ -224,7 +224,7 @@ class Trainer:
         self.log_every = log_every
         self.stop_signals = stop_signals  # each stops the run after a step, with a checkpoint
         self.grace_s = grace_s  # what a scheduler leaves before SIGKILL (said at the first save)
-        self.profile = profile  # steps to profile (0: none): glassloop.profiling
+        self.profile = profile  # steps to profile (0: none): glassloop.step.profiling
         self.profiler: StepProfiler | None = None
         self.callbacks = list(callbacks)
         self.state, self.record = TrainState(), EpochRecord()  # where the loop is, what it saw
@@ -233,7 +233,7 @@ class Trainer:
         self.model_spec = dict(run_info.model_spec) if run_info.model_spec is not None else None
         self.info = RunInfo(self.config, self.model_spec)  # (and fit's versions)
         # The run directory's two writers, each handed its parts once (a URL: the run log
-        # opens its local copy and the remote run both upload to, glassloop.remote).
+        # opens its local copy and the remote run both upload to, glassloop.run_dir.remote).
         self.run_log = RunLog(
             run_dir,
             world=self.world,
@@ -268,7 +268,7 @@ class Trainer:
         self.should_stop = False  # callbacks set it to end the run after this epoch
         self._signals = StopSignals()
         self._train_loader: Iterable[Any] = ()
-        self.validator = Validator(None)  # fit's validation sets (glassloop.validator)
+        self.validator = Validator(None)  # fit's validation sets (glassloop.evaluation.validator)
         self._checked_first_batch = False
         self._label_shift: int | None = None  # tokens a model's own loss counts: from t+shift
         self._failure: str | None = None  # the error a failed fit ended with, for run.json
@@ -285,7 +285,7 @@ class Trainer:
         """Train until ``epochs`` epochs are done; return the history, one dict per epoch.
 
         ``train_loader``: any iterable of batches, iterated exactly as given; ``val_loader``:
-        one, or several by name (:mod:`glassloop.validator`). ``resume="auto"``: from the
+        one, or several by name (:mod:`glassloop.evaluation.validator`). ``resume="auto"``: from the
         newest valid checkpoint in ``run_dir`` (or fresh without one), exactly (README:
         "Resume"); a path: from that checkpoint; a job torchrun restarted (its elastic mode)
         resumes by itself. A stop signal (``stop_signals``) stops it after the current step
@@ -474,7 +474,7 @@ class Trainer:
         """``micro_batch_size="auto"``, one of the first steps: the step, retried from the
         same state with micro-batches half as large after an out-of-memory error; several
         processes try it without reducing gradients first, and agree
-        (:mod:`glassloop.micro_batches`). The loss, and the window and signal it ran with."""
+        (:mod:`glassloop.step.micro_batches`). The loss, and the window and signal it ran with."""
         plan = self.micro_batches
         while not (tried := plan.attempt(self, window)).fits:  # (undone: RNG, buffers, grads)
             plan.halve(micro)
@@ -665,7 +665,7 @@ class Trainer:
 
     # ------------------------------------------------------------ around the loop: hooks
     def check_first_batch(self, inputs: Inputs, target: Any) -> None:
-        """The first-batch guard (:func:`glassloop.guards.check_first_batch`; the rest:
+        """The first-batch guard (:func:`glassloop.step.guards.check_first_batch`; the rest:
         :func:`glassloop.doctor`). Override it to replace it, or with ``pass`` to switch it
         off (e.g. for a model that keeps state between steps)."""
         guards.check_first_batch(
@@ -692,7 +692,8 @@ class Trainer:
         loader = self._train_loader
         return {
             "loop": self.state,
-            # (FSDP: the weights' and the optimizer's shards, see glassloop.fsdp.ShardedState)
+            # (FSDP: the weights' and the optimizer's shards, see
+            # glassloop.distributed.fsdp.ShardedState)
             "optimizer": self.sharded if self.sharded is not None else self.optimizer,
             "scheduler": self.scheduler,
             "scaler": self.scaler if self.scaler.is_enabled() else None,
@@ -704,7 +705,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """Everything but the weights that an exact resume needs (a collective with several
         processes): :meth:`stateful`, the epoch's losses, callbacks, RNG, the loss-spike
-        guard's window (:meth:`glassloop.checkpointer.Checkpointer.state_dict`)."""
+        guard's window (:meth:`glassloop.checkpoint.checkpointer.Checkpointer.state_dict`)."""
         self.checkpointer.attach(self.stateful(), loader=self._train_loader)
         return self.checkpointer.state_dict()
 
@@ -721,7 +722,7 @@ class Trainer:
 
     def python_config(self) -> dict[str, Any]:
         """What a run built in Python (no config file) records and a resume compares: what
-        it was given (:func:`glassloop.run_log.python_config`) and every option as this
+        it was given (:func:`glassloop.tracking.run_log.python_config`) and every option as this
         Trainer resolved it (its attribute of the same name, where it keeps one)."""
         resolved = {name: getattr(self, name, value) for name, value in self.options.items()}
         resolved["task"] = self.heads or self.task  # (a task per head: the heads')
@@ -780,7 +781,7 @@ class Trainer:
         """What the task means by a prediction (softmax or sigmoid probabilities, or the
         outputs as they are; :func:`glassloop.predict`), a tensor on the CPU, under inference
         mode; with a task per head every head's, in a dict by name (a tuple for a model that
-        returns one: :func:`~glassloop.evaluation.predict_heads`; hence ``Any``).
+        returns one: :func:`~glassloop.evaluation.evaluate.predict_heads`; hence ``Any``).
         In a multi-process FSDP job every process calls it, each with its own data."""
         common: dict[str, Any] = {"batch_size": batch_size, "device": self.device}
         model = self.eval_model

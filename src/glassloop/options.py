@@ -83,7 +83,7 @@ class TrainOptions:
     micro_batch_size: int | str = option(0, rule=AT_LEAST_0)
     """split each batch into micro-batches of at most this many rows, weighted so that the step
     is the whole batch's (0: off); "auto": halved on an out-of-memory error in the first steps,
-    the plan printed and kept for a resume (:mod:`glassloop.micro_batches`)."""
+    the plan printed and kept for a resume (:mod:`glassloop.step.micro_batches`)."""
     loss_weighting: str = option("samples", rule=("samples", "tokens"))
     """"samples", or "tokens" (labels other than ``ignore_index``)."""
     loss_reduction: str = option("auto", rule=("auto", "mean", "sum"))
@@ -99,7 +99,7 @@ class TrainOptions:
     """on a NaN/inf loss or gradient: "raise" (seen on the device, read where the loop reads
     anyway, stops naming the first bad step, nothing saved after it), "strict" (checked before
     every step), "skip" (dropped; ``[train] max_nonfinite_skips`` in a row at most), or in
-    Python a :class:`~glassloop.guards.NonFinitePolicy`."""
+    Python a :class:`~glassloop.step.guards.NonFinitePolicy`."""
     loss_spike: float = option(0.0, rule=OffOr(1, open_low=True))
     """also stop at a finite loss over this many times the median of the 20 steps before,
     naming its step and batches (0: off)."""
@@ -111,7 +111,8 @@ class TrainOptions:
     ``{'mode': ..., 'dynamic': ...}``); checkpoints load with or without it."""
     activation_checkpointing: list[str] = option([])
     """module class names whose activations are recomputed in backward instead of kept: less
-    memory, bitwise the same weights (:func:`~glassloop.parallelize.checkpoint_activations`)."""
+    memory, bitwise the same weights
+    (:func:`~glassloop.step.parallelize.checkpoint_activations`)."""
 
     # ------------------------------------------------------------------------------- the epoch
     validate_every_n_steps: int = option(0, rule=AT_LEAST_0)
@@ -150,7 +151,7 @@ class TrainOptions:
     the first save's time is said against it, with a warning when a checkpoint takes longer."""
     profile: int = option(0, rule=AT_LEAST_0, resume_safe=True)
     """a ``torch.profiler`` trace of this many steps into ``RUN_DIR/profile/``, and the top
-    operators printed (0: none; :mod:`glassloop.profiling`)."""
+    operators printed (0: none; :mod:`glassloop.step.profiling`)."""
 
 
 @dataclass
@@ -223,8 +224,8 @@ ARGUMENTS = {
     "model": "any ``nn.Module``; its outputs (a tensor, a tuple, a dict, a Hugging Face "
     "output) go to ``loss_fn``.",
     "optimizer": "a ``torch.optim`` optimizer, or several by name (a GAN's ``{'g': ..., 'd': "
-    "...}``: :class:`~glassloop.optimizers.Optimizers`, stepped in turn); one whose ``step`` "
-    "takes a closure (LBFGS) gets one.",
+    "...}``: :class:`~glassloop.step.optim.Optimizers`, stepped in turn); one whose "
+    "``step`` takes a closure (LBFGS) gets one.",
     "loss_fn": "``loss_fn(output, target)``; ``None``: the model's own (it gets the target as "
     "``labels=``, as Hugging Face models do).",
     "scheduler": "an LR scheduler (or several by name); ``ReduceLROnPlateau`` steps on val_loss.",
@@ -270,11 +271,11 @@ class CheckpointConfig:
     monitor: str = ""  # e.g. "val_loss" or "val_accuracy"
     mode: str = option("auto", rule=("auto", "min", "max"))  # max for accuracy/F1, else min
     # true: the step waits only while the state is copied to host memory; the write goes on
-    # in the background, one save at a time (glassloop.background_save)
+    # in the background, one save at a time (glassloop.checkpoint.background)
     async_save: bool = False
     # A model with frozen parameters (a peft adapter's base, a frozen encoder): false, its
     # checkpoints hold the trainable tensors and the SHA-256 of the frozen ones, which a
-    # resume checks against the model it builds (glassloop.frozen_base); true: every tensor
+    # resume checks against the model it builds (glassloop.storage.frozen_base); true: every tensor
     save_frozen: bool = False
     # RUN_DIR/model.safetensors: "auto" (a peft model's adapter alone, any other model
     # whole), "full" or "trainable" (without the frozen base, whose SHA-256 it records)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from glassloop.distributed import World, all_reduce
+from glassloop.distributed.world import World, all_reduce
 from glassloop.errors import GlassloopError
 
 
@@ -237,7 +237,7 @@ class EpochRecord:
         its own share of every step's loss; a collective then), its RNG and the history."""
         state = {**self._steps(), "epoch_rng": self.epoch_rng, "history": self.history}
         if world is not None and world.distributed:
-            from glassloop.distributed import gather_objects
+            from glassloop.distributed.world import gather_objects
 
             state["epoch_per_rank"] = gather_objects(self._steps())
         return state

@@ -49,8 +49,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from glassloop.errors import ConfigError, DataError, ModelError
-from glassloop.file_names import check_name
 from glassloop.rules import loss_fits
+from glassloop.storage.file_names import check_name
 
 TASKS = ("classification", "multilabel", "regression", "language-model", "custom")
 # Tasks whose targets are class labels (per sample or per token); "auto" is treated as one

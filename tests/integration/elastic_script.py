@@ -28,7 +28,7 @@ from torch.utils.data.distributed import DistributedSampler
 from glassloop import Callback, CheckpointConfig, Preempted, Trainer
 from glassloop.batch import Window
 from glassloop.data import make_loader
-from glassloop.distributed import init_from_env
+from glassloop.distributed.world import init_from_env
 from glassloop.loop import StepLoss
 
 GLOBAL_BATCH = 24  # 1, 2 or 3 processes: 24, 12 or 8 each

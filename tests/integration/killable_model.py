@@ -11,7 +11,7 @@ import signal
 import torch
 from torch import nn
 
-from glassloop.models import mlp
+from glassloop.config.models import mlp
 
 
 class KillableMLP(nn.Module):

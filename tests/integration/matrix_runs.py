@@ -117,7 +117,7 @@ def accumulation(task: str) -> int:
 
 def main(argv: list[str]) -> None:
     import glassloop
-    from glassloop.checkpointer import CheckpointConfig
+    from glassloop.options import CheckpointConfig
 
     task, kind, run = argv[0], argv[1], Path(argv[2])
     kill_at = int(argv[argv.index("--kill-at") + 1]) if "--kill-at" in argv else 0

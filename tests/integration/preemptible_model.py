@@ -11,7 +11,7 @@ import time
 import torch
 from torch import nn
 
-from glassloop.models import mlp
+from glassloop.config.models import mlp
 
 
 class PreemptibleMLP(nn.Module):

@@ -17,11 +17,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from glassloop import Callback, Trainer
-from glassloop.atomic import ForeignPathError
-from glassloop.checkpoint import latest_pointer, read_checkpoint
-from glassloop.checkpointer import Checkpointer
+from glassloop.checkpoint.checkpointer import Checkpointer
 from glassloop.options import CheckpointConfig
+from glassloop.run_dir.checkpoints import latest_pointer, read_checkpoint
 from glassloop.state import TrainState
+from glassloop.storage.atomic import ForeignPathError
 
 
 def test_the_copy_is_the_state_at_the_save(tmp_path: Path) -> None:
@@ -118,7 +118,7 @@ def test_a_failed_background_save_stops_the_run_and_loses_nothing(tmp_path: Path
 
 
 def test_async_fsdp_is_refused_in_one_line() -> None:
-    from glassloop.background_save import BackgroundSave, SaveTimes
+    from glassloop.checkpoint.background import BackgroundSave, SaveTimes
     from glassloop.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"async_save is not available with train\.strategy"):

@@ -23,8 +23,8 @@ from cli_runner import run_glassloop, sets
 from PIL import Image, PngImagePlugin
 
 import glassloop
-from glassloop.assemble import build
-from glassloop.config import load_config
+from glassloop.config.assemble import build
+from glassloop.config.schema import load_config
 
 LAZY = ["data.name=image-folder", "data.in_memory_mb=0", "data.num_workers=2",
         "data.batch_size=4", "model.hidden=[8]", "train.progress=none"]  # fmt: skip
@@ -145,7 +145,7 @@ def test_the_command_exits_2_within_seconds_with_its_workers_gone(tmp_path: Path
         "Path(sys.argv[1]).write_bytes(b'garbage')\n"
         "sys.exit(main(['train', *[a for s in sets for a in ('--set', s)]]))\n"
     )
-    from glassloop.config import DataConfig
+    from glassloop.config.schema import DataConfig
     from glassloop.data.files import image_listing
     from glassloop.data.lazy import stats_sample
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from glassloop.checkpoint import read_checkpoint
+from glassloop.run_dir.checkpoints import read_checkpoint
 
 CONFIG = """
 [data]
@@ -32,7 +32,7 @@ progress = "none"
 # checkpoint directory.
 KILL_DURING_WRITE = """
 import os, signal, sys
-import glassloop.checkpoint as checkpoint
+import glassloop.run_dir.checkpoints as checkpoint
 from glassloop.cli.main import main
 
 real_write = checkpoint.write_digested

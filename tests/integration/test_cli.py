@@ -437,7 +437,7 @@ def test_the_line_a_stopped_run_ends_with_holds_no_secret() -> None:
     import argparse
 
     from glassloop.cli.main import stopped_line
-    from glassloop.preemption import Preempted
+    from glassloop.distributed.preemption import Preempted
 
     args = argparse.Namespace(run_dir="s3://AKIAKEY:s3cr3t@bucket/run", nproc=2)
     stop = Preempted(15, 7, "/home/u/.cache/glassloop/remote/run/checkpoints/step-00000007")

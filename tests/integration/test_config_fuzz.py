@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from cli_runner import run_glassloop, sets
 
-from glassloop.config import SECTIONS
+from glassloop.config.schema import SECTIONS
 
 BASE = ["data.name=synthetic", "data.num_samples=64", "data.num_features=4",
         "model.hidden=[4]", "train.epochs=1", "train.progress=none"]  # fmt: skip

@@ -16,7 +16,7 @@ import torch
 from cli_runner import run_glassloop, run_group
 from safetensors.torch import load_file
 
-from glassloop.throughput import TIMING
+from glassloop.step.throughput import TIMING
 
 # Its tests share module fixtures: one worker of `make test` runs them all, in order.
 pytestmark = pytest.mark.xdist_group("test_distributed")
@@ -265,7 +265,7 @@ def test_kill_9_of_the_launcher_takes_torchrun_and_the_workers_with_it(workdir: 
     else:
         os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError("torchrun or a worker outlived the launcher")
-    from glassloop.run_lock import RunLock
+    from glassloop.run_dir.lock import RunLock
 
     with RunLock(workdir / "orphans"):  # no one holds the run directory any more
         pass

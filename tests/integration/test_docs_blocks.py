@@ -18,7 +18,7 @@ import tomllib
 from cli_runner import run_glassloop, run_python
 from s3_server import local_s3
 
-from glassloop.config import from_dict
+from glassloop.config.schema import from_dict
 
 ROOT = Path(__file__).parents[2]
 FILES = ["README.md", "docs/datasets.md", "docs/distributed.md", "docs/recipes.md",

@@ -20,7 +20,7 @@ import pytest
 from cli_runner import run_group
 from safetensors.torch import load_file
 
-from glassloop.throughput import TIMING
+from glassloop.step.throughput import TIMING
 
 SCRIPT = Path(__file__).with_name("elastic_script.py")
 KINDS = ("glassloop", "fsdp", "dataloader")

@@ -39,8 +39,8 @@ from matrix_runs import (
 from safetensors.torch import load_file
 from sklearn import metrics as skm
 
-from glassloop.runs import read_rows, summarise
-from glassloop.throughput import TIMING
+from glassloop.step.throughput import TIMING
+from glassloop.tracking.runs import read_rows, summarise
 
 SCRIPT = Path(__file__).with_name("matrix_runs.py")
 # 88 training samples in global batches of 16: 6 steps per epoch (3 with 2 micro-batches).

@@ -17,8 +17,8 @@ from cli_runner import run_glassloop
 from safetensors.torch import load_file
 
 import glassloop
-from glassloop.hugging_face import HF_CONFIG, write_run_hf
-from glassloop.throughput import TIMING
+from glassloop.step.throughput import TIMING
+from glassloop.storage.hugging_face import HF_CONFIG, write_run_hf
 
 pytest.importorskip("peft")
 SCRIPT = Path(__file__).with_name("lora_run.py")

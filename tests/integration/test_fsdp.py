@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from test_distributed import CONFIG as DDP_CONFIG
 from test_distributed import KILLABLE, last_epoch, train, train_here
 
-from glassloop.checkpoint import read_checkpoint
+from glassloop.run_dir.checkpoints import read_checkpoint
 
 # Its tests share module fixtures: one worker of `make test` runs them all, in order.
 pytestmark = pytest.mark.xdist_group("test_fsdp")
@@ -96,7 +96,7 @@ def test_a_sharded_checkpoint_is_one_safetensors_file_per_process_and_no_pickle(
 
 def test_export_gathers_the_shards_into_the_final_weights(workdir: Path, two: Path) -> None:
     from glassloop import load_model
-    from glassloop.export import export_model
+    from glassloop.tools.export import export_model
 
     out = export_model(two / "checkpoints" / "step-00000040", workdir / "exported.safetensors")
     a, b = load_file(out), load_file(two / "model.safetensors")
@@ -201,7 +201,7 @@ from torch import nn
 
 import glassloop
 from glassloop.data import make_loader
-from glassloop.distributed import world_from_env
+from glassloop.distributed.world import world_from_env
 
 world = world_from_env()
 glassloop.seed_everything(0)

@@ -14,8 +14,7 @@ import pytest
 import torch
 from cli_runner import run_glassloop, sets
 
-from glassloop.atomic import ForeignPathError, atomic_path, open_own, remove_tree
-from glassloop.checkpoint import (
+from glassloop.run_dir.checkpoints import (
     MARKER,
     clean_temporaries,
     commit_best,
@@ -23,8 +22,9 @@ from glassloop.checkpoint import (
     prune,
     remove_marked,
 )
-from glassloop.run_lock import RunLock
-from glassloop.snapshot import snapshot as snapshot_of
+from glassloop.run_dir.lock import RunLock
+from glassloop.storage.atomic import ForeignPathError, atomic_path, open_own, remove_tree
+from glassloop.storage.snapshot import snapshot as snapshot_of
 
 # Its tests share module fixtures: one worker of `make test` runs them all, in order.
 pytestmark = pytest.mark.xdist_group("test_links")

@@ -106,7 +106,7 @@ def png_header_only(path: Path, width: int, height: int) -> None:
 def test_a_decompression_bomb_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from glassloop.config import DataConfig
+    from glassloop.config.schema import DataConfig
     from glassloop.data.files import image_folder
 
     folder = tmp_path / "images"
@@ -154,7 +154,7 @@ def test_a_read_only_run_dir_fresh_and_resumed(
 def test_a_full_disk_at_the_final_weights_is_exit_3_with_the_real_reason(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import glassloop.run_log as run_log
+    import glassloop.tracking.run_log as run_log
 
     def full(*args: Any, **kwargs: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -169,7 +169,7 @@ def test_a_full_disk_at_the_final_weights_is_exit_3_with_the_real_reason(
 def test_a_failing_run_json_does_not_hide_the_real_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import glassloop.run_log as run_log
+    import glassloop.tracking.run_log as run_log
 
     real = run_log.write_json
 

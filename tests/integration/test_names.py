@@ -20,9 +20,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from glassloop import Callback, ConfigError, Trainer
-from glassloop.metrics import classification_report
-from glassloop.report import MAX_INCHES, SCATTER_MAX, write_report
-from glassloop.sinks import truncate_rows
+from glassloop.evaluation.metrics import classification_report
+from glassloop.tracking.report import MAX_INCHES, SCATTER_MAX, write_report
+from glassloop.tracking.sinks import truncate_rows
 
 # Its tests share module fixtures: one worker of `make test` runs them all, in order.
 pytestmark = pytest.mark.xdist_group("test_names")

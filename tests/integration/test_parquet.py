@@ -22,8 +22,8 @@ pa = pytest.importorskip("pyarrow")
 import pyarrow.parquet as pq  # noqa: E402
 
 import glassloop  # noqa: E402
-from glassloop.assemble import build  # noqa: E402
-from glassloop.config import load_config  # noqa: E402
+from glassloop.config.assemble import build  # noqa: E402
+from glassloop.config.schema import load_config  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -134,7 +134,7 @@ def test_a_worker_gets_a_path_not_the_data(tmp_path: Path) -> None:
 
 
 def test_an_image_folder_too_large_for_memory_is_read_in_workers(tmp_path: Path) -> None:
-    from glassloop.assemble import build_parts
+    from glassloop.config.assemble import build_parts
     from glassloop.data.lazy import DiskData
 
     digits = load_digits()

@@ -20,7 +20,7 @@ import pytest
 from cli_runner import run_glassloop
 from safetensors.torch import load_file
 
-from glassloop.throughput import TIMING
+from glassloop.step.throughput import TIMING
 
 PREEMPTIBLE = Path(__file__).with_name("preemptible_model.py")  # copied next to the config
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")

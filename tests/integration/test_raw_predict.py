@@ -18,8 +18,8 @@ from PIL import Image
 from sklearn.datasets import load_digits
 
 import glassloop
-from glassloop.assemble import build
-from glassloop.config import load_config
+from glassloop.config.assemble import build
+from glassloop.config.schema import load_config
 from glassloop.data.collate import pad_collate
 from glassloop.data.splits import stratified_split
 

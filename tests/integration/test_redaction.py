@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from cli_runner import run_glassloop, run_python, sets
 
-from glassloop.redaction import redact, redacted
-from glassloop.tracking import TrackingConfig
+from glassloop.options import TrackingConfig
+from glassloop.storage.redaction import redact, redacted
 
 pytest.importorskip("mlflow")  # the dev extra installs it
 from test_tracking import batches, mlflow_server, trainer

@@ -1,4 +1,4 @@
-"""Run directories on object storage (glassloop.remote): a real S3 server over HTTP on
+"""Run directories on object storage (glassloop.run_dir.remote): a real S3 server over HTTP on
 127.0.0.1 (moto's server mode, started and stopped here), reached through the real client
 (s3fs) in new processes; ``memory://`` for what needs no process of its own.
 
@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from glassloop import Callback, Trainer
 from glassloop.options import CheckpointConfig
-from glassloop.throughput import TIMING
+from glassloop.step.throughput import TIMING
 
 # Its tests share module fixtures: one worker of `make test` runs them all, in order.
 pytestmark = pytest.mark.xdist_group("test_remote_run")
@@ -78,7 +78,7 @@ def s3_bytes(path: str) -> bytes:
 # second object of the first checkpoint from step 6 on (the ones before it complete).
 KILL_MID_UPLOAD = """
 import os, signal, sys
-import glassloop.remote as remote
+import glassloop.run_dir.remote as remote
 from glassloop.cli.main import main
 
 real = remote.RemoteRun._upload_checkpoint
@@ -244,7 +244,7 @@ def test_a_fresh_run_never_overwrites_a_remote_run(cache: Path) -> None:
 
 def test_the_local_copy_is_never_a_folder_of_someone_else(cache: Path) -> None:
     """A folder where the local copy goes that glassloop did not make is refused, untouched."""
-    from glassloop.remote import RemoteRun
+    from glassloop.run_dir.remote import RemoteRun
 
     remote = RemoteRun("memory://bucket/mine")
     remote.container.mkdir(parents=True)
@@ -258,8 +258,8 @@ def test_the_local_copy_is_never_a_folder_of_someone_else(cache: Path) -> None:
 def commit(run_dir: Path, step: int, rows: int) -> Path:
     """A committed local checkpoint of ``step`` whose state.json has ``rows`` rows (the
     same step saved again, as at an epoch's end, differs in size)."""
-    from glassloop.checkpoint import commit_checkpoint
-    from glassloop.snapshot import snapshot
+    from glassloop.run_dir.checkpoints import commit_checkpoint
+    from glassloop.storage.snapshot import snapshot
 
     state = {"history": [{"x": i} for i in range(rows)], "w": torch.zeros(3)}
     return commit_checkpoint(run_dir, snapshot(nn.Linear(4, 4), state, {"step": step}))
@@ -285,8 +285,8 @@ def test_a_step_saved_again_during_its_upload_is_uploaded_again(
 ) -> None:
     """The epoch's end saves the step just saved while its upload runs: no failure; the
     bucket ends with the newer one, complete."""
-    from glassloop.checkpoint import read_checkpoint
-    from glassloop.remote import RemoteRun
+    from glassloop.run_dir.checkpoints import read_checkpoint
+    from glassloop.run_dir.remote import RemoteRun
 
     remote = RemoteRun("memory://bucket/again")
     remote.keep_last = 3
@@ -315,7 +315,7 @@ def test_a_kill_while_a_step_is_uploaded_again_leaves_a_complete_one(
     (its old manifest already gone): the bucket still holds a complete checkpoint (two are
     kept), and a resume elsewhere starts from it."""
     from glassloop.errors import CheckpointWriteError
-    from glassloop.remote import RemoteRun
+    from glassloop.run_dir.remote import RemoteRun
 
     remote = RemoteRun("memory://bucket/cut-again")
     remote.keep_last = 1
@@ -339,7 +339,7 @@ def test_a_remote_that_cannot_be_read_is_an_error_never_a_fresh_start(
     cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from glassloop.errors import CheckpointError
-    from glassloop.remote import RemoteRun
+    from glassloop.run_dir.remote import RemoteRun
 
     trainer("memory://bucket/unreadable").fit(loader(), epochs=1)
     remote = RemoteRun("memory://bucket/unreadable", local=cache / "elsewhere")
@@ -419,7 +419,7 @@ def test_the_bucket_is_the_run_whatever_the_local_copy_holds(
     """The local copy is glassloop's cache of the bucket, rebuilt at each start: a damaged
     local checkpoint never blocks a resume, a stale copy of an older run at a reused URL never
     reaches the bucket, and a link placed in the copy is removed, never followed."""
-    from glassloop.remote import RemoteRun
+    from glassloop.run_dir.remote import RemoteRun
 
     url = "memory://bucket/reused"
     trainer(url).fit(loader(), epochs=1)  # 8 steps

@@ -17,7 +17,7 @@ from cli_runner import run_glassloop, sets
 from torch import nn
 
 from glassloop import Callback, Trainer
-from glassloop.report import MAX_METRIC_PLOTS
+from glassloop.tracking.report import MAX_METRIC_PLOTS
 
 QUICK = [
     "data.name=synthetic",

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import glassloop
-from glassloop.tracking import TrackingConfig
+from glassloop.options import TrackingConfig
 
 mlflow = pytest.importorskip("mlflow")  # the dev extra installs it
 from mlflow.tracking import MlflowClient  # noqa: E402

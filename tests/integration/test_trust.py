@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from glassloop import CheckpointError, ModelError, load_model, load_weights
-from glassloop.checkpoint import FILES, find_resumable, read_checkpoint, sha256_of
-from glassloop.checkpointer import check_training_state
+from glassloop.checkpoint.resume import check_training_state
 from glassloop.cli.main import main
-from glassloop.export import export_model
+from glassloop.run_dir.checkpoints import FILES, find_resumable, read_checkpoint, sha256_of
+from glassloop.tools.export import export_model
 
 # Its tests share module fixtures: one worker of `make test` runs them all, in order.
 pytestmark = pytest.mark.xdist_group("test_trust")
@@ -75,10 +75,10 @@ def hostile_model(metadata: dict[str, str]) -> None:
     spec = json.loads(metadata["glassloop.model"])
     spec["model"].update(HOSTILE)
     metadata["glassloop.model"] = json.dumps(spec)
-    if "glassloop.config" in metadata:
-        config = json.loads(metadata["glassloop.config"])
+    if "glassloop.config.schema" in metadata:
+        config = json.loads(metadata["glassloop.config.schema"])
         config["model"].update(HOSTILE)
-        metadata["glassloop.config"] = json.dumps(config)
+        metadata["glassloop.config.schema"] = json.dumps(config)
 
 
 # ------------------------------------------------------------------ 1. files never run code
@@ -153,7 +153,7 @@ def test_a_users_own_class_loads_when_passed_or_trusted(
     weights = run / "model.safetensors"
     with pytest.raises(ModelError, match="asks to import"):
         load_model(weights)
-    from glassloop.models import import_target
+    from glassloop.config.models import import_target
 
     trusted = load_model(weights, trust_code=True)
     given = load_model(weights, model_class=import_target(target))
@@ -167,7 +167,7 @@ def test_a_users_own_class_loads_when_passed_or_trusted(
 def test_a_second_process_on_a_run_dir_is_refused_naming_the_holder(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from glassloop.run_lock import RunLock
+    from glassloop.run_dir.lock import RunLock
 
     run = tmp_path / "run"
     run.mkdir()
@@ -373,7 +373,7 @@ def test_safetensors_files_without_a_manifest_are_checked_too(tmp_path: Path) ->
 # ------------------------------------------------------------------ 4. same inputs, same bytes
 SAVE = """
 import sys, torch
-from glassloop.weights import save_weights
+from glassloop.storage.weights import save_weights
 torch.manual_seed(0)
 metadata = {"format": "glassloop-weights", "glassloop.model": "{}", "b": "2", "a": "1"}
 save_weights(torch.nn.Linear(4, 3), sys.argv[1], metadata)

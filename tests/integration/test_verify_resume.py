@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from cli_runner import run_glassloop
 
-from glassloop.verify_resume import digest
+from glassloop.tools.verify_resume import digest
 
 SMALL = [
     "--set", "data.name=synthetic", "--set", "data.num_samples=320", "--set", "data.batch_size=32",

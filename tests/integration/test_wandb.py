@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import glassloop
-from glassloop.tracking import TrackingConfig
+from glassloop.options import TrackingConfig
 
 wandb = pytest.importorskip("wandb")  # the dev extra installs it
 from wandb.proto import wandb_internal_pb2  # noqa: E402

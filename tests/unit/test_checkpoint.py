@@ -16,10 +16,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from glassloop import CheckpointError, Trainer, load_model, load_weights
-from glassloop.checkpoint import find_resumable, list_checkpoints, read_checkpoint
-from glassloop.config import CheckpointConfig
+from glassloop.config.schema import CheckpointConfig
 from glassloop.data import ResumableLoader
-from glassloop.weights import read_safetensors_header
+from glassloop.run_dir.checkpoints import find_resumable, list_checkpoints, read_checkpoint
+from glassloop.storage.weights import read_safetensors_header
 
 
 def data(n: int = 96) -> TensorDataset:
@@ -194,7 +194,7 @@ def test_pickle_payload_is_refused_and_never_runs(
         train(tmp_path, epochs=2, resume=str(ckpt))
     # Also with a manifest that vouches for the payload: the formats still refuse it.
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    from glassloop.checkpoint import sha256_of
+    from glassloop.run_dir.checkpoints import sha256_of
 
     manifest["files"][name] = {
         "size": (ckpt / name).stat().st_size,
@@ -293,7 +293,7 @@ def test_a_second_signal_aborts_at_once(tmp_path: Path) -> None:
 
     code = (
         "import os, signal, pathlib\n"
-        "from glassloop.preemption import StopSignals\n"
+        "from glassloop.distributed.preemption import StopSignals\n"
         "with StopSignals() as s:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    assert s.received == signal.SIGTERM\n"  # the first one only sets a flag
@@ -310,14 +310,14 @@ def test_a_second_signal_aborts_at_once(tmp_path: Path) -> None:
 def test_glassloop_writes_the_bytes_safetensors_writes(
     tmp_path: Path, metadata: dict[str, str] | None
 ) -> None:
-    """glassloop writes safetensors files itself (hashing while writing: glassloop.weights);
+    """glassloop writes safetensors files itself (hashing while writing: glassloop.storage.weights);
     for every dtype it knows, odd names, a scalar and an empty tensor, the file is byte for
     byte safetensors' own (metadata sorted), and the size and SHA-256 it returns are the
     file's."""
     from safetensors.torch import save_file
 
-    from glassloop.hashed_files import DTYPE_NAMES, _canonical_header, write_safetensors
-    from glassloop.serialization import sha256_of
+    from glassloop.storage.hashed_files import DTYPE_NAMES, _canonical_header, write_safetensors
+    from glassloop.storage.serialization import sha256_of
 
     tensors: dict[str, torch.Tensor] = {"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
     tensors['é"x\n'] = torch.arange(3)
@@ -334,9 +334,9 @@ def test_glassloop_writes_the_bytes_safetensors_writes(
 
 
 def test_a_dtype_the_writer_does_not_know_goes_through_safetensors(tmp_path: Path) -> None:
-    from glassloop.hashed_files import DTYPE_NAMES, write_safetensors
-    from glassloop.serialization import sha256_of
-    from glassloop.weights import read_safetensors
+    from glassloop.storage.hashed_files import DTYPE_NAMES, write_safetensors
+    from glassloop.storage.serialization import sha256_of
+    from glassloop.storage.weights import read_safetensors
 
     dtype = torch.float8_e4m3fnuz
     assert dtype not in DTYPE_NAMES
@@ -349,7 +349,7 @@ def test_a_dtype_the_writer_does_not_know_goes_through_safetensors(tmp_path: Pat
 def test_the_finiteness_check_is_exact_where_a_sum_overflows() -> None:
     """all_finite sums first; a sum that overflows from finite values is checked element by
     element, never refused."""
-    from glassloop.weights import all_finite
+    from glassloop.storage.weights import all_finite
 
     big = torch.full((4,), 3e38)
     assert not bool(big.sum().isfinite()) and all_finite(big)

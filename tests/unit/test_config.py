@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from glassloop import Config, ConfigError, load_config
-from glassloop.config import from_dict, to_dict
-from glassloop.sections import DEFAULT_OPTIM_KWARGS
+from glassloop.config.schema import from_dict, to_dict
+from glassloop.config.sections import DEFAULT_OPTIM_KWARGS
 
 
 def test_defaults_are_the_demo_run() -> None:
@@ -39,7 +39,7 @@ def test_toml_file_and_overrides(tmp_path: Path) -> None:
 def test_the_default_optimizer_is_recorded_as_torch_declares_it() -> None:
     """The default [optim] and [scheduler] are resolved without torch: to the arguments,
     in the order, that torch's signatures give."""
-    from glassloop.optimizers import optimizer_kwargs, scheduler_kwargs
+    from glassloop.config.optimizers import optimizer_kwargs, scheduler_kwargs
 
     assert list(optimizer_kwargs("AdamW", {}).items()) == list(DEFAULT_OPTIM_KWARGS.items())
     assert scheduler_kwargs("CosineAnnealingLR", {}) == {}
@@ -207,7 +207,7 @@ def test_the_readme_config_reference_names_every_key_of_the_schema() -> None:
 
     import tomllib
 
-    from glassloop.config import OPEN_SECTIONS
+    from glassloop.config.schema import OPEN_SECTIONS
 
     text = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
     reference = tomllib.loads(max(re.findall(r"```toml\n(.*?)```", text, re.DOTALL), key=len))

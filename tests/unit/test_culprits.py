@@ -16,10 +16,10 @@ from cli_runner import cli, sets
 from torch import nn
 
 from glassloop import Trainer
-from glassloop.config import load_config
+from glassloop.config.schema import load_config
 from glassloop.errors import ConfigError, DataError, ModelError
-from glassloop.guards import LossSpikeError, NonFiniteWatch
 from glassloop.state import TrainState
+from glassloop.step.guards import LossSpikeError, NonFiniteWatch
 
 X, Y = torch.randn(64, 4), torch.randint(0, 3, (64,))
 BATCHES = [(X[i : i + 16], Y[i : i + 16]) for i in range(0, 64, 16)]

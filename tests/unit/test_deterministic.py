@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from glassloop import ConfigError, Trainer
-from glassloop.config import from_dict
+from glassloop.config.schema import from_dict
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +76,7 @@ def test_a_cold_cache_leaves_the_global_rngs_as_a_warm_one(tmp_path: Path) -> No
 
     code = (
         "import numpy as np, random, torch\n"
-        "from glassloop.config import DataConfig\n"
+        "from glassloop.config.schema import DataConfig\n"
         "from glassloop.data import load_splits\n"
         "from glassloop.rng import seed_everything\n"
         "for _ in ('cold', 'warm'):\n"

@@ -12,7 +12,7 @@ from cli_runner import run_glassloop
 from torch import nn
 
 from glassloop import load_config
-from glassloop.checklist import run_doctor
+from glassloop.tools.checklist import run_doctor
 
 MODELS = '''
 import torch
@@ -237,7 +237,7 @@ def test_weights_no_gradient_reaches_are_named_once_in_fit(
 def test_a_zero_initialised_adapter_trains_and_is_not_named() -> None:
     """LoRA's A gets a zero gradient at the first step (B starts at zero) and a real one from
     the second: the check waits for 10 steps before it names a weight."""
-    from glassloop.gradient_flow import GradientFlow
+    from glassloop.step.gradient_flow import GradientFlow
 
     torch.manual_seed(0)
     model = _Cut()
@@ -305,7 +305,7 @@ def test_the_bar_shows_running_accuracy_and_live_validation_numbers(
     import time
 
     import glassloop
-    from glassloop.console import ProgressReporter
+    from glassloop.tracking.console import ProgressReporter
 
     monkeypatch.setattr(ProgressReporter, "REFRESH_S", 0.0)
     monkeypatch.setattr(ProgressReporter, "VAL_REFRESH_S", 0.0)

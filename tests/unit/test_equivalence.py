@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from glassloop import Trainer
-from glassloop.models import mlp
+from glassloop.config.models import mlp
 
 
 def make_data(n: int = 700) -> TensorDataset:

@@ -11,8 +11,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from glassloop import DataError, evaluate, format_report, predict
-from glassloop.metrics import RegressionSums
-from glassloop.metrics import classification_report as classification_report_of
+from glassloop.evaluation.metrics import RegressionSums
+from glassloop.evaluation.metrics import classification_report as classification_report_of
 
 
 def skewed_problem() -> tuple[nn.Module, TensorDataset]:

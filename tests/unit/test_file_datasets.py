@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from glassloop import DataError, build, load_config
-from glassloop.config import DataConfig
+from glassloop.config.schema import DataConfig
 from glassloop.data import load_splits
 
 
@@ -210,7 +210,7 @@ def test_the_digits_split_is_cached_the_same_bits_without_importing_sklearn(
     ]  # fmt: skip
     probe = (
         "import sys, hashlib\n"
-        "from glassloop.config import DataConfig\n"
+        "from glassloop.config.schema import DataConfig\n"
         "from glassloop.data import load_splits\n"
         "s = load_splits(DataConfig(name='digits'))\n"
         "parts = (s.x_train, s.y_train, s.x_val, s.y_val)\n"

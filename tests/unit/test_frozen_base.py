@@ -20,10 +20,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import glassloop
 from glassloop import Callback, CheckpointError, Trainer
-from glassloop.checkpoint import read_checkpoint
-from glassloop.checkpointer import CheckpointConfig
-from glassloop.frozen_base import FrozenBase, tensor_digest
-from glassloop.weights import load_checked
+from glassloop.options import CheckpointConfig
+from glassloop.run_dir.checkpoints import read_checkpoint
+from glassloop.storage.frozen_base import FrozenBase, tensor_digest
+from glassloop.storage.weights import load_checked
 
 
 class Kill(BaseException):

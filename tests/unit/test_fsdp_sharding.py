@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from glassloop import Trainer, fsdp
-from glassloop.checkpoint import read_checkpoint
-from glassloop.distributed import World
+from glassloop.distributed.world import World
 from glassloop.errors import CheckpointError, ConfigError, NonFiniteError
+from glassloop.run_dir.checkpoints import read_checkpoint
 
 # Its tests share module fixtures: one worker of `make test` runs them all, in order.
 pytestmark = pytest.mark.xdist_group("test_fsdp_sharding")
@@ -82,8 +82,8 @@ def test_accumulation_defers_the_gradient_reduction_to_the_last_micro_batch(
 
 
 def test_a_non_finite_sharded_gradient_is_named(one_rank_group: World) -> None:
-    from glassloop.guards import NonFinitePolicy
     from glassloop.state import TrainState
+    from glassloop.step.guards import NonFinitePolicy
 
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     fsdp.shard_model(model, torch.optim.SGD(model.parameters()), one_rank_group,

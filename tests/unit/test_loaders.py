@@ -14,7 +14,7 @@ from glassloop.data import (
     pad_collate,
 )
 from glassloop.data.collate import padding_fraction
-from glassloop.distributed import World
+from glassloop.distributed.world import World
 
 
 def tensors(n: int = 103) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +176,7 @@ def test_augmentation_is_seeded_per_batch_and_resumes_exactly() -> None:
 
 def test_epoch_size_by_arithmetic_equals_the_shard_drawn() -> None:
     from glassloop.data.loaders import EpochSampler
-    from glassloop.distributed import World
+    from glassloop.distributed.world import World
 
     for n in range(0, 70, 3):
         for size in (1, 2, 3):

@@ -256,7 +256,7 @@ def test_start_header_and_end_summary(capsys: pytest.CaptureFixture[str], tmp_pa
 
 
 def test_progress_auto_bar_on_a_terminal_lines_into_a_redirected_stdout() -> None:
-    from glassloop.console import resolve_progress
+    from glassloop.tracking.console import resolve_progress
 
     class Stream:
         def __init__(self, tty: bool) -> None:

@@ -15,7 +15,7 @@ from glassloop import Trainer
 from glassloop.callbacks import EarlyStopping
 from glassloop.data import ResumableLoader
 from glassloop.errors import NonFiniteError
-from glassloop.guards import NonFinitePolicy
+from glassloop.step.guards import NonFinitePolicy
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -270,7 +270,7 @@ def test_compiled_checkpoints_resume_without_compile_and_back(tmp_path: Path) ->
     compiled = make(tmp_path, compile=True)
     assert hasattr(compiled.model, "_orig_mod")  # really compiled
     compiled.fit(loader(), epochs=1)
-    from glassloop.weights import read_safetensors_header
+    from glassloop.storage.weights import read_safetensors_header
 
     keys = set(read_safetensors_header(tmp_path / "model.safetensors")) - {"__metadata__"}
     assert keys == {"0.weight", "0.bias", "3.weight", "3.bias"}  # no "_orig_mod." prefix

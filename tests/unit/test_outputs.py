@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 import glassloop
 from glassloop import Trainer
-from glassloop.summary import loss_note
+from glassloop.tracking.summary import loss_note
 
 
 def pairs(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -136,7 +136,7 @@ def test_outputs_says_what_the_model_returns_when_nothing_shows_it() -> None:
 
 
 def test_train_outputs_in_a_config_reaches_the_trainer() -> None:
-    from glassloop.config import load_config
+    from glassloop.config.schema import load_config
 
     base = ["data.name=synthetic", "model.hidden=[8]", "train.progress=none"]
     run = glassloop.build(load_config(None, [*base, "train.outputs=probabilities"]))

@@ -8,7 +8,7 @@ from pathlib import Path
 from PIL import Image
 
 from glassloop import build, load_config
-from glassloop.report import write_report
+from glassloop.tracking.report import write_report
 
 
 def test_report_files_exist_and_decode_and_tensorboard_reads_back(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ def test_the_report_a_finished_run_writes_says_finished_and_how_long() -> None:
 
     from cli_runner import run_glassloop
 
-    from glassloop.runs import summarise
+    from glassloop.tracking.runs import summarise
 
     for how in ("cli", "python"):
         run_dir = Path(tempfile.mkdtemp()) / "run"
@@ -82,7 +82,7 @@ def test_best_means_checkpoint_monitor_everywhere(tmp_path: Path) -> None:
     import json
 
     from glassloop.best import best_epoch
-    from glassloop.runs import summarise
+    from glassloop.tracking.runs import summarise
 
     rows = [
         {"kind": "epoch", "epoch": 1, "step": 5, "val_loss": 0.9, "val_accuracy": 0.5},
@@ -106,7 +106,7 @@ def test_the_per_step_loss_plot_has_every_step_whatever_log_every(tmp_path: Path
     steps): it now draws every step's loss, each the value its step row would have."""
     import json
 
-    from glassloop.report import STEP_POINTS, _buckets, step_losses
+    from glassloop.tracking.report import STEP_POINTS, _buckets, step_losses
 
     settings = ["data.name=synthetic", "model.hidden=[8]", "train.epochs=3",
                 "train.progress=none", "train.log_every=1000"]  # fmt: skip
@@ -139,7 +139,7 @@ def test_hand_edited_or_older_rows_never_break_the_per_step_plot(tmp_path: Path)
     lists of numbers are left out; a run from before "losses" rows plots its step rows."""
     import json
 
-    from glassloop.report import step_losses
+    from glassloop.tracking.report import step_losses
 
     run = tmp_path / "run"
     run.mkdir()
@@ -165,7 +165,7 @@ def test_an_older_checkpoints_merged_losses_give_no_row_rather_than_a_wrong_one(
     per-step losses are then left out (one process here; several agree in the collective)."""
     import torch
 
-    from glassloop.distributed import SINGLE
+    from glassloop.distributed.world import SINGLE
     from glassloop.state import EpochRecord
 
     saved = {  # two processes, 3 steps each, as an older glassloop wrote them

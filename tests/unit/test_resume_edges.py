@@ -20,11 +20,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from glassloop import Callback, CheckpointError, ConfigError, Trainer
-from glassloop.checkpoint import read_checkpoint
-from glassloop.checkpointer import CheckpointConfig, config_differences
+from glassloop.checkpoint.resume import config_differences
 from glassloop.data import make_loader
 from glassloop.errors import NonFiniteError
-from glassloop.throughput import TIMING
+from glassloop.options import CheckpointConfig
+from glassloop.run_dir.checkpoints import read_checkpoint
+from glassloop.step.throughput import TIMING
 
 
 class Kill(BaseException):
@@ -144,7 +145,7 @@ def test_a_checkpoint_on_an_epochs_last_batch_resumes(tmp_path: Path) -> None:
 def test_best_and_the_recorded_best_never_disagree_after_a_kill(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import glassloop.checkpointer as checkpointer
+    import glassloop.checkpoint.checkpointer as checkpointer
 
     writes = {"n": 0}
 
@@ -385,7 +386,7 @@ def test_a_compiled_run_resumes_bitwise_in_a_fresh_process(tmp_path: Path) -> No
 def test_settings_added_by_a_newer_version_warn_instead_of_blocking_a_resume() -> None:
     from types import SimpleNamespace
 
-    from glassloop.checkpointer import Checkpointer
+    from glassloop.checkpoint.checkpointer import Checkpointer
 
     old = SimpleNamespace(
         path=Path("ck"), sharded=False, meta={"world_size": 1, "config": {"optim": {"lr": 0.1}}}
@@ -433,7 +434,7 @@ def test_a_kill_between_an_epochs_row_and_its_checkpoint_leaves_one_row_per_epoc
     """The checkpoint at an epoch's last step comes before its epoch row; a kill after the
     row but before the epoch's own checkpoint resumed from the first and wrote the epoch's
     row again (weights bitwise, two rows for epoch 1)."""
-    from glassloop.checkpointer import Checkpointer
+    from glassloop.checkpoint.checkpointer import Checkpointer
 
     options = {"checkpoint": {"every_n_steps": 3}, "log_every": 1}
     straight = make(tmp_path / "straight", **options)
@@ -530,9 +531,9 @@ def test_a_run_has_one_training_time_and_a_resume_does_not_count_its_pause(
     since its launch named as such."""
     import time
 
-    from glassloop.console import format_duration
-    from glassloop.runs import summarise
-    from glassloop.summary import end_summary
+    from glassloop.tracking.console import format_duration
+    from glassloop.tracking.runs import summarise
+    from glassloop.tracking.summary import end_summary
 
     started = time.perf_counter()
     with pytest.raises(Kill):

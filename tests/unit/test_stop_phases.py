@@ -20,10 +20,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from glassloop import Callback, Preempted, Trainer
-from glassloop.checkpoint import read_checkpoint
-from glassloop.checkpointer import CheckpointConfig
 from glassloop.data import make_loader
-from glassloop.throughput import TIMING
+from glassloop.options import CheckpointConfig
+from glassloop.run_dir.checkpoints import read_checkpoint
+from glassloop.step.throughput import TIMING
 
 
 class Net(nn.Module):

@@ -181,7 +181,7 @@ def test_named_classification_metrics_equal_sklearn() -> None:
 def test_unknown_metric_name_is_refused_before_training() -> None:
     with pytest.raises(glassloop.ConfigError, match="no metric 'r2' for a classification task"):
         trainer_for(nn.Linear(2, 2), nn.CrossEntropyLoss(), metrics=["r2"])
-    from glassloop.metric_names import make_metric
+    from glassloop.evaluation.metric_names import make_metric
 
     with pytest.raises(glassloop.ConfigError, match="no metric"):
         make_metric("auroc", "regression", 1)
@@ -366,7 +366,7 @@ def test_metrics_from_callbacks_reach_history_csv_jsonl_and_monitor(tmp_path: Pa
     x, y = regression_data()
     trainer = trainer_for(
         nn.Linear(5, 1), nn.MSELoss(), run_dir=tmp_path, callbacks=[HeadMetrics()],
-        checkpoint=glassloop.checkpointer.CheckpointConfig(monitor="val_r2"),
+        checkpoint=glassloop.options.CheckpointConfig(monitor="val_r2"),
     )  # fmt: skip
     trainer.fit(make_loader((x, y), batch_size=64), make_loader((x, y), batch_size=64), epochs=2)
     row = trainer.history[-1]

@@ -11,8 +11,8 @@ from torch.nn import functional as F
 
 import glassloop.loop
 from glassloop import Trainer
-from glassloop.distributed import World
-from glassloop.throughput import Throughput
+from glassloop.distributed.world import World
+from glassloop.step.throughput import Throughput
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

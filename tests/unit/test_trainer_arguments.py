@@ -19,12 +19,11 @@ import torch
 from torch import nn
 
 from glassloop import Trainer
-from glassloop.assemble import BUILT_HERE, trainer_options
-from glassloop.config import Config, TrainConfig
+from glassloop.config.assemble import BUILT_HERE, trainer_options
+from glassloop.config.schema import Config, TrainConfig
 from glassloop.errors import GlassloopError
-from glassloop.guards import NonFinitePolicy
-from glassloop.options import ARGUMENTS, TrainOptions, docs, resume_safe
-from glassloop.run_log import RunInfo
+from glassloop.options import ARGUMENTS, RunInfo, TrainOptions, docs, resume_safe
+from glassloop.step.guards import NonFinitePolicy
 
 # Its tests share module fixtures: one worker of `make test` runs them all, in order.
 pytestmark = pytest.mark.xdist_group("test_trainer_arguments")
@@ -89,7 +88,7 @@ def test_the_config_passes_every_option_and_reads_it_from_the_table() -> None:
 def test_a_new_option_is_checked_and_recorded_from_the_table_alone() -> None:
     """stop_signals was added in two places (the table and the signature): the Trainer checks
     it, a config checks it, and a run built in Python records it."""
-    from glassloop.config import from_dict
+    from glassloop.config.schema import from_dict
     from glassloop.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^Trainer: stop_signals\[1\] must be one of TERM, INT"):
@@ -254,7 +253,7 @@ def test_a_stateful_part_without_state_dict_is_refused_before_anything_is_writte
 def test_the_resume_rules_derived_from_the_tables_are_the_ones_of_before() -> None:
     """What a resume may change is now read from the tables (options, [data]); the keys that
     were safe stay safe, and one that was compared stays compared."""
-    from glassloop.checkpointer import RESUME_SAFE_KEYS, config_differences
+    from glassloop.checkpoint.resume import RESUME_SAFE_KEYS, config_differences
 
     before = (
         "train.epochs",

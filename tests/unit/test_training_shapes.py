@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from glassloop import Callback, ConfigError, Trainer
-from glassloop.checkpointer import CheckpointConfig
-from glassloop.throughput import TIMING
+from glassloop.options import CheckpointConfig
+from glassloop.step.throughput import TIMING
 
 
 def data(n: int = 64, batch: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -292,9 +292,9 @@ def write_npz(path: Path, rows: int, shift: float, seed: int) -> None:
 def test_a_config_names_further_validation_sets_each_equal_evaluate(tmp_path: Path) -> None:
     """[data] val_sets = {ood = "ood.npz"}: the set's numbers as val_ood_*, equal to
     evaluate() on it; the configured validation split stays val_*."""
-    from glassloop.assemble import build
-    from glassloop.config import load_config
-    from glassloop.evaluation import evaluate
+    from glassloop.config.assemble import build
+    from glassloop.config.schema import load_config
+    from glassloop.evaluation.evaluate import evaluate
 
     write_npz(tmp_path / "train.npz", 200, 0.0, 0)
     write_npz(tmp_path / "ood.npz", 60, 1.5, 1)
@@ -316,8 +316,8 @@ def test_a_config_names_further_validation_sets_each_equal_evaluate(tmp_path: Pa
 
 
 def test_a_further_validation_set_that_cannot_be_read_is_one_line(tmp_path: Path) -> None:
-    from glassloop.assemble import build_parts
-    from glassloop.config import load_config
+    from glassloop.config.assemble import build_parts
+    from glassloop.config.schema import load_config
     from glassloop.errors import DataError
 
     write_npz(tmp_path / "train.npz", 100, 0.0, 0)
@@ -424,7 +424,7 @@ def test_a_loss_spike_stops_the_run_naming_its_step_and_batches(tmp_path: Path) 
     """A finite but wild batch (targets x1000) at batch 7 of epoch 3: with loss_spike=10 the
     run stops there, naming step, epoch and batch; nothing after it is saved. Off (0), the
     same data trains on."""
-    from glassloop.guards import LossSpikeError
+    from glassloop.step.guards import LossSpikeError
 
     batches = data(n=160, batch=16)  # 10 batches an epoch
     wild = [(x, y * 1000 if i == 6 else y) for i, (x, y) in enumerate(batches)]

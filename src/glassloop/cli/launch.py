@@ -20,8 +20,8 @@ import threading
 from pathlib import Path
 from typing import Any, NoReturn
 
-from glassloop.preemption import die_with_parent
-from glassloop.redaction import redact
+from glassloop.distributed.preemption import die_with_parent
+from glassloop.storage.redaction import redact
 
 # Set by --nproc for its workers: where each records its exit code.
 EXIT_DIR = "GLASSLOOP_EXIT_DIR"

@@ -26,10 +26,10 @@ from glassloop.cli.launch import is_worker, launch_torchrun, worker_finished, wo
 
 # Every line the CLI prints that can quote a config value, a path or a command line goes
 # through it: a URI's password prints as ***.
-from glassloop.redaction import redact, redacted, remember_secrets_in
+from glassloop.storage.redaction import redact, redacted, remember_secrets_in
 
 if TYPE_CHECKING:
-    from glassloop.preemption import Preempted
+    from glassloop.distributed.preemption import Preempted
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_WRITE_FAILED, EXIT_DIVERGED = 0, 1, 2, 3, 4
 EXIT_NOT_EXACT = 5  # verify-resume: the killed and resumed run ended elsewhere
@@ -341,12 +341,12 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 def cmd_train(args: argparse.Namespace) -> int:
     if sys.stderr.isatty() and not is_worker():  # (torch's import alone takes seconds)
         print("glassloop: starting (importing torch, then data and model) ...", file=sys.stderr)
-    from glassloop.assemble import build
-    from glassloop.config import load_config
-    from glassloop.distributed import shutdown
+    from glassloop.config.assemble import build
+    from glassloop.config.schema import load_config
+    from glassloop.distributed.world import shutdown
     from glassloop.errors import GlassloopError
-    from glassloop.file_names import is_url
-    from glassloop.provenance import paths_from
+    from glassloop.storage.file_names import is_url
+    from glassloop.tracking.provenance import paths_from
 
     if args.nproc and "WORLD_SIZE" not in os.environ:
         return launch_torchrun(args.nproc, args.argv)
@@ -365,14 +365,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.resume == "auto" and not args.run_dir:
         raise GlassloopError("--resume needs --run-dir DIR: the run to continue")
-    # (a URL stays one: glassloop.remote keeps the run there, through a local copy)
+    # (a URL stays one: glassloop.run_dir.remote keeps the run there, through a local copy)
     run_dir = args.run_dir if is_url(args.run_dir) else Path(args.run_dir or default_run_dir())
     if not args.run_dir and "WORLD_SIZE" in os.environ:
         raise GlassloopError("with several processes, pass --run-dir: every process must agree")
     files_from = started_in(args)
     run = build(cfg, run_dir=run_dir, files_from=files_from, resume=args.resume)
     if args.kill_at_step:
-        from glassloop.verify_resume import KillAfterStep
+        from glassloop.tools.verify_resume import KillAfterStep
 
         run.trainer.callbacks.append(KillAfterStep(args.kill_at_step))
     try:
@@ -414,7 +414,7 @@ def resume_hint(args: argparse.Namespace, stop: Preempted) -> str:
 def own_config(args: argparse.Namespace) -> str | None:
     """``train --run-dir DIR --resume`` without a config: the run's own config.json (what it
     was started with), said in one line; else the config given."""
-    from glassloop.file_names import is_url
+    from glassloop.storage.file_names import is_url
 
     if args.config is not None or not args.resume or not args.run_dir or is_url(args.run_dir):
         return args.config  # type: ignore[no-any-return]
@@ -428,9 +428,9 @@ def own_config(args: argparse.Namespace) -> str | None:
 def started_in(args: argparse.Namespace) -> Path | None:
     """The folder a run this train command reads again (the run it resumes, or the run
     whose config.json it trains from) was started in: where its relative paths point
-    (:func:`glassloop.assemble.located`); ``None`` for a new config."""
-    from glassloop.file_names import is_url
-    from glassloop.provenance import recorded_folder
+    (:func:`glassloop.config.assemble.located`); ``None`` for a new config."""
+    from glassloop.storage.file_names import is_url
+    from glassloop.tracking.provenance import recorded_folder
 
     local = args.run_dir and not is_url(args.run_dir)  # (a remote run: its own config.json)
     if args.resume and local and (folder := recorded_folder(Path(args.run_dir))):
@@ -441,7 +441,7 @@ def started_in(args: argparse.Namespace) -> Path | None:
 
 
 def cmd_verify_resume(args: argparse.Namespace) -> int:
-    from glassloop.verify_resume import Interrupted, TrainingRuns
+    from glassloop.tools.verify_resume import Interrupted, TrainingRuns
 
     try:
         # The handlers around the folder: a SIGTERM stops the child, removes the folder, and
@@ -464,10 +464,10 @@ def cmd_verify_resume(args: argparse.Namespace) -> int:
 
 def verify_in(where: Path, args: argparse.Namespace, children: Any) -> tuple[dict[str, str], ...]:
     """The three runs of verify-resume in ``where`` (straight, killed, resumed), each a child
-    of ``children`` (:class:`~glassloop.verify_resume.TrainingRuns`); their fingerprints."""
+    of ``children`` (:class:`~glassloop.tools.verify_resume.TrainingRuns`); their fingerprints."""
     from glassloop.errors import CheckpointWriteError, GlassloopError
-    from glassloop.runs import summarise
-    from glassloop.verify_resume import fingerprints
+    from glassloop.tools.verify_resume import fingerprints
+    from glassloop.tracking.runs import summarise
 
     sets = [f"--set={item}" for item in args.overrides]
     config = [args.config] if args.config else []
@@ -505,7 +505,7 @@ def verify_in(where: Path, args: argparse.Namespace, children: Any) -> tuple[dic
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from glassloop.run_evaluation import evaluate_run
+    from glassloop.tools.run_evaluation import evaluate_run
 
     print(evaluate_run(args.source, args.overrides, trust_code=args.trust_code))
     return EXIT_OK
@@ -513,7 +513,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     from glassloop.errors import GlassloopError, writing
-    from glassloop.prediction import Predictor, format_predictions, write_predictions
+    from glassloop.tools.prediction import Predictor, format_predictions, write_predictions
 
     if args.top_k < 1:
         raise GlassloopError("predict: --top-k must be >= 1")
@@ -532,8 +532,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from glassloop.checklist import timed_doctor
-    from glassloop.config import load_config
+    from glassloop.config.schema import load_config
+    from glassloop.tools.checklist import timed_doctor
 
     cfg = load_config(args.config, args.overrides)
     output = Path(args.output) if args.output else None  # (nothing left behind unasked)
@@ -547,7 +547,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from glassloop.run_evaluation import report_run
+    from glassloop.tools.run_evaluation import report_run
 
     index = report_run(args.run_dir, trust_code=args.trust_code)
     print(f"report: {index}")
@@ -557,7 +557,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     import tomli_w
 
-    from glassloop.config import load_config, to_dict
+    from glassloop.config.schema import load_config, to_dict
 
     # A password in tracking.uri prints as ***: credentials belong in the environment
     # (MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD), not in a config file.
@@ -567,7 +567,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_runs(args: argparse.Namespace) -> int:
     from glassloop.errors import GlassloopError
-    from glassloop.runs import format_runs, list_runs
+    from glassloop.tracking.runs import format_runs, list_runs
 
     root = Path(args.root)
     if not root.is_dir():
@@ -576,7 +576,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     print(format_runs(summaries) if summaries else f"no runs under '{root}'")
     if not args.tracking:
         return EXIT_OK
-    from glassloop.tracking import check_tracked
+    from glassloop.tracking.trackers import check_tracked
 
     found = [root / "tracking.json"] if (root / "tracking.json").is_file() else []
     found += sorted(root.glob("*/tracking.json"))  # (DIR itself may be one run)
@@ -588,11 +588,11 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from glassloop.errors import writing
-    from glassloop.export import export_model
+    from glassloop.tools.export import export_model
 
     with writing("export", Path(args.output).parent, "nothing was written"):
         if args.format == "hf":
-            from glassloop.export import export_run_hf
+            from glassloop.tools.export import export_run_hf
 
             path = export_run_hf(args.source, args.output, merged=args.merged)
             files = sorted(p.name for p in path.iterdir())
@@ -620,8 +620,8 @@ def refuse_remote_paths(args: argparse.Namespace) -> None:
     """A URL where a command reads or writes a local path is one line, never a local folder
     named ``s3:`` (only ``train --run-dir`` keeps a run on object storage: docs/storage.md)."""
     from glassloop.errors import GlassloopError
-    from glassloop.file_names import is_url
-    from glassloop.redaction import redact
+    from glassloop.storage.file_names import is_url
+    from glassloop.storage.redaction import redact
 
     for name in PATH_ARGUMENTS:
         values = getattr(args, name, None)
@@ -646,8 +646,8 @@ def run_command(argv: Sequence[str] | None = None) -> int:
         remember_secrets_in(value)
     warnings.showwarning = show_warning  # (and what libraries warn or log, below)
     logging.lastResort = RedactedLastResort()
+    from glassloop.distributed.preemption import Preempted
     from glassloop.errors import CheckpointWriteError, GlassloopError, NonFiniteError
-    from glassloop.preemption import Preempted
 
     commands = {
         "train": cmd_train,

@@ -17,8 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from glassloop.atomic import atomic_path
-from glassloop.cache import cache_dir as cache_dir  # (re-exported: its old home)
 from glassloop.data.options import DataConfig
 from glassloop.data.splits import (
     Splits,
@@ -28,8 +26,10 @@ from glassloop.data.splits import (
     target_values,
 )
 from glassloop.errors import DataError
-from glassloop.file_names import check_name
 from glassloop.rng import held_rng
+from glassloop.storage.atomic import atomic_path
+from glassloop.storage.cache import cache_dir
+from glassloop.storage.file_names import check_name
 
 # The usual MNIST pixel statistics (over the 60,000 training images, pixels in [0, 1]).
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081

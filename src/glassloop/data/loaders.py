@@ -22,9 +22,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Tens
 
 from glassloop.data.augment import BatchAugment
 from glassloop.data.splits import Splits
-from glassloop.distributed import SINGLE, World
+from glassloop.distributed.preemption import StopRequested, ignore_stop_signals
+from glassloop.distributed.world import SINGLE, World
 from glassloop.errors import ConfigError, DataError, GlassloopError
-from glassloop.preemption import StopRequested, ignore_stop_signals
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -127,7 +127,7 @@ class LoaderPosition:
     divide, each process keeps its own ``batch_size`` and the epoch goes on from the same
     sample in the new global batches (``sampler.offset``).
 
-    >>> from glassloop.distributed import World
+    >>> from glassloop.distributed.world import World
     >>> two = make_loader((torch.arange(12),), batch_size=3, shuffle=True, world=World(0, 2))
     >>> _ = next(iter(two))  # one global batch of 6 (3 per process)
     >>> one = make_loader((torch.arange(12),), batch_size=3, shuffle=True)
@@ -307,10 +307,10 @@ class ResumableLoader(LoaderPosition):
 
 def close_workers(iterator: Any, *, at_once: bool = False) -> None:
     """Stop a DataLoader iterator's worker processes now, and kill those that do not stop
-    (they ignore SIGTERM, see :func:`glassloop.preemption.ignore_stop_signals`; one may be
-    stuck on a file). Left to garbage collection, an iterator whose epoch ended in an error
-    kept its workers alive, and the process then hung at exit joining them. ``at_once``:
-    killed without asking (a stop signal's grace has no 5 s per worker to wait)."""
+    (they ignore SIGTERM, see :func:`glassloop.distributed.preemption.ignore_stop_signals`; one may
+    be stuck on a file). Left to garbage collection, an iterator whose epoch ended in an error kept
+    its workers alive, and the process then hung at exit joining them. ``at_once``: killed without
+    asking (a stop signal's grace has no 5 s per worker to wait)."""
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if shutdown is None:  # no worker processes
         return
@@ -580,7 +580,7 @@ def loaders_for_splits(
     """Training loader (shuffled per epoch from ``seed``) and validation loader for in-memory
     splits: the fast path, or worker processes when ``num_workers > 0``.
 
-    >>> from glassloop.config import DataConfig
+    >>> from glassloop.config.schema import DataConfig
     >>> from glassloop.data import load_splits
     >>> train, val = loaders_for_splits(load_splits(DataConfig(name="synthetic")), batch_size=32)
     >>> next(iter(train))[0].shape

@@ -1,6 +1,6 @@
 """The ``[data]`` section of a config: which data, where it is, how it is read and batched.
 Owned here, torch-free, next to the loaders that read it, with each key's accepted values
-(declared with :func:`glassloop.options.option`); :mod:`glassloop.config` composes it."""
+(declared with :func:`glassloop.options.option`); :mod:`glassloop.config.schema` composes it."""
 
 from __future__ import annotations
 

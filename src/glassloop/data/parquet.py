@@ -31,12 +31,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from glassloop.atomic import atomic_path, refuse_link
 from glassloop.data.lazy import channel_stats, probe_shape, read_image, stats_sample
 from glassloop.data.splits import check_class_count
 from glassloop.data.text import PAD, TextData, tokenizer_for
 from glassloop.errors import DataError
-from glassloop.file_names import file_name
+from glassloop.storage.atomic import atomic_path, refuse_link
+from glassloop.storage.file_names import file_name
 
 
 def _pyarrow() -> Any:
@@ -155,7 +155,7 @@ def arrow_copy(parquet: Path) -> Path:
     file)."""
     import hashlib
 
-    from glassloop.data.datasets import cache_dir
+    from glassloop.storage.cache import cache_dir
 
     stat = parquet.stat()
     key = hashlib.sha256(f"{parquet.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())

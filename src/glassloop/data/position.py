@@ -14,8 +14,8 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from glassloop.data.loaders import InMemoryLoader, LoaderPosition, close_workers
-from glassloop.distributed import World
-from glassloop.preemption import StopRequested, StopSignals
+from glassloop.distributed.preemption import StopRequested, StopSignals
+from glassloop.distributed.world import World
 from glassloop.rng import capture_rng_state, loader_generators, restore_rng_state
 
 
@@ -109,7 +109,7 @@ def waits_cut(
     loader: Iterable[Any], batches: Iterable[Any], signals: StopSignals, window: int, world: World
 ) -> Iterator[Any]:
     """``batches`` (an epoch of ``loader``); in one process, a stop signal that arrives
-    while the loop waits for one raises :class:`~glassloop.preemption.StopRequested` at
+    while the loop waits for one raises :class:`~glassloop.distributed.preemption.StopRequested` at
     once (``signals.waiting``): a slow loader (a network dataset, workers starting, a cold
     cache) must not outlast a scheduler's grace. The step being gathered (``window``
     micro-batches) is dropped whole and the checkpoint is the last completed step's, so

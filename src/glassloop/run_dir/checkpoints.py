@@ -1,0 +1,539 @@
+"""Atomic, pickle-free, verified checkpoints; keep-last pruning; the best checkpoint.
+
+Layout of a run directory::
+
+    RUN_DIR/checkpoints/step-00000120/   model.safetensors   weights (no module./_orig_mod.)
+                                         state.safetensors   every other tensor of the state
+                                         state.json          the rest (structure, numbers)
+                                         meta.json           format, step, epoch, metrics,
+                                                             config, versions, git SHA
+                                         manifest.json       size + SHA-256 of each file,
+                                                             written last
+    RUN_DIR/checkpoints/latest           name of the newest committed checkpoint
+    RUN_DIR/best/                        a copy of the best checkpoint (checkpoint.monitor)
+
+A checkpoint is written into ``checkpoints/.tmp-...`` (same filesystem), each file fsync'd,
+then renamed into place and the parent fsync'd; only then does ``latest`` move (the same way).
+A crash at any moment leaves the previous checkpoint and pointer intact; leftovers are removed
+at the next start. Nothing here ever unpickles: weights and state tensors are safetensors
+(headers checked before anything is allocated), everything else is JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from glassloop.errors import CheckpointError, write_failure
+from glassloop.errors import CheckpointWriteError as CheckpointWriteError
+from glassloop.storage.atomic import (
+    NOFOLLOW,
+    ForeignPathError,
+    atomic_path,
+    fsync_dir,
+    fsync_file,
+    own_dir,
+    refuse_link,
+    remove_tree,
+    replace_own,
+)
+from glassloop.storage.hashed_files import write_digested, write_safetensors
+from glassloop.storage.serialization import (
+    sha256_of,
+    unflatten,
+)
+from glassloop.storage.snapshot import Snapshot
+from glassloop.storage.weights import (
+    all_finite,
+    header_shapes,
+    read_safetensors,
+    read_safetensors_header,
+    weights_finite,
+    weights_metadata,
+)
+
+FORMAT_VERSION = 1
+CREATOR = "glassloop"
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+BEST = "best"
+TMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"
+TRASH_PREFIX = ".trash-"
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+# What glassloop itself leaves behind when it is cut short; nothing else is ever touched.
+# A directory also needs MARKER inside (or to be empty) before it is removed.
+MARKER = ".glassloop"
+LEFTOVER_DIR = re.compile(r"^\.(tmp|old|trash)-(step-\d{8}|best)-\d+$")
+LEFTOVER_FILE = re.compile(
+    r"^\.(latest|run\.json|config\.json|model\.safetensors|metrics\.csv|metrics\.jsonl)"
+    r"\.tmp(-\d+)?$"
+)
+FILES = ("model.safetensors", "state.safetensors", "state.json", "meta.json")
+SHARDS = "shards"  # a sharded (FSDP) checkpoint's folder of tensors, instead of model.safetensors
+SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)?$")  # manifest names: no escape
+MAX_JSON_BYTES = 256 * 1024 * 1024
+
+
+# ------------------------------------------------------------------------------ checkpoints
+@dataclass
+class Checkpoint:
+    """A verified checkpoint read from disk."""
+
+    path: Path
+    meta: dict[str, Any]
+    state: dict[str, Any]
+    model_tensors: dict[str, torch.Tensor]  # model.safetensors, already read and checked
+    model_metadata: dict[str, str]
+    sharded: bool = False  # an FSDP run's: the weights are in shards/ (glassloop.distributed.fsdp)
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+    @property
+    def weights(self) -> Path:
+        return self.path / "model.safetensors"
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Our committed checkpoint directories, oldest first (foreign folders are ignored)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    return [p for p in step_dirs(run_dir) if _ours(p)]
+
+
+# A resuming side's test of the state it reads back (meta.json's and state.json's trees):
+# raises ValueError/TypeError/KeyError for numbers that cannot be right.
+StateCheck = Callable[[Any, Any], None]
+# The resuming side's test of a checkpoint's weights: (meta, each key's shape and dtype, path).
+WeightsCheck = Callable[[Any, dict[str, tuple[list[int], str]], Path], None]
+
+
+def require_run_dir(run_dir: Path) -> None:
+    """Refuse to write into a run directory that disappeared during the run (never recreate
+    it half-empty, without its config and metrics)."""
+    if not run_dir.is_dir():
+        raise CheckpointWriteError(
+            f"checkpoint: the run directory '{run_dir}' disappeared during the run "
+            "(deleted or unmounted?); not recreating it without its config and metrics"
+        )
+
+
+def step_dirs(run_dir: Path) -> list[Path]:
+    """Every ``step-XXXXXXXX`` directory that glassloop wrote, committed or damaged (it holds
+    the marker, a manifest or one of the checkpoint files), oldest first. A user's folder
+    of that name is not one; a symbolic link never is (following it could leave the run
+    directory)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [
+        p
+        for p in root.iterdir()
+        if STEP_DIR.match(p.name) and p.is_dir() and not p.is_symlink() and _looks_ours(p)
+    ]
+    return sorted(found, key=lambda p: p.name)
+
+
+def _looks_ours(path: Path) -> bool:
+    """A folder glassloop wrote, committed or damaged: it holds the marker, a manifest or
+    one of the checkpoint files."""
+    return any(os.path.lexists(path / name) for name in (MARKER, "manifest.json", *FILES))
+
+
+def _ours(path: Path) -> bool:
+    """A directory glassloop committed: its manifest says so."""
+    try:
+        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("creator") == CREATOR
+
+
+def latest_pointer(run_dir: Path) -> Path | None:
+    """The step folder ``checkpoints/latest`` names; ``None`` when it is missing, unreadable,
+    not text (a binary file) or not a step folder's name: a resume then looks at the step
+    folders themselves (:func:`find_resumable`), as for a damaged pointer."""
+    pointer = checkpoints_dir(run_dir) / LATEST
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return checkpoints_dir(run_dir) / name if STEP_DIR.match(name) else None
+
+
+def clean_temporaries(run_dir: Path) -> list[Path]:
+    """Remove what an interrupted write or prune of glassloop left behind; return what was
+    removed. Only exact glassloop names are touched (``.tmp-step-00000120-4242``,
+    ``.latest.tmp-4242``, ...), a directory only if it carries glassloop's marker file (or is
+    empty), and never through a symbolic link: a user's ``.tmp-mydata`` stays where it is."""
+    removed: list[Path] = []
+    for root in (checkpoints_dir(run_dir), Path(run_dir)):
+        if not root.is_dir():
+            continue
+        for path in sorted(root.iterdir()):
+            if path.is_symlink():
+                continue
+            if path.is_file() and LEFTOVER_FILE.match(path.name):
+                path.unlink()
+                removed.append(path)
+                continue
+            found = LEFTOVER_DIR.match(path.name)
+            if not found or not path.is_dir() or not _marked(path):
+                continue
+            original = root / found.group(2)
+            if found.group(1) == "old" and not os.path.lexists(original) and _ours(path):
+                os.replace(path, original)  # a replace was cut between its renames: undo
+            else:
+                remove_marked(path)
+            removed.append(path)
+    return removed
+
+
+def _marked(path: Path) -> bool:
+    """A directory glassloop created: it holds the marker, or nothing at all."""
+    return (path / MARKER).is_file() or not any(path.iterdir())
+
+
+def remove_marked(path: Path) -> None:
+    """Delete a directory glassloop created, its marker last, so that a kill half-way
+    leaves a directory that :func:`clean_temporaries` still recognises (never through a
+    link: :func:`glassloop.storage.atomic.remove_tree`)."""
+    remove_tree(path, last=MARKER)
+
+
+def staging_dir(target: Path, owner: int) -> Path:
+    """Where the checkpoint for ``target`` is written before it is renamed into place
+    (``owner``: the writing process's pid; rank 0's in a sharded save)."""
+    return target.parent / f"{TMP_PREFIX}{target.name}-{owner}"
+
+
+def begin_staging(tmp: Path) -> None:
+    """An empty staging directory, marked as glassloop's (see :func:`clean_temporaries`)."""
+    if os.path.lexists(refuse_link(tmp)):  # our exact name and pid: a leftover of ours
+        remove_tree(tmp)
+    tmp.mkdir(parents=True)
+    mark(tmp)  # says "glassloop made this" to clean_temporaries
+
+
+def mark(folder: Path) -> None:
+    """Put glassloop's marker into ``folder`` (never through a link of that name)."""
+    marker = refuse_link(folder / MARKER)
+    os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | NOFOLLOW, 0o644))
+
+
+def write_checkpoint_dir(target: Path, snap: Snapshot, *, staged: Path | None = None) -> None:
+    """Write a complete checkpoint into ``target`` atomically (see the module docstring): each
+    file hashed while it is written and fsync'd once, the manifest last, then the folder.
+
+    ``snap.weights=None``: a sharded checkpoint, whose tensors the processes already wrote into
+    ``staged/shards/`` (:mod:`glassloop.distributed.fsdp`); the manifest covers those files too."""
+    tmp = staged if staged is not None else staging_dir(target, os.getpid())
+    if staged is None:
+        begin_staging(tmp)
+    try:
+        # The two tensor files side by side: SHA-256 runs at ~1.3 GB/s on one core, slower
+        # than a fast disk writes, so two hash at once (benchmarks/checkpoint_speed.py).
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="glassloop-write") as pool:
+            state_file = pool.submit(
+                write_safetensors, snap.tensors, tmp / "state.safetensors", None
+            )
+            files: dict[str, tuple[int, str]] = {}
+            if snap.weights is not None:
+                files["model.safetensors"] = write_safetensors(
+                    snap.weights, tmp / "model.safetensors", snap.weights_metadata
+                )
+            files["state.safetensors"] = state_file.result()
+        files["state.json"] = write_digested(tmp / "state.json", [snap.tree])
+        files["meta.json"] = write_digested(tmp / "meta.json", [snap.meta])
+        if (tmp / SHARDS).is_dir():  # written by every process's DCP: hashed here
+            for file in sorted((tmp / SHARDS).rglob("*")):
+                if file.is_file() and not file.is_symlink():
+                    fsync_file(file)
+                    name = file.relative_to(tmp).as_posix()
+                    files[name] = (file.stat().st_size, sha256_of(file))
+            fsync_dir(tmp / SHARDS)
+        entries = {name: {"size": size, "sha256": sha} for name, (size, sha) in files.items()}
+        manifest = {
+            "creator": CREATOR,
+            "format": FORMAT_VERSION,
+            "files": dict(sorted(entries.items())),
+        }
+        write_digested(tmp / "manifest.json", [json.dumps(manifest, indent=1).encode("utf-8")])
+        fsync_dir(tmp)
+        commit_dir(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError, ForeignPathError):
+            remove_marked(tmp)
+        raise
+
+
+def commit_dir(tmp: Path, target: Path) -> None:
+    """Rename the staged folder ``tmp`` to ``target``. An existing ``target`` must be a folder
+    glassloop wrote (a checkpoint of the same step, ``best/``): it is swapped out with two
+    renames (a cut between them is undone at the next start) and removed after. A link or
+    a folder of someone else's there is refused and left as it is."""
+    if not os.path.lexists(refuse_link(target)):
+        replace_own(tmp, target)
+    elif not (target.is_dir() and _looks_ours(target)):
+        raise ForeignPathError(
+            f"checkpoint: '{target}' exists and is not a checkpoint glassloop wrote; "
+            "glassloop left it untouched: move it away, or choose another run directory"
+        )
+    else:
+        old = target.parent / f"{OLD_PREFIX}{target.name}-{os.getpid()}"
+        mark(target)
+        replace_own(target, old)
+        try:
+            replace_own(tmp, target)
+        except BaseException:
+            os.replace(old, target)  # put the previous one back before reporting
+            raise
+        # Committed: a failure to remove the previous one leaves a marked ".old-" folder
+        # that the next start removes.
+        with contextlib.suppress(OSError):
+            remove_marked(old)
+    fsync_dir(target.parent)
+
+
+def commit_checkpoint(run_dir: Path, snap: Snapshot, *, staged: Path | None = None) -> Path:
+    """Write ``snap`` as ``checkpoints/step-<step>/`` and move ``latest`` to it; return its
+    path. A checkpoint of the same step is replaced: the state after an epoch's end
+    (evaluation, scheduler step, history) differs from the state after its last batch. A
+    failed write removes its temporary directory, keeps every earlier checkpoint and raises
+    :class:`CheckpointWriteError` naming the last good one (the weights were checked to be
+    finite before the snapshot was taken: :func:`refuse_not_finite`)."""
+    root = checkpoints_dir(run_dir)
+    target = root / step_dir_name(snap.step)
+    try:
+        own_dir(root)
+        write_checkpoint_dir(target, snap, staged=staged)
+        with atomic_path(root / LATEST) as tmp:
+            tmp.write_text(target.name + "\n", encoding="utf-8")
+    except OSError as err:
+        raise write_failure(target, err, last_good(run_dir)) from err
+    return target
+
+
+def last_good(run_dir: Path) -> str:
+    """The checkpoint ``latest`` names, for a failure's message ("none" before the first)."""
+    last = latest_pointer(run_dir)
+    return str(last) if last is not None else "none"
+
+
+def refuse_not_finite(run_dir: Path, model: nn.Module | dict[str, torch.Tensor], step: int) -> None:
+    """Never a checkpoint of NaN/inf weights over good ones."""
+    if not weights_finite(model):
+        raise not_finite(step, last_good(run_dir))
+
+
+def not_finite(step: int, last_good: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint: the weights at step {step} are not finite (NaN/inf); not saving them "
+        f"over good checkpoints. Last good checkpoint: {last_good}"
+    )
+
+
+def commit_best(run_dir: Path, snap: Snapshot, *, staged: Path | None = None) -> Path:
+    """Write ``snap`` as ``RUN_DIR/best/`` (replacing the previous best), atomically."""
+    target = Path(run_dir) / BEST
+    try:
+        write_checkpoint_dir(target, snap, staged=staged)
+    except OSError as err:
+        raise CheckpointWriteError(
+            f"checkpoint: could not write '{target}': {err.strerror or err}; the previous "
+            "best checkpoint is intact"
+        ) from err
+    return target
+
+
+def prune(run_dir: Path, keep_last: int, keep: Path | None = None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` of our checkpoints; never the one ``latest``
+    names, nor ``keep`` (one being uploaded), nor a folder glassloop did not create."""
+    if keep_last < 1:
+        return []
+    ours = list_checkpoints(run_dir)
+    kept = set(ours[-keep_last:])
+    latest = latest_pointer(run_dir)
+    removed = []
+    for path in ours:
+        if path not in kept and path not in (latest, keep):
+            # Renamed out of the way first: a kill half-way through the deletion leaves a
+            # ".trash-" directory that the next start removes, never a damaged step folder.
+            trash = path.parent / f"{TRASH_PREFIX}{path.name}-{os.getpid()}"
+            try:
+                mark(path)
+                replace_own(path, trash)
+                remove_marked(trash)
+            except OSError as err:
+                raise CheckpointWriteError(
+                    f"checkpoint: could not remove the old checkpoint '{path}': "
+                    f"{err.strerror or err}; the newer checkpoints are intact"
+                ) from err
+            removed.append(path)
+    return removed
+
+
+def verify_files(path: Path) -> bool:
+    """Every file the manifest of ``path`` lists has its size and SHA-256 (a sharded one's
+    ``shards/``: nothing else); whether it is sharded. Else one :class:`CheckpointError`."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint: '{path}' is not a checkpoint directory")
+    manifest = _read_json(path / "manifest.json", path)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint: '{path}' has an unknown manifest format")
+    sharded = any(isinstance(name, str) and name.startswith(f"{SHARDS}/") for name in files)
+    required = [name for name in FILES if not (sharded and name == "model.safetensors")]
+    for name in required:
+        if not isinstance(files.get(name), dict):
+            raise CheckpointError(f"checkpoint: '{path}': {name} is not in the manifest")
+    if sharded:
+        _check_shard_names(path, files)
+    for name, entry in files.items():
+        file = path / name
+        if not isinstance(entry, dict) or not SAFE_NAME.match(name) or ".." in name:
+            raise CheckpointError(f"checkpoint: '{path}': the manifest names {name!r}")
+        if not file.is_file() or file.is_symlink():
+            raise CheckpointError(f"checkpoint: '{path}': {name} is missing")
+        size = file.stat().st_size
+        if size != entry.get("size"):
+            raise CheckpointError(
+                f"checkpoint: '{path}': {name} has {size} bytes, the manifest says "
+                f"{entry.get('size')} (truncated or replaced)"
+            )
+    with ThreadPoolExecutor(max_workers=2) as pool:  # (two files hashed at once, as written)
+        digests = pool.map(sha256_of, [path / name for name in files])
+        for (name, entry), digest in zip(files.items(), digests, strict=True):
+            if digest != entry.get("sha256"):
+                raise CheckpointError(
+                    f"checkpoint: '{path}': {name} fails its SHA-256 check (corrupt or modified)"
+                )
+    return sharded
+
+
+def read_checkpoint(
+    path: Path, check: StateCheck | None = None, fits: WeightsCheck | None = None
+) -> Checkpoint:
+    """Verify every file against the manifest (size, SHA-256), then read and check it: strict
+    JSON, well-formed safetensors, finite tensors, and a training state whose numbers and RNG states
+    make sense (``check(meta, state)``: the resuming side's test of its own state, e.g.
+    :func:`glassloop.checkpoint.resume.check_training_state`; storage knows no state's
+    layout); ``fits(meta, shapes, path)``: the weights' keys, shapes and dtypes fit the model, from
+    the header, before a tensor is read (a file may hold 300,000 of them). Any problem is one
+    :class:`CheckpointError` naming the path and the reason, raised before anything is loaded into a
+    model or optimizer."""
+    path = Path(path)
+    sharded = verify_files(path)
+    meta = _read_json(path / "meta.json", path)
+    tree = _read_json(path / "state.json", path)
+    model_tensors: dict[str, torch.Tensor] = {}
+    model_metadata: dict[str, str] = {}
+    if not sharded:  # (a sharded one's weights are read by whoever needs them)
+        header = read_safetensors_header(path / "model.safetensors")
+        if fits is not None:
+            fits(meta, header_shapes(header), path)
+        model_tensors, model_metadata = read_safetensors(path / "model.safetensors", header)
+    state_tensors, _ = read_safetensors(path / "state.safetensors")
+    # Each in memory of its own: safetensors hands them out packed in one buffer, at 4-byte
+    # offsets, and a reduction over memory aligned otherwise sums in another order (an LBFGS
+    # resumed from them took a different step: its dot products over the restored state).
+    state_tensors = {name: tensor.clone() for name, tensor in state_tensors.items()}
+    for name, tensors in (("model", model_tensors), ("state", state_tensors)):
+        bad = [k for k, t in tensors.items() if not all_finite(t)]
+        if bad:
+            raise CheckpointError(
+                f"checkpoint: '{path}': {name}.safetensors holds NaN/inf values (in "
+                f"'{bad[0]}'); not resuming from it"
+            )
+    try:
+        state = unflatten(tree, state_tensors)
+        if check is not None:
+            check(meta, state)
+    except (KeyError, IndexError, ValueError, TypeError, OverflowError, RuntimeError) as err:
+        raise CheckpointError(
+            f"checkpoint: '{path}': the training state is malformed ({type(err).__name__}: {err})"
+        ) from err
+    if sharded:  # the weights file's metadata, as model.safetensors would carry it
+        model_metadata = weights_metadata(meta.get("model_spec"))
+    return Checkpoint(path, meta, state, model_tensors, model_metadata, sharded)
+
+
+def _check_shard_names(path: Path, files: dict[str, Any]) -> None:
+    """A sharded checkpoint's ``shards/`` holds exactly the files its manifest lists: DCP's
+    reader reads every safetensors file in it, so an extra one would be loaded too."""
+    listed = {name for name in files if name.startswith(f"{SHARDS}/")}
+    present = (
+        {f"{SHARDS}/{p.name}" for p in (path / SHARDS).iterdir()}
+        if (path / SHARDS).is_dir()
+        else set()
+    )
+    extra = sorted(present - listed)
+    if extra:
+        raise CheckpointError(f"checkpoint: '{path}': {extra[0]} is not in the manifest")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _read_json(file: Path, checkpoint: Path) -> Any:
+    """Strict JSON (``NaN``/``Infinity`` are refused: glassloop never writes them)."""
+    try:
+        if file.stat().st_size > MAX_JSON_BYTES:
+            raise CheckpointError(f"checkpoint: '{checkpoint}': {file.name} is too large")
+        return json.loads(file.read_bytes(), parse_constant=_no_constant)
+    except FileNotFoundError as err:
+        raise CheckpointError(f"checkpoint: '{checkpoint}': {file.name} is missing") from err
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise CheckpointError(
+            f"checkpoint: '{checkpoint}': {file.name} is not valid JSON (corrupt, not a "
+            "glassloop file, NaN/Infinity or nested too deeply)"
+        ) from err
+    except OSError as err:
+        raise CheckpointError(f"checkpoint: cannot read '{file}': {err.strerror}") from err
+
+
+def find_resumable(
+    run_dir: Path, check: StateCheck | None = None, fits: WeightsCheck | None = None
+) -> tuple[Checkpoint | None, list[str]]:
+    """The newest checkpoint that verifies, and what is wrong with each newer one (every
+    ``step-`` folder counts, also one whose manifest is unreadable, whose state fails
+    ``check``, or that ``fits`` refuses: weights that do not fit the model)."""
+    problems: list[str] = []
+    # Newest first. A committed directory is complete (renamed into place only after its
+    # manifest was written), so one newer than `latest` (a crash between the rename and the
+    # pointer move) is as good as the one `latest` names.
+    for path in reversed(step_dirs(run_dir)):
+        try:
+            return read_checkpoint(path, check, fits), problems
+        except CheckpointError as err:
+            problems.append(short(str(err)))
+    return None, problems
+
+
+def short(problem: str, limit: int = 500) -> str:
+    """A problem as one line quotes it: at most ``limit`` characters (a crafted file's own
+    text can be megabytes)."""
+    return problem if len(problem) <= limit else f"{problem[: limit - 3]}..."
