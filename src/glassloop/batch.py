@@ -15,8 +15,7 @@ The convention (documented in the README):
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -129,64 +128,3 @@ def describe_batch(batch: Any) -> str:
     if isinstance(batch, Mapping):
         return "{" + ", ".join(f"{k}: {describe_batch(v)}" for k, v in batch.items()) + "}"
     return type(batch).__name__
-
-
-@dataclass
-class Window(Sequence[tuple[Inputs, Any]]):
-    """The micro-batches of one optimizer step, as ``train_step`` receives them; a sequence of
-    ``(inputs, target)`` pairs (``inputs`` is ``(args, kwargs)``) that also carries what the
-    loop computed about them."""
-
-    batches: list[tuple[Inputs, Any]]
-    weights: list[float | None]  # each micro-batch's share of the step's loss (None: as is)
-    samples: int  # samples in the window, over every process
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.batches[index]
-
-    def __iter__(self) -> Iterator[tuple[Inputs, Any]]:  # (Sequence's own calls __getitem__)
-        return iter(self.batches)
-
-
-def loss_weights(
-    counts: Sequence[int], total: int, processes: int, *, summing: bool
-) -> list[float]:
-    """Each micro-batch's loss weight in an accumulation window: its samples (or tokens) over
-    the window's ``total`` across all processes, times ``processes`` (DDP averages gradients
-    over processes: this makes the average sample-weighted); a summing loss gets
-    ``processes`` alone (sums of micro-batches add up to one big batch's sum).
-
-    >>> loss_weights([3, 1], 4, 1, summing=False), loss_weights([3, 1], 8, 2, summing=True)
-    ([0.75, 0.25], [2.0, 2.0])
-    """
-    if summing:
-        return [float(processes)] * len(counts)
-    return [processes * count / total if total else 0.0 for count in counts]
-
-
-def token_counts(targets: Sequence[torch.Tensor], shift: int, ignore_index: int) -> list[int]:
-    """How many tokens each target's loss averages over: labels other than ``ignore_index``,
-    from position ``shift`` on (a model that shifts its labels itself, e.g. a causal LM's).
-
-    >>> token_counts([torch.tensor([[5, -100, 7]])], 1, -100)
-    [1]
-    """
-    labels = [t[:, shift:] if shift else t for t in targets]
-    return [int((t != ignore_index).sum()) for t in labels]
-
-
-def without_empty(micro: list[Any], counts: list[int]) -> tuple[list[Any], list[int]]:
-    """The micro-batches (and their token counts) that hold a token to count, unless none
-    does: one that is padding alone has a token mean of 0/0, NaN in every gradient even at
-    weight 0 (a split batch's all-padded rows, an accumulation window's padded batch).
-
-    >>> without_empty(["a", "b", "c"], [3, 0, 2])
-    (['a', 'c'], [3, 2])
-    """
-    if 0 not in counts or not any(counts):
-        return micro, counts
-    kept = [i for i, count in enumerate(counts) if count]
-    return [micro[i] for i in kept], [counts[i] for i in kept]

@@ -23,15 +23,7 @@ import glassloop.options as options
 import glassloop.step.guards as guards
 import glassloop.step.optim as optimizers
 import glassloop.tasks as tasks
-from glassloop.batch import (
-    Inputs,
-    Window,
-    batch_size_of,
-    loss_weights,
-    split_batch,
-    token_counts,
-    without_empty,
-)
+from glassloop.batch import Inputs, batch_size_of, split_batch
 from glassloop.callbacks import Callback
 from glassloop.checkpoint.checkpointer import Checkpointer
 from glassloop.data.position import epoch_batches, waits_cut
@@ -53,6 +45,7 @@ from glassloop.step.optim import Schedulers, optimizer_parameters
 from glassloop.step.parallelize import averaged, evaluated, prepare_model
 from glassloop.step.profiling import StepProfiler, fit_profiler
 from glassloop.step.throughput import Throughput, peak_flops
+from glassloop.step.window import Window, make_window
 from glassloop.storage.redaction import redacted
 from glassloop.tasks import model_loss
 from glassloop.tracking.console import ProgressReporter
@@ -485,25 +478,16 @@ class Trainer:
         return tried.loss, window, signum
 
     def _window(self, micro: list[tuple[Inputs, Any]]) -> tuple[Window, int | None]:
-        """The step's :class:`Window` (each micro-batch's loss weight, ``None`` alone in one
-        process) and under DDP the stop signal of any process, in one collective."""
-        sizes = [batch_size_of(target, inputs) for inputs, target in micro]
-        samples = sum(sizes)
-        if len(micro) == 1 and not self.distributed:
-            return Window(micro, [None], samples), None
-        counts = sizes
-        if self.loss_weighting == "tokens" and self.loss_reduction == "mean":
+        """The step's :class:`Window` and under DDP the stop signal of any process
+        (:func:`glassloop.step.window.make_window`)."""
+        shift, weighed = None, len(micro) > 1 or self.distributed  # (alone: the loss as is)
+        if weighed and self.loss_weighting == "tokens" and self.loss_reduction == "mean":
             if self._label_shift is None and self.loss_fn is None:  # the model's own loss
                 args = (*micro[0], self.ignore_index, self.device, self.precision)
                 self._label_shift = evaluation.label_shift(self.model, *args)  # HF LMs: by one
-            counts = token_counts([t for _, t in micro], self._label_shift or 0, self.ignore_index)
-            micro, counts = without_empty(micro, counts)  # (padding alone: a mean of 0/0)
-        total, signum = sum(counts), None
-        if self.distributed:  # the counts of every process, and a stop signal of any
-            got = self._signals.received
-            total, samples, signum = distributed.agreed_counts(total, samples, got)
-        weights = loss_weights(counts, total, self.world.size, summing=self.summed)
-        return Window(micro, list(weights), samples), signum
+            shift = self._label_shift or 0
+        got = self._signals.received  # (a stop signal: agreed in the step's collective)
+        return make_window(micro, self.world, self.summed, shift, self.ignore_index, got)
 
     def train_step(self, window: Window) -> StepLoss:
         """One optimizer step over ``window`` (``grad_accum_steps`` micro-batches, fewer at the

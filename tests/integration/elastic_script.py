@@ -26,10 +26,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from glassloop import Callback, CheckpointConfig, Preempted, Trainer
-from glassloop.batch import Window
 from glassloop.data import make_loader
 from glassloop.distributed.world import init_from_env
 from glassloop.loop import StepLoss
+from glassloop.step.window import Window
 
 GLOBAL_BATCH = 24  # 1, 2 or 3 processes: 24, 12 or 8 each
 # What a config says (data.batch_size, per process): 12 x 2 processes at the chain's start

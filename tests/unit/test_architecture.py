@@ -233,13 +233,13 @@ def test_the_config_schema_loads_no_torch() -> None:
 # Budgets only fall: a budget may rise only in a commit that lowers others by as much (the
 # history of each is in the commits that changed it).
 FILE_BUDGETS = {
-    "loop.py": 798,
+    "loop.py": 783,
     "run_dir/checkpoints.py": 540,
     "storage/weights.py": 257,
     "storage/atomic.py": 155,
 }
-CLASS_BUDGETS = {("loop.py", "Trainer"): 728, ("checkpoint/checkpointer.py", "Checkpointer"): 478}
-LOOP_PROPER = ("fit", "_stop_if_signalled", 381)
+CLASS_BUDGETS = {("loop.py", "Trainer"): 720, ("checkpoint/checkpointer.py", "Checkpointer"): 478}
+LOOP_PROPER = ("fit", "_stop_if_signalled", 372)
 TRAIN_STEP = 55
 
 
@@ -344,4 +344,6 @@ def test_the_layout_page_is_the_graph() -> None:
 
 if __name__ == "__main__":
     text = LAYOUT_PAGE.read_text(encoding="utf-8")
-    LAYOUT_PAGE.write_text(text[: text.index(START)] + layout() + text[text.index(END) + len(END) :])
+    LAYOUT_PAGE.write_text(
+        text[: text.index(START)] + layout() + text[text.index(END) + len(END) :]
+    )

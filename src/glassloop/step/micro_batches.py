@@ -27,11 +27,12 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-from glassloop.batch import Inputs, Window, batch_size_of
+from glassloop.batch import Inputs, batch_size_of
 from glassloop.distributed.fsdp import gradient_sync
 from glassloop.distributed.world import all_reduce
 from glassloop.errors import ConfigError
 from glassloop.rng import capture_rng_state, restore_rng_state
+from glassloop.step.window import Window
 
 TRIAL_STEPS = 8  # the first steps of a run (or of a resume) in which "auto" may still halve
 Micro = tuple[Inputs, Any]
