@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from glassloop import Trainer, fsdp
+import glassloop.distributed.fsdp as fsdp
+from glassloop import Trainer
 from glassloop.distributed.world import World
 from glassloop.errors import CheckpointError, ConfigError, NonFiniteError
 from glassloop.run_dir.checkpoints import read_checkpoint

@@ -34,8 +34,9 @@ def refuse_link(path: Path) -> Path:
     >>> import tempfile
     >>> d = Path(tempfile.mkdtemp()); (d / "link").symlink_to(d)
     >>> refuse_link(d / "link")  # doctest: +ELLIPSIS
-    Traceback (most recent call last): glassloop.storage.atomic.ForeignPathError: run: '.../link' is
-    a symbolic link where glassloop ..."""
+    Traceback (most recent call last):
+    glassloop.storage.atomic.ForeignPathError: run: '.../link' is a symbolic link where ...
+    """
     if os.path.islink(path):
         raise ForeignPathError(
             f"run: '{path}' is a symbolic link where glassloop keeps its own files; glassloop "

@@ -79,9 +79,9 @@ def remember_secrets(uri: str) -> None:
     token-like query and fragment values, as written and percent-decoded): every later
     :func:`redact` in this process replaces each of them wherever it shows.
 
-    >>> remember_secrets("s3://T0KEN-42@bucket/run")
-    >>> redact('Invalid bucket name "T0KEN-42@bucket"')
-    'Invalid bucket name "***@bucket"'
+    >>> remember_secrets("s3://T0KEN-42@bucket/run"); remember_secrets("s3://b/run#Bare-7oken")
+    >>> redact('Invalid bucket name "T0KEN-42@bucket"'), redact("s3://b/run#Bare-7oken")
+    ('Invalid bucket name "***@bucket"', 's3://b/run#***')
     """
     try:
         parts = urlsplit(uri if "://" in uri else f"//{uri}")
@@ -94,6 +94,8 @@ def remember_secrets(uri: str) -> None:
         found += [user, password] if colon else [user]
     for text in (parts.query, parts.fragment):
         found += [value for key, value in parse_qsl(text) if TOKEN_VALUE.search(f"?{key}=")]
+        if text and "=" not in text:  # a bare value (`#Tok3n`, `?Tok3n`): a token, whole
+            found.append(text)
     for secret in found:
         for form in {secret, unquote(secret)}:
             if len(form) >= MIN_SECRET and form not in _KNOWN:
