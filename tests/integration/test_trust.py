@@ -22,7 +22,8 @@ from torch import nn
 from glassloop import CheckpointError, ModelError, load_model, load_weights
 from glassloop.checkpoint.resume import check_training_state
 from glassloop.cli.main import main
-from glassloop.run_dir.checkpoints import FILES, find_resumable, read_checkpoint, sha256_of
+from glassloop.run_dir.checkpoints import find_resumable, read_checkpoint, sha256_of
+from glassloop.run_dir.layout import CHECKPOINT_FILES as FILES
 from glassloop.tools.export import export_model
 
 # Its tests share module fixtures: one worker of `make test` runs them all, in order.

@@ -200,6 +200,23 @@ def test_the_top_and_each_folder_keep_their_size() -> None:
         assert lines <= (3_000 if folder.name == "data" else 2_500), (folder.name, lines)
 
 
+def test_the_run_directorys_names_are_spelled_in_one_module() -> None:
+    """Every file name under RUN_DIR (``run.json``, ``metrics.jsonl``, a checkpoint's
+    ``manifest.json``...) is a string in ``run_dir/layout.py`` and nowhere else in the package
+    (the Hugging Face export folder has names of its own)."""
+    from glassloop.run_dir import layout
+
+    names = {v for k, v in vars(layout).items() if k.isupper() and isinstance(v, str)}
+    spelled = sorted(
+        f"{path.relative_to(PACKAGE)}:{node.lineno} {node.value!r}"
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "layout.py" and path.name != "hugging_face.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Constant) and node.value in names and "." in node.value
+    )
+    assert len(names) >= 15 and spelled == []
+
+
 def test_the_command_starts_without_torch_or_sklearn() -> None:
     probe = (
         "import sys, tempfile; from glassloop.cli.main import main\n"

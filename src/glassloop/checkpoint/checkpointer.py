@@ -43,9 +43,7 @@ from glassloop.errors import (
 from glassloop.options import CheckpointConfig, RunInfo
 from glassloop.rng import capture_rng_state, restore_rng_state
 from glassloop.run_dir.checkpoints import (
-    BEST,
     FORMAT_VERSION,
-    SHARDS,
     Checkpoint,
     begin_staging,
     checkpoints_dir,
@@ -63,6 +61,7 @@ from glassloop.run_dir.checkpoints import (
     step_dir_name,
     step_dirs,
 )
+from glassloop.run_dir.layout import BEST, SHARDS
 from glassloop.run_dir.remote import RemoteRun
 from glassloop.state import EpochRecord, TrainState
 from glassloop.storage.frozen_base import FrozenBase, adapter_alone, recorded_names

@@ -21,8 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
-# (No torch in either: `glassloop --help` stays fast.)
 from glassloop.cli.launch import is_worker, launch_torchrun, worker_finished, worker_started
+
+# (No torch in either: `glassloop --help` stays fast.)
+from glassloop.run_dir import layout
 
 # Every line the CLI prints that can quote a config value, a path or a command line goes
 # through it: a URI's password prints as ***.
@@ -418,7 +420,7 @@ def own_config(args: argparse.Namespace) -> str | None:
 
     if args.config is not None or not args.resume or not args.run_dir or is_url(args.run_dir):
         return args.config  # type: ignore[no-any-return]
-    own = Path(args.run_dir) / "config.json"
+    own = Path(args.run_dir) / layout.CONFIG
     if own.is_symlink() or not own.is_file():  # (a link: never read; the run refuses it)
         return None
     print(f"resuming with the run's own config: {own}")
@@ -435,7 +437,7 @@ def started_in(args: argparse.Namespace) -> Path | None:
     local = args.run_dir and not is_url(args.run_dir)  # (a remote run: its own config.json)
     if args.resume and local and (folder := recorded_folder(Path(args.run_dir))):
         return folder
-    if args.config and Path(args.config).name == "config.json":
+    if args.config and Path(args.config).name == layout.CONFIG:
         return recorded_folder(Path(args.config).parent)
     return None
 
@@ -578,7 +580,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
         return EXIT_OK
     from glassloop.tracking.trackers import check_tracked
 
-    found = [root / "tracking.json"] if (root / "tracking.json").is_file() else []
+    found = [root / layout.TRACKING] if (root / layout.TRACKING).is_file() else []
     found += sorted(root.glob("*/tracking.json"))  # (DIR itself may be one run)
     checked = [check_tracked(path.parent) for path in found]
     for _, line in checked:

@@ -27,6 +27,7 @@ from glassloop.data.loaders import InMemoryLoader, ResumableLoader
 from glassloop.data.position import keep_global_batch
 from glassloop.data.text import TextData, load_text
 from glassloop.errors import ConfigError, DataError, ModelError
+from glassloop.run_dir import layout
 from glassloop.run_dir.checkpoints import latest_pointer
 
 if TYPE_CHECKING:
@@ -395,7 +396,7 @@ def build(
     train_loader, val_loader = parts.train_loader, parts.val_loader
     if resume is not None and isinstance(run_dir, Path):  # (a bucket's run: its copy later)
         found = latest_pointer(run_dir) if resume == "auto" else Path(resume)
-        keep_global_batch(train_loader, world, found)
+        keep_global_batch(train_loader, world, found / layout.META if found else None)
     optimizer = build_optimizer(model, cfg.optim)
     # Optimizer steps per epoch: one per window of grad_accum_steps batches (the last may be
     # shorter).

@@ -231,16 +231,16 @@ def _stream_note(
     return False, "the training loader has no batch_size: the global batch cannot be checked"
 
 
-def keep_global_batch(loader: Any, world: World, checkpoint: Path | None) -> None:
-    """Before a resume sizes its schedule: a glassloop loader takes the global batch of
-    ``checkpoint`` (the one the resume will take; its meta.json) when that was written by
-    another number of processes, as its ``load_state_dict`` will, so the steps per epoch and
+def keep_global_batch(loader: Any, world: World, meta_file: Path | None) -> None:
+    """Before a resume sizes its schedule: a glassloop loader takes the global batch of the
+    checkpoint the resume will take (its ``meta_file``) when that was written by another
+    number of processes, as its ``load_state_dict`` will, so the steps per epoch and
     a schedule's length are the run's (they were the config's per-process batch times the
     new number of processes, and the resume was refused as a config change)."""
-    if checkpoint is None or not isinstance(loader, LoaderPosition):
+    if meta_file is None or not isinstance(loader, LoaderPosition):
         return
     try:
-        meta = json.loads((checkpoint / "meta.json").read_text(encoding="utf-8"))
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
         saved, processes = int(meta["global_batch"]), int(meta["world_size"])
     except (OSError, ValueError, KeyError, TypeError):
         return  # (the resume itself reports what is wrong with it)

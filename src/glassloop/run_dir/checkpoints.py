@@ -36,6 +36,9 @@ from torch import nn
 
 from glassloop.errors import CheckpointError, write_failure
 from glassloop.errors import CheckpointWriteError as CheckpointWriteError
+from glassloop.run_dir import layout
+from glassloop.run_dir.layout import BEST, CHECKPOINTS, LATEST, SHARDS, STEP_DIR
+from glassloop.run_dir.layout import CHECKPOINT_FILES as FILES
 from glassloop.storage.atomic import (
     NOFOLLOW,
     ForeignPathError,
@@ -64,13 +67,9 @@ from glassloop.storage.weights import (
 
 FORMAT_VERSION = 1
 CREATOR = "glassloop"
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-BEST = "best"
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
 TRASH_PREFIX = ".trash-"
-STEP_DIR = re.compile(r"^step-(\d{8})$")
 # What glassloop itself leaves behind when it is cut short; nothing else is ever touched.
 # A directory also needs MARKER inside (or to be empty) before it is removed.
 MARKER = ".glassloop"
@@ -79,8 +78,6 @@ LEFTOVER_FILE = re.compile(
     r"^\.(latest|run\.json|config\.json|model\.safetensors|metrics\.csv|metrics\.jsonl)"
     r"\.tmp(-\d+)?$"
 )
-FILES = ("model.safetensors", "state.safetensors", "state.json", "meta.json")
-SHARDS = "shards"  # a sharded (FSDP) checkpoint's folder of tensors, instead of model.safetensors
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)?$")  # manifest names: no escape
 MAX_JSON_BYTES = 256 * 1024 * 1024
 
@@ -103,7 +100,7 @@ class Checkpoint:
 
     @property
     def weights(self) -> Path:
-        return self.path / "model.safetensors"
+        return self.path / layout.WEIGHTS
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -158,13 +155,13 @@ def step_dirs(run_dir: Path) -> list[Path]:
 def _looks_ours(path: Path) -> bool:
     """A folder glassloop wrote, committed or damaged: it holds the marker, a manifest or
     one of the checkpoint files."""
-    return any(os.path.lexists(path / name) for name in (MARKER, "manifest.json", *FILES))
+    return any(os.path.lexists(path / name) for name in (MARKER, layout.MANIFEST, *FILES))
 
 
 def _ours(path: Path) -> bool:
     """A directory glassloop committed: its manifest says so."""
     try:
-        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+        manifest = json.loads((path / layout.MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     return isinstance(manifest, dict) and manifest.get("creator") == CREATOR
@@ -256,16 +253,16 @@ def write_checkpoint_dir(target: Path, snap: Snapshot, *, staged: Path | None = 
         # than a fast disk writes, so two hash at once (benchmarks/checkpoint_speed.py).
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="glassloop-write") as pool:
             state_file = pool.submit(
-                write_safetensors, snap.tensors, tmp / "state.safetensors", None
+                write_safetensors, snap.tensors, tmp / layout.STATE_TENSORS, None
             )
             files: dict[str, tuple[int, str]] = {}
             if snap.weights is not None:
-                files["model.safetensors"] = write_safetensors(
-                    snap.weights, tmp / "model.safetensors", snap.weights_metadata
+                files[layout.WEIGHTS] = write_safetensors(
+                    snap.weights, tmp / layout.WEIGHTS, snap.weights_metadata
                 )
-            files["state.safetensors"] = state_file.result()
-        files["state.json"] = write_digested(tmp / "state.json", [snap.tree])
-        files["meta.json"] = write_digested(tmp / "meta.json", [snap.meta])
+            files[layout.STATE_TENSORS] = state_file.result()
+        files[layout.STATE_JSON] = write_digested(tmp / layout.STATE_JSON, [snap.tree])
+        files[layout.META] = write_digested(tmp / layout.META, [snap.meta])
         if (tmp / SHARDS).is_dir():  # written by every process's DCP: hashed here
             for file in sorted((tmp / SHARDS).rglob("*")):
                 if file.is_file() and not file.is_symlink():
@@ -279,7 +276,7 @@ def write_checkpoint_dir(target: Path, snap: Snapshot, *, staged: Path | None = 
             "format": FORMAT_VERSION,
             "files": dict(sorted(entries.items())),
         }
-        write_digested(tmp / "manifest.json", [json.dumps(manifest, indent=1).encode("utf-8")])
+        write_digested(tmp / layout.MANIFEST, [json.dumps(manifest, indent=1).encode("utf-8")])
         fsync_dir(tmp)
         commit_dir(tmp, target)
     except BaseException:
@@ -400,12 +397,12 @@ def verify_files(path: Path) -> bool:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint: '{path}' is not a checkpoint directory")
-    manifest = _read_json(path / "manifest.json", path)
+    manifest = _read_json(path / layout.MANIFEST, path)
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint: '{path}' has an unknown manifest format")
     sharded = any(isinstance(name, str) and name.startswith(f"{SHARDS}/") for name in files)
-    required = [name for name in FILES if not (sharded and name == "model.safetensors")]
+    required = [name for name in FILES if not (sharded and name == layout.WEIGHTS)]
     for name in required:
         if not isinstance(files.get(name), dict):
             raise CheckpointError(f"checkpoint: '{path}': {name} is not in the manifest")
@@ -446,16 +443,16 @@ def read_checkpoint(
     model or optimizer."""
     path = Path(path)
     sharded = verify_files(path)
-    meta = _read_json(path / "meta.json", path)
-    tree = _read_json(path / "state.json", path)
+    meta = _read_json(path / layout.META, path)
+    tree = _read_json(path / layout.STATE_JSON, path)
     model_tensors: dict[str, torch.Tensor] = {}
     model_metadata: dict[str, str] = {}
     if not sharded:  # (a sharded one's weights are read by whoever needs them)
-        header = read_safetensors_header(path / "model.safetensors")
+        header = read_safetensors_header(path / layout.WEIGHTS)
         if fits is not None:
             fits(meta, header_shapes(header), path)
-        model_tensors, model_metadata = read_safetensors(path / "model.safetensors", header)
-    state_tensors, _ = read_safetensors(path / "state.safetensors")
+        model_tensors, model_metadata = read_safetensors(path / layout.WEIGHTS, header)
+    state_tensors, _ = read_safetensors(path / layout.STATE_TENSORS)
     # Each in memory of its own: safetensors hands them out packed in one buffer, at 4-byte
     # offsets, and a reduction over memory aligned otherwise sums in another order (an LBFGS
     # resumed from them took a different step: its dot products over the restored state).

@@ -23,9 +23,9 @@ from pathlib import Path
 from types import TracebackType
 
 from glassloop.errors import GlassloopError
+from glassloop.run_dir import layout
 from glassloop.storage.atomic import NOFOLLOW, refuse_link
 
-LOCK_NAME = ".lock"
 _HELD: set[int] = set()  # this process's lock descriptors (closed in forked children)
 
 
@@ -58,7 +58,7 @@ class RunLock:
     """
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = Path(run_dir) / LOCK_NAME
+        self.path = Path(run_dir) / layout.LOCK
         self._fd: int | None = None
 
     def acquire(self) -> None:

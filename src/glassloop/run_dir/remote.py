@@ -50,16 +50,16 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from glassloop.errors import CheckpointError, CheckpointWriteError, GlassloopError
-from glassloop.run_dir.checkpoints import (
+from glassloop.run_dir import layout
+from glassloop.run_dir.checkpoints import MARKER, SAFE_NAME, mark, remove_marked, verify_files
+from glassloop.run_dir.layout import (
     BEST,
     CHECKPOINTS,
     LATEST,
-    MARKER,
-    SAFE_NAME,
+    RUN_FILES,
+    RUN_FOLDERS,
     STEP_DIR,
-    mark,
-    remove_marked,
-    verify_files,
+    WEIGHTS,
 )
 from glassloop.run_dir.lock import RunLock
 from glassloop.storage.atomic import atomic_path, own_dir, remove_tree, replace_own
@@ -67,11 +67,6 @@ from glassloop.storage.cache import cache_dir
 from glassloop.storage.file_names import is_url
 from glassloop.storage.redaction import redacted, remember_secrets
 
-# The run's own files, copied at each checkpoint and at the end (those that exist).
-WEIGHTS = "model.safetensors"
-# (run.json last: a bucket whose run.json says "finished" has the final weights and report)
-RUN_FILES = ("config.json", "metrics.csv", "metrics.jsonl", WEIGHTS, "run.json")
-RUN_FOLDERS = ("report",)
 CHUNK = 8 << 20
 # A resume's test of a downloaded checkpoint (raises CheckpointError when it is not one to
 # resume from: Checkpointer.usable).
@@ -329,7 +324,7 @@ class RemoteRun:
         own_dir(staging)
         mark(staging)
         try:
-            for name in [*sorted(files), "manifest.json"]:
+            for name in [*sorted(files), layout.MANIFEST]:
                 if not SAFE_NAME.match(name) or ".." in name:
                     raise CheckpointError(f"checkpoint: {source}: the manifest names {name!r}")
                 local = staging / name
@@ -414,7 +409,7 @@ class RemoteRun:
                 )
             return
         with self.lock:  # (chosen and protected from local pruning in one step)
-            if not (path / "manifest.json").is_file():
+            if not (path / layout.MANIFEST).is_file():
                 return
             self.uploading = path
         try:
@@ -428,7 +423,7 @@ class RemoteRun:
         manifest last, read back; then ``latest``; then pruning. An earlier upload of the
         same folder loses its manifest first (no longer complete while its objects change)."""
         try:
-            manifest_bytes = (path / "manifest.json").read_bytes()
+            manifest_bytes = (path / layout.MANIFEST).read_bytes()
         except FileNotFoundError:
             return  # (swapped for the same step saved again: its own upload is queued)
         files = json.loads(manifest_bytes)["files"]
@@ -502,7 +497,7 @@ class RemoteRun:
                     self.fs.put_file(str(file), self.remote(name))
                 continue
             data = file.read_bytes()
-            if not final and name == "run.json" and _says_finished(data):
+            if not final and name == layout.STATUS and _says_finished(data):
                 continue
             self.fs.pipe_file(self.remote(name), data)
 
@@ -527,7 +522,7 @@ class RemoteRun:
 def _replaced(path: Path, manifest: bytes) -> bool:
     """Whether the local checkpoint ``path`` is no longer the one whose manifest was read."""
     try:
-        return (path / "manifest.json").read_bytes() != manifest
+        return (path / layout.MANIFEST).read_bytes() != manifest
     except OSError:
         return True
 

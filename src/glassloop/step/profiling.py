@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from glassloop.distributed.world import World
+from glassloop.run_dir import layout
 from glassloop.storage.atomic import atomic_path, own_dir
 
 
@@ -49,7 +50,7 @@ class StepProfiler:
         self._done = True
         where = ""
         if self.run_dir is not None:
-            folder = own_dir(self.run_dir / "profile")  # (a link there: refused)
+            folder = own_dir(self.run_dir / layout.PROFILE)  # (a link there: refused)
             with atomic_path(folder / "trace.json") as written:  # (never through a link)
                 prof.export_chrome_trace(str(written))
             where = f" (trace: {folder / 'trace.json'})"

@@ -29,7 +29,9 @@ from glassloop.config.models import build_model, data_kwargs, target_scale_of
 from glassloop.config.schema import Config, from_dict
 from glassloop.config.sections import ModelConfig
 from glassloop.errors import CheckpointError, ConfigError, ModelError
-from glassloop.run_dir.checkpoints import SHARDS, Checkpoint, find_resumable, read_checkpoint
+from glassloop.run_dir import layout
+from glassloop.run_dir.checkpoints import Checkpoint, find_resumable, read_checkpoint
+from glassloop.run_dir.layout import SHARDS
 from glassloop.storage.atomic import atomic_path
 from glassloop.storage.frozen_base import METADATA_KEY as BASE_KEY
 from glassloop.storage.frozen_base import recorded_names
@@ -74,13 +76,13 @@ def read_weights(source: str | Path) -> Weights:
         tensors, metadata = read_safetensors(source)
         config = _json_field(metadata, "glassloop.config.schema", source)
         return Weights(source, tensors, metadata, config, metadata.get(BASE_KEY))
-    if (source / "manifest.json").is_file():
+    if (source / layout.MANIFEST).is_file():
         checkpoint = read_checkpoint(source)
         config = checkpoint.meta.get("config")
-    elif (source / "config.json").is_file():
-        config = _json_file(source / "config.json")
-        if (source / "model.safetensors").is_file():
-            final = source / "model.safetensors"
+    elif (source / layout.CONFIG).is_file():
+        config = _json_file(source / layout.CONFIG)
+        if (source / layout.WEIGHTS).is_file():
+            final = source / layout.WEIGHTS
             tensors, metadata = read_safetensors(final)
             return Weights(final, tensors, metadata, config, metadata.get(BASE_KEY))
         found, problems = find_resumable(source)

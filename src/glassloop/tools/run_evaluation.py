@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from glassloop.best import is_number
 from glassloop.errors import GlassloopError, writing
+from glassloop.run_dir import layout
 
 if TYPE_CHECKING:
     from glassloop.config.assemble import Built
@@ -102,7 +103,7 @@ def report_run(run_dir: str | Path, *, trust_code: bool = False) -> Path:
     ...                                    "train.epochs=1", "train.progress=none"])
     >>> run = glassloop.build(cfg, run_dir=run_dir)
     >>> _ = run.trainer.fit(run.train_loader, run.val_loader, epochs=1)
-    >>> report_run(run_dir) == run_dir / "report" / "index.html"
+    >>> report_run(run_dir) == run_dir / layout.REPORT / "index.html"
     True
     >>> tmp.cleanup()
     """
@@ -111,13 +112,13 @@ def report_run(run_dir: str | Path, *, trust_code: bool = False) -> Path:
     from glassloop.tracking.runs import read_json
 
     run_dir = Path(run_dir)
-    if not (run_dir / "config.json").is_file():
+    if not (run_dir / layout.CONFIG).is_file():
         raise GlassloopError(f"report: '{run_dir}' is not a run directory (no config.json)")
-    written = writing("report", run_dir / "report", "the run's own files are unchanged")
+    written = writing("report", run_dir / layout.REPORT, "the run's own files are unchanged")
     try:  # (unreadable is an error: never taken for a run made in Python)
-        config = read_json(run_dir / "config.json")
+        config = read_json(run_dir / layout.CONFIG)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise GlassloopError(f"report: '{run_dir / 'config.json'}' is unreadable: {err}") from None
+        raise GlassloopError(f"report: '{run_dir / layout.CONFIG}' is unreadable: {err}") from None
     if made_in_python(config):
         # Its model and data live in the user's code: the report of its files (curves,
         # metrics), without a fresh evaluation.

@@ -27,6 +27,7 @@ import torch
 from glassloop.callbacks import AnyTrainer, Callback
 from glassloop.distributed.preemption import die_with_parent
 from glassloop.errors import CheckpointError
+from glassloop.run_dir import layout
 from glassloop.run_dir.checkpoints import latest_pointer, read_checkpoint
 from glassloop.step.throughput import TIMING
 from glassloop.storage.serialization import flatten
@@ -64,11 +65,11 @@ def fingerprints(run_dir: Path) -> dict[str, str]:
     """The digests of a finished run: ``weights`` (RUN_DIR/model.safetensors), and from its
     last checkpoint ``optimizer``, ``other state``, ``rng`` and ``numbers`` (the history)."""
     latest = latest_pointer(run_dir)
-    if latest is None or not (run_dir / "model.safetensors").is_file():
+    if latest is None or not (run_dir / layout.WEIGHTS).is_file():
         raise CheckpointError(f"verify-resume: '{run_dir}' holds no finished run")
     checkpoint = read_checkpoint(latest)
     state = checkpoint.state
-    weights, _ = read_safetensors(run_dir / "model.safetensors")
+    weights, _ = read_safetensors(run_dir / layout.WEIGHTS)
     parts = ("loop", "scheduler", "scaler", "ema", "data", "callbacks")
     history = [{k: v for k, v in row.items() if k not in TIMING} for row in state["history"]]
     return {

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from glassloop.run_dir import layout
 from glassloop.storage.redaction import redacted
 
 
@@ -85,8 +86,8 @@ def recorded_folder(source: Path) -> Path | None:
     >>> recorded_folder(Path("no/such/run")) is None
     True
     """
-    places = [source / "run.json", source / "meta.json", source.parent / "run.json"]
-    places.append(source.parent.parent / "run.json")  # RUN/checkpoints/step-N
+    places = [source / layout.STATUS, source / layout.META, source.parent / layout.STATUS]
+    places.append(source.parent.parent / layout.STATUS)  # RUN/checkpoints/step-N
     for place in places:
         try:
             info = json.loads(place.read_text(encoding="utf-8"))

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from glassloop.errors import GlassloopError
+from glassloop.run_dir import layout
 from glassloop.storage.atomic import atomic_path, own_dir
 from glassloop.storage.file_names import file_name
 
@@ -41,9 +42,9 @@ def write_report(
     from matplotlib.ticker import MaxNLocator, PercentFormatter
 
     run_dir = Path(run_dir)
-    if not (run_dir / "metrics.jsonl").is_file():
+    if not (run_dir / layout.METRICS_JSONL).is_file():
         raise GlassloopError(f"report: '{run_dir}' is not a run directory (no metrics.jsonl)")
-    out = own_dir(run_dir / "report")
+    out = own_dir(run_dir / layout.REPORT)
 
     def curves(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
         figure = Figure(figsize=(6, 4))
@@ -228,8 +229,8 @@ def _html(
     report: str,
     left_out: list[str],
 ) -> str:
-    info = read_json_object(run_dir / "run.json")
-    config = read_json_object(run_dir / "config.json")
+    info = read_json_object(run_dir / layout.STATUS)
+    config = read_json_object(run_dir / layout.CONFIG)
     last = rows[-1] if rows else {}
     summary = summarise(run_dir)
     policy = config.get("checkpoint")

@@ -26,14 +26,9 @@ from glassloop.checkpoint.background import SaveTimes
 from glassloop.distributed.world import SINGLE, World, unwrap_model
 from glassloop.errors import CheckpointError, GlassloopError, write_failure
 from glassloop.options import RunInfo, TrackingConfig
-from glassloop.run_dir.checkpoints import (
-    BEST,
-    CHECKPOINTS,
-    LATEST,
-    STEP_DIR,
-    clean_temporaries,
-    require_run_dir,
-)
+from glassloop.run_dir import layout
+from glassloop.run_dir.checkpoints import clean_temporaries, require_run_dir
+from glassloop.run_dir.layout import CHECKPOINTS, LATEST, STEP_DIR
 from glassloop.run_dir.lock import RunLock
 from glassloop.run_dir.remote import Usable, open_run_dir
 from glassloop.state import TrainState
@@ -145,24 +140,24 @@ class RunLog:
         # (A backend that is not installed is refused before anything is written.)
         self._tracker = make_tracker(self.tracking)
         # When the run began (a resumed run keeps its first start), for `glassloop runs`.
-        earlier = None if fresh else read_json_object(self.run_dir / "run.json").get("started")
+        earlier = None if fresh else read_json_object(self.run_dir / layout.STATUS).get("started")
         self._started = earlier if isinstance(earlier, str) else _now()
         try:
             if not fresh:  # rows a killed process wrote after its last checkpoint go
                 truncate_rows(self.run_dir, step, epoch)
-            write_json(self.run_dir / "config.json", config)
+            write_json(self.run_dir / layout.CONFIG, config)
             write_json(
-                self.run_dir / "run.json",
+                self.run_dir / layout.STATUS,
                 {"status": "running", "started": self._started, **info.versions},
             )
             self._sinks = [
-                CSVSink(self.run_dir / "metrics.csv", fields, fresh=fresh),
-                JSONLSink(self.run_dir / "metrics.jsonl", fresh=fresh),
+                CSVSink(self.run_dir / layout.METRICS_CSV, fields, fresh=fresh),
+                JSONLSink(self.run_dir / layout.METRICS_JSONL, fresh=fresh),
             ]
         except OSError as err:
             raise self.failure(err) from err
         if self.tensorboard:
-            self._sinks.append(TensorBoardSink(own_dir(self.run_dir / "tensorboard")))
+            self._sinks.append(TensorBoardSink(own_dir(self.run_dir / layout.TENSORBOARD)))
         if self._tracker is not None:
             self._tracker.start(self.run_dir, config, resume=not fresh, step=step)
 
@@ -299,8 +294,8 @@ class RunLog:
                 written = self.report(evaluation, predicted_vs_true=predicted_vs_true, final=True)
             if self._tracker is not None:
                 assert self.run_dir is not None  # a tracker exists only with a run directory
-                files = sorted((self.run_dir / "report").glob("*"))
-                self._tracker.finish(status, [*files, self.run_dir / "model.safetensors"])
+                files = sorted((self.run_dir / layout.REPORT).glob("*"))
+                self._tracker.finish(status, [*files, self.run_dir / layout.WEIGHTS])
                 self._tracker = None
         except (OSError, CheckpointError) as err:
             assert self.run_dir is not None
@@ -346,12 +341,12 @@ class RunLog:
             # a transformers or peft model's configuration: glassloop export --format hf
             metadata.update(describe(model, set(tensors)))
             model = tensors
-        save_weights(model, self.run_dir / "model.safetensors", metadata)
+        save_weights(model, self.run_dir / layout.WEIGHTS, metadata)
 
     def write_status(self, status: str, info: dict[str, Any]) -> None:
         assert self.run_dir is not None
         times = {"started": self._started, "ended": _now()} if self._started else {}
-        write_json(self.run_dir / "run.json", {"status": status, **times, **info})
+        write_json(self.run_dir / layout.STATUS, {"status": status, **times, **info})
 
     def finish_again(self, model: nn.Module, epochs: int) -> str:
         """Resuming a finished run: write the final files a kill left out (finishing is
@@ -370,12 +365,12 @@ class RunLog:
         assert self.run_dir is not None
         missing = []
         try:
-            if not (self.run_dir / "model.safetensors").is_file():
+            if not (self.run_dir / layout.WEIGHTS).is_file():
                 self.write_weights(weights, self.info.model_spec)
-                missing.append("model.safetensors")
+                missing.append(layout.WEIGHTS)
             if _status(self.run_dir) != "finished":
                 self.write_status("finished", self._status_info())
-                missing.append("run.json")
+                missing.append(layout.STATUS)
         except OSError as err:
             raise self.failure(err) from err
         return missing
@@ -388,33 +383,17 @@ def final_weights(model: nn.Module) -> nn.Module | dict[str, torch.Tensor]:
 
 
 TEMPORARY = re.compile(r"\.(.+)\.tmp(?:-\d+)?")  # atomic_path's name for a file being written
-# What glassloop writes in a run directory (checkpoints/ and report/ are checked inside too).
-OWN_NAMES = (
-    ".lock",
-    "config.json",
-    "run.json",
-    "metrics.csv",
-    "metrics.jsonl",
-    "model.safetensors",
-    CHECKPOINTS,
-    BEST,
-    "report",
-    "tensorboard",
-    "tracking.json",
-    "wandb",
-    "profile",
-)
 
 
 def refuse_links(run_dir: Path) -> None:
     """Stop before anything is written when a symbolic link sits where glassloop keeps its
     own files (a checkpoint or ``best/`` linked to another disk, a prepared run directory):
     glassloop never writes, replaces or deletes through one, so the run could not go on."""
-    found = [run_dir / name for name in OWN_NAMES if (run_dir / name).is_symlink()]
+    found = [run_dir / name for name in layout.OWN_NAMES if (run_dir / name).is_symlink()]
     owned_folders = (
         (run_dir / CHECKPOINTS, STEP_DIR.pattern),
-        (run_dir / "report", ""),
-        (run_dir / "profile", ""),
+        (run_dir / layout.REPORT, ""),
+        (run_dir / layout.PROFILE, ""),
     )
     for folder, owned in owned_folders:
         if folder.is_dir() and not folder.is_symlink():
@@ -434,7 +413,7 @@ def refuse_links(run_dir: Path) -> None:
 
 
 def _status(run_dir: Path) -> str | None:
-    status = read_json_object(run_dir / "run.json").get("status")
+    status = read_json_object(run_dir / layout.STATUS).get("status")
     return status if isinstance(status, str) else None
 
 

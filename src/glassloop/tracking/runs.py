@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from glassloop.best import best_epoch, shown
+from glassloop.run_dir import layout
 from glassloop.tracking.console import format_duration
 
 
@@ -29,7 +30,7 @@ class RunSummary:
 def summarise(run_dir: Path) -> RunSummary | None:
     """The summary of one run directory, or ``None`` if it is not one."""
     try:
-        info = read_json(run_dir / "run.json")
+        info = read_json(run_dir / layout.STATUS)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, RecursionError):
@@ -83,7 +84,7 @@ def read_rows(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     """The rows of one ``kind`` ("epoch", "step", "val", "losses") of
     ``RUN_DIR/metrics.jsonl`` (none if it is missing or unreadable); a line cut short by a
     kill, one that is not a row or not UTF-8 text, is skipped."""
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / layout.METRICS_JSONL
     if not path.is_file():
         return []
     try:  # (undecodable bytes, a damaged or foreign file: that line is skipped, not the rest)
@@ -134,7 +135,7 @@ def read_json(path: Path) -> Any:
 def best_of(run_dir: Path, rows: list[dict[str, Any]]) -> str:
     """The best epoch as :mod:`glassloop.best` defines it (the run's ``checkpoint.monitor``,
     default val_loss), named: ``"val_loss 0.1735 (epoch 8)"``."""
-    policy = read_json_object(run_dir / "config.json").get("checkpoint")
+    policy = read_json_object(run_dir / layout.CONFIG).get("checkpoint")
     policy = policy if isinstance(policy, dict) else {}
     try:
         best = best_epoch(rows, str(policy.get("monitor") or ""), str(policy.get("mode") or "auto"))
@@ -156,7 +157,7 @@ def final_of(rows: list[dict[str, Any]]) -> str:
 def list_runs(root: Path) -> list[RunSummary]:
     """Every run directory directly under ``root`` (or ``root`` itself), newest first (by
     the time it started, else the time its run.json was written)."""
-    candidates = [root] if (root / "run.json").is_file() else list(root.iterdir())
+    candidates = [root] if (root / layout.STATUS).is_file() else list(root.iterdir())
     found = [s for s in (summarise(p) for p in candidates if p.is_dir()) if s is not None]
     return sorted(found, key=_start_time, reverse=True)
 
@@ -166,7 +167,7 @@ def _start_time(summary: RunSummary) -> float:
         return datetime.datetime.fromisoformat(summary.started).timestamp()
     except ValueError:
         try:
-            return (summary.path / "run.json").stat().st_mtime
+            return (summary.path / layout.STATUS).stat().st_mtime
         except OSError:
             return 0.0
 

@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from glassloop.run_dir import layout
 from glassloop.storage.atomic import atomic_path, open_own
 
 
@@ -127,7 +128,7 @@ def truncate_rows(run_dir: Path, max_step: int, max_epoch: int) -> None:
     after it): rows of a later step, and epoch rows of an epoch it had not finished (an
     epoch's row has the step of the checkpoint taken at its last batch, before the epoch's
     end was recorded). A resumed run's files then hold each step and each epoch once."""
-    for name in ("metrics.jsonl", "metrics.csv"):
+    for name in (layout.METRICS_JSONL, layout.METRICS_CSV):
         path = run_dir / name
         if not path.is_file():
             continue

@@ -24,6 +24,7 @@ from glassloop.checkpoint.background import SaveTimes
 from glassloop.distributed.fsdp import class_name
 from glassloop.distributed.world import World, unwrap_model
 from glassloop.options import CheckpointConfig
+from glassloop.run_dir import layout
 from glassloop.state import TrainState
 from glassloop.tracking.launched import since_launch
 
@@ -233,7 +234,7 @@ def end_summary(trainer: Described, report: Path | None) -> str:
             f"each, written in {saves['total_s']:.2f} s ({saves['gb_per_s']:.2f} GB/s; medians)"
         )
     if trainer.run_dir is not None:
-        where = f"weights: {trainer.run_dir / 'model.safetensors'}"
+        where = f"weights: {trainer.run_dir / layout.WEIGHTS}"
         lines.append(where + (f"; report: {report}" if report is not None else ""))
     return "\n".join(lines)
 

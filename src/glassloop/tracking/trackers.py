@@ -42,6 +42,7 @@ from typing import Any
 from glassloop.best import is_number
 from glassloop.errors import ConfigError
 from glassloop.options import TrackingConfig
+from glassloop.run_dir import layout
 from glassloop.storage.atomic import atomic_path
 from glassloop.storage.redaction import redact, redacted_output, remember_secrets
 from glassloop.storage.serialization import dotted
@@ -65,12 +66,12 @@ class Tracker:
     def start(self, run_dir: Path, params: dict[str, Any], *, resume: bool, step: int = 0) -> None:
         """Create the run (or, resuming at ``step``, continue the one ``tracking.json``
         names) and log the flattened config as its params."""
-        saved = read_json_object(run_dir / "tracking.json") if resume else {}
+        saved = read_json_object(run_dir / layout.TRACKING) if resume else {}
         previous = str(saved["run_id"]) if saved.get("run_id") else None
         self.run_id = self._call(self._open, run_dir, dotted(params), previous, step)
         if self.run_id is not None and previous is None:
             record = {"backend": self.name, "run_id": self.run_id, **self._where()}
-            with atomic_path(run_dir / "tracking.json") as tmp:
+            with atomic_path(run_dir / layout.TRACKING) as tmp:
                 tmp.write_text(json.dumps(record))
 
     def log(self, row: dict[str, Any]) -> None:
@@ -350,7 +351,7 @@ def check_tracked(run_dir: Path, uri: str = "") -> tuple[bool, str]:
     difference (the first three are named); wall-clock numbers (samples/s, seconds) are
     each run's own measure and not compared. ``uri``: the store (default: what
     ``tracking.json`` recorded, then ``MLFLOW_TRACKING_URI``)."""
-    saved = read_json_object(run_dir / "tracking.json")
+    saved = read_json_object(run_dir / layout.TRACKING)
     backend, run_id = saved.get("backend"), saved.get("run_id")
     if backend != "mlflow" or not run_id:
         what = "no tracked run" if not run_id else f"tracked in {backend}: not read here"
