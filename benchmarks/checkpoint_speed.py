@@ -15,7 +15,7 @@ deleted before each timed run (not timed). Medians over ``--repeats``:
 2. ``torch.save({"model": ..., "optimizer": ...})`` to one file, flush, ``os.fsync``.
 3. DCP: ``torch.distributed.checkpoint.save(..., no_dist=True)`` (one process, no process
    group); its FileSystemWriter fsyncs its own files (``sync_files=True``, the default).
-4. glassloop sync: ``glassloop.run_dir.checkpoints.commit_checkpoint`` (safetensors, fsync of
+4. glassloop sync: ``glassloop.run_dir.local_store.LocalStore.commit`` (safetensors, fsync of
    every file, SHA-256 manifest, atomic rename of ``checkpoints/step-N``, the ``latest`` pointer).
 5. glassloop async: ``Checkpointer(..., CheckpointConfig(async_save=True))``: "blocking" is
    ``save()`` (returns once the state is copied), "total" until ``wait()`` returns (the
@@ -51,7 +51,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from glassloop.checkpoint.checkpointer import Checkpointer
 from glassloop.options import CheckpointConfig
-from glassloop.run_dir.checkpoints import commit_checkpoint, refuse_not_finite
+from glassloop.run_dir.checkpoints import refuse_not_finite
+from glassloop.run_dir.local_store import LocalStore
 from glassloop.state import TrainState
 from glassloop.storage.snapshot import snapshot
 
@@ -60,7 +61,7 @@ LABELS = {
     "disk": "disk: `os.write` + fsync",
     "torch.save": "`torch.save` + fsync",
     "DCP": "DCP `save` (one process)",
-    "glassloop sync": "glassloop `commit_checkpoint`",
+    "glassloop sync": "glassloop `LocalStore.commit`",
 }
 
 # The resume, in a fresh process: what a restarted job does before its first step.
@@ -157,7 +158,7 @@ def measure(millions: int, root: Path, repeats: int) -> tuple[Path, int]:
         state = {"optimizer": optimizer.state_dict()}
         refuse_not_finite(out["glassloop sync"], model, step)  # (as the checkpointer's save)
         saved.append(
-            commit_checkpoint(out["glassloop sync"], snapshot(model, state, {"step": step}))
+            LocalStore(out["glassloop sync"]).commit(snapshot(model, state, {"step": step}))
         )
 
     runs: dict[str, Callable[[], None]] = {

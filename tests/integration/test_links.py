@@ -17,11 +17,9 @@ from cli_runner import run_glassloop, sets
 from glassloop.run_dir.checkpoints import (
     MARKER,
     clean_temporaries,
-    commit_best,
-    commit_checkpoint,
-    prune,
     remove_marked,
 )
+from glassloop.run_dir.local_store import LocalStore
 from glassloop.run_dir.lock import RunLock
 from glassloop.storage.atomic import ForeignPathError, atomic_path, open_own, remove_tree
 from glassloop.storage.snapshot import snapshot as snapshot_of
@@ -138,10 +136,10 @@ def test_replacing_a_checkpoint_never_follows_a_link_in_its_place(
     before = snapshot(victims["dir"])
     plant(run / "checkpoints" / "step-00000004", victims["dir"])
     with pytest.raises(ForeignPathError, match="is a symbolic link"):
-        commit_checkpoint(run, snapshot_of(model, state, meta))
+        LocalStore(run).commit(snapshot_of(model, state, meta))
     plant(run / "best", victims["dir"])
     with pytest.raises(ForeignPathError, match="is a symbolic link"):
-        commit_best(run, snapshot_of(model, state, meta))
+        LocalStore(run).commit(snapshot_of(model, state, meta), best=True)
     assert snapshot(victims["dir"]) == before
     # Nothing was left behind by the refused writes either.
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
@@ -150,7 +148,7 @@ def test_replacing_a_checkpoint_never_follows_a_link_in_its_place(
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
     with pytest.raises(ForeignPathError, match="not a checkpoint glassloop wrote"):
-        commit_checkpoint(run, snapshot_of(model, state, {**meta, "step": 6}))
+        LocalStore(run).commit(snapshot_of(model, state, {**meta, "step": 6}))
     assert (foreign / "notes.txt").read_text() == "mine"
 
 
@@ -181,7 +179,7 @@ def test_deleting_never_follows_a_link(tmp_path: Path, victims: dict[str, Path])
         plant(run / "checkpoints" / name, victims["dir"])
         plant(run / name, victims["dir"] if "latest" not in name else victims["file"])
     clean_temporaries(run)
-    prune(run, keep_last=1)
+    LocalStore(run).prune(keep_last=1)
     assert all((run / "checkpoints" / n).is_symlink() and (run / n).is_symlink() for n in names)
     assert {kind: snapshot(path) for kind, path in victims.items()} == before
 

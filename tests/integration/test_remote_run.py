@@ -258,11 +258,11 @@ def test_the_local_copy_is_never_a_folder_of_someone_else(cache: Path) -> None:
 def commit(run_dir: Path, step: int, rows: int) -> Path:
     """A committed local checkpoint of ``step`` whose state.json has ``rows`` rows (the
     same step saved again, as at an epoch's end, differs in size)."""
-    from glassloop.run_dir.checkpoints import commit_checkpoint
+    from glassloop.run_dir.local_store import LocalStore
     from glassloop.storage.snapshot import snapshot
 
     state = {"history": [{"x": i} for i in range(rows)], "w": torch.zeros(3)}
-    return commit_checkpoint(run_dir, snapshot(nn.Linear(4, 4), state, {"step": step}))
+    return LocalStore(run_dir).commit(snapshot(nn.Linear(4, 4), state, {"step": step}))
 
 
 def on_first_put(remote: Any, action: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,6 +25,7 @@ from glassloop.data import make_loader
 from glassloop.errors import NonFiniteError
 from glassloop.options import CheckpointConfig
 from glassloop.run_dir.checkpoints import read_checkpoint
+from glassloop.run_dir.local_store import LocalStore
 from glassloop.step.throughput import TIMING
 
 
@@ -145,7 +146,6 @@ def test_a_checkpoint_on_an_epochs_last_batch_resumes(tmp_path: Path) -> None:
 def test_best_and_the_recorded_best_never_disagree_after_a_kill(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import glassloop.checkpoint.checkpointer as checkpointer
 
     writes = {"n": 0}
 
@@ -158,8 +158,7 @@ def test_best_and_the_recorded_best_never_disagree_after_a_kill(
 
         return write
 
-    monkeypatch.setattr(checkpointer, "commit_checkpoint", counted(checkpointer.commit_checkpoint))
-    monkeypatch.setattr(checkpointer, "commit_best", counted(checkpointer.commit_best))
+    monkeypatch.setattr(LocalStore, "commit", counted(LocalStore.commit))
     val = DataLoader(dataset(48), batch_size=16)
     options = {"checkpoint": {"monitor": "train_loss"}}
     with pytest.raises(Kill):

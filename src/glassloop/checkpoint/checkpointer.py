@@ -47,12 +47,9 @@ from glassloop.run_dir.checkpoints import (
     Checkpoint,
     begin_staging,
     checkpoints_dir,
-    commit_best,
-    commit_checkpoint,
     find_resumable,
     last_good,
     not_finite,
-    prune,
     read_checkpoint,
     refuse_not_finite,
     remove_marked,
@@ -62,6 +59,7 @@ from glassloop.run_dir.checkpoints import (
     step_dirs,
 )
 from glassloop.run_dir.layout import BEST, SHARDS
+from glassloop.run_dir.local_store import LocalStore
 from glassloop.run_dir.remote import RemoteRun
 from glassloop.state import EpochRecord, TrainState
 from glassloop.storage.frozen_base import FrozenBase, adapter_alone, recorded_names
@@ -262,12 +260,11 @@ class Checkpointer:
     def _commit(self, snap: Snapshot, *, best: bool, staged: Path | None) -> Path:
         """Write ``snap`` (as ``best/``, or as a step's checkpoint, then prune)."""
         assert self.run_dir is not None
-        if best:
-            target = commit_best(self.run_dir, snap, staged=staged)
-        else:
-            target = commit_checkpoint(self.run_dir, snap, staged=staged)
+        store = LocalStore(self.run_dir)
+        target = store.commit(snap, best=best, staged=staged)
+        if not best:
             with self.remote.protected() if self.remote else contextlib.nullcontext() as busy:
-                prune(self.run_dir, self.policy.keep_last, keep=busy)  # (never one uploading)
+                store.prune(self.policy.keep_last, keep=busy)  # (never one uploading)
         if self.remote is not None:  # uploaded in the background, in order
             self.remote.push_checkpoint(target)
         return target

@@ -34,21 +34,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from glassloop.errors import CheckpointError, write_failure
+from glassloop.errors import CheckpointError
 from glassloop.errors import CheckpointWriteError as CheckpointWriteError
 from glassloop.run_dir import layout
-from glassloop.run_dir.layout import BEST, CHECKPOINTS, LATEST, SHARDS, STEP_DIR
 from glassloop.run_dir.layout import CHECKPOINT_FILES as FILES
+from glassloop.run_dir.layout import CHECKPOINTS, LATEST, SHARDS, STEP_DIR
 from glassloop.storage.atomic import (
     NOFOLLOW,
     ForeignPathError,
-    atomic_path,
     fsync_dir,
     fsync_file,
-    own_dir,
     refuse_link,
     remove_tree,
-    replace_own,
 )
 from glassloop.storage.hashed_files import write_digested, write_safetensors
 from glassloop.storage.serialization import (
@@ -147,12 +144,12 @@ def step_dirs(run_dir: Path) -> list[Path]:
     found = [
         p
         for p in root.iterdir()
-        if STEP_DIR.match(p.name) and p.is_dir() and not p.is_symlink() and _looks_ours(p)
+        if STEP_DIR.match(p.name) and p.is_dir() and not p.is_symlink() and looks_ours(p)
     ]
     return sorted(found, key=lambda p: p.name)
 
 
-def _looks_ours(path: Path) -> bool:
+def looks_ours(path: Path) -> bool:
     """A folder glassloop wrote, committed or damaged: it holds the marker, a manifest or
     one of the checkpoint files."""
     return any(os.path.lexists(path / name) for name in (MARKER, layout.MANIFEST, *FILES))
@@ -239,9 +236,10 @@ def mark(folder: Path) -> None:
     os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | NOFOLLOW, 0o644))
 
 
-def write_checkpoint_dir(target: Path, snap: Snapshot, *, staged: Path | None = None) -> None:
-    """Write a complete checkpoint into ``target`` atomically (see the module docstring): each
-    file hashed while it is written and fsync'd once, the manifest last, then the folder.
+def stage_checkpoint(target: Path, snap: Snapshot, *, staged: Path | None = None) -> Path:
+    """Write a complete checkpoint for ``target`` into its staging folder (returned): each
+    file hashed while it is written and fsync'd once, the manifest last, then the folder; a
+    store's ``write`` puts it in place (:class:`glassloop.run_dir.local_store.LocalStore`).
 
     ``snap.weights=None``: a sharded checkpoint, whose tensors the processes already wrote into
     ``staged/shards/`` (:mod:`glassloop.distributed.fsdp`); the manifest covers those files too."""
@@ -278,58 +276,11 @@ def write_checkpoint_dir(target: Path, snap: Snapshot, *, staged: Path | None = 
         }
         write_digested(tmp / layout.MANIFEST, [json.dumps(manifest, indent=1).encode("utf-8")])
         fsync_dir(tmp)
-        commit_dir(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError, ForeignPathError):
             remove_marked(tmp)
         raise
-
-
-def commit_dir(tmp: Path, target: Path) -> None:
-    """Rename the staged folder ``tmp`` to ``target``. An existing ``target`` must be a folder
-    glassloop wrote (a checkpoint of the same step, ``best/``): it is swapped out with two
-    renames (a cut between them is undone at the next start) and removed after. A link or
-    a folder of someone else's there is refused and left as it is."""
-    if not os.path.lexists(refuse_link(target)):
-        replace_own(tmp, target)
-    elif not (target.is_dir() and _looks_ours(target)):
-        raise ForeignPathError(
-            f"checkpoint: '{target}' exists and is not a checkpoint glassloop wrote; "
-            "glassloop left it untouched: move it away, or choose another run directory"
-        )
-    else:
-        old = target.parent / f"{OLD_PREFIX}{target.name}-{os.getpid()}"
-        mark(target)
-        replace_own(target, old)
-        try:
-            replace_own(tmp, target)
-        except BaseException:
-            os.replace(old, target)  # put the previous one back before reporting
-            raise
-        # Committed: a failure to remove the previous one leaves a marked ".old-" folder
-        # that the next start removes.
-        with contextlib.suppress(OSError):
-            remove_marked(old)
-    fsync_dir(target.parent)
-
-
-def commit_checkpoint(run_dir: Path, snap: Snapshot, *, staged: Path | None = None) -> Path:
-    """Write ``snap`` as ``checkpoints/step-<step>/`` and move ``latest`` to it; return its
-    path. A checkpoint of the same step is replaced: the state after an epoch's end
-    (evaluation, scheduler step, history) differs from the state after its last batch. A
-    failed write removes its temporary directory, keeps every earlier checkpoint and raises
-    :class:`CheckpointWriteError` naming the last good one (the weights were checked to be
-    finite before the snapshot was taken: :func:`refuse_not_finite`)."""
-    root = checkpoints_dir(run_dir)
-    target = root / step_dir_name(snap.step)
-    try:
-        own_dir(root)
-        write_checkpoint_dir(target, snap, staged=staged)
-        with atomic_path(root / LATEST) as tmp:
-            tmp.write_text(target.name + "\n", encoding="utf-8")
-    except OSError as err:
-        raise write_failure(target, err, last_good(run_dir)) from err
-    return target
+    return tmp
 
 
 def last_good(run_dir: Path) -> str:
@@ -349,46 +300,6 @@ def not_finite(step: int, last_good: str) -> CheckpointError:
         f"checkpoint: the weights at step {step} are not finite (NaN/inf); not saving them "
         f"over good checkpoints. Last good checkpoint: {last_good}"
     )
-
-
-def commit_best(run_dir: Path, snap: Snapshot, *, staged: Path | None = None) -> Path:
-    """Write ``snap`` as ``RUN_DIR/best/`` (replacing the previous best), atomically."""
-    target = Path(run_dir) / BEST
-    try:
-        write_checkpoint_dir(target, snap, staged=staged)
-    except OSError as err:
-        raise CheckpointWriteError(
-            f"checkpoint: could not write '{target}': {err.strerror or err}; the previous "
-            "best checkpoint is intact"
-        ) from err
-    return target
-
-
-def prune(run_dir: Path, keep_last: int, keep: Path | None = None) -> list[Path]:
-    """Delete all but the newest ``keep_last`` of our checkpoints; never the one ``latest``
-    names, nor ``keep`` (one being uploaded), nor a folder glassloop did not create."""
-    if keep_last < 1:
-        return []
-    ours = list_checkpoints(run_dir)
-    kept = set(ours[-keep_last:])
-    latest = latest_pointer(run_dir)
-    removed = []
-    for path in ours:
-        if path not in kept and path not in (latest, keep):
-            # Renamed out of the way first: a kill half-way through the deletion leaves a
-            # ".trash-" directory that the next start removes, never a damaged step folder.
-            trash = path.parent / f"{TRASH_PREFIX}{path.name}-{os.getpid()}"
-            try:
-                mark(path)
-                replace_own(path, trash)
-                remove_marked(trash)
-            except OSError as err:
-                raise CheckpointWriteError(
-                    f"checkpoint: could not remove the old checkpoint '{path}': "
-                    f"{err.strerror or err}; the newer checkpoints are intact"
-                ) from err
-            removed.append(path)
-    return removed
 
 
 def verify_files(path: Path) -> bool:

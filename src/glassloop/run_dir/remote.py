@@ -51,18 +51,18 @@ from urllib.parse import urlsplit
 
 from glassloop.errors import CheckpointError, CheckpointWriteError, GlassloopError
 from glassloop.run_dir import layout
-from glassloop.run_dir.checkpoints import MARKER, SAFE_NAME, mark, remove_marked, verify_files
+from glassloop.run_dir.checkpoints import MARKER, mark, remove_marked
+from glassloop.run_dir.fsspec_store import FsspecStore
 from glassloop.run_dir.layout import (
     BEST,
     CHECKPOINTS,
     LATEST,
     RUN_FILES,
     RUN_FOLDERS,
-    STEP_DIR,
     WEIGHTS,
 )
 from glassloop.run_dir.lock import RunLock
-from glassloop.storage.atomic import atomic_path, own_dir, remove_tree, replace_own
+from glassloop.storage.atomic import atomic_path, own_dir, remove_tree
 from glassloop.storage.cache import cache_dir
 from glassloop.storage.file_names import is_url
 from glassloop.storage.redaction import redacted, remember_secrets
@@ -141,6 +141,10 @@ class RemoteRun:
         # can fill RUN while no other process on this machine uses it.
         self.container = local if local is not None else local_copy_root() / digest
         self.local = self.container / "run"
+        # Its checkpoints (glassloop.run_dir.store's guarantees), read into the local copy.
+        self.store = FsspecStore(
+            self.fs, self.root, self.local, shown=self.shown, bucket=self.bucket
+        )
         self.keep_last = 0  # (set by the checkpointer: what pruning keeps)
         self.say: Callable[[str], None] = print
         self.lock = threading.Lock()  # the upload's choice of checkpoint against local pruning
@@ -219,7 +223,7 @@ class RemoteRun:
             with contextlib.suppress(AttributeError):
                 self.fs.invalidate_cache()  # (another process may have written since)
             self.check_bucket()
-            there = self._remote_steps(complete=True)
+            there = self.store.complete()
             found, problems = self._download_newest(there, usable=usable)
             if there and found is None:
                 raise CheckpointError(
@@ -228,8 +232,8 @@ class RemoteRun:
                 )
             for name in RUN_FILES:
                 self._download_if_there(self.remote(name), self.local / name)
-            if self._has_manifest(self.remote(BEST)):
-                self._download_newest([BEST], folder=self.remote(BEST), target=self.local / BEST)
+            if self.store.has_manifest(BEST):
+                self._download_newest([BEST])
         except GlassloopError:
             raise
         except Exception as err:  # OSError, and a driver's own (botocore, aiohttp, ...)
@@ -247,17 +251,11 @@ class RemoteRun:
         own_dir(self.local)
 
     def _download_newest(
-        self,
-        names: list[str],
-        *,
-        folder: str | None = None,
-        target: Path | None = None,
-        usable: Usable | None = None,
+        self, names: list[str], *, usable: Usable | None = None
     ) -> tuple[str | None, list[str]]:
         """The newest of the remote checkpoints ``names`` whose files verify and that
-        ``usable`` takes, downloaded (a missing object, a bad manifest, a failed check: the
-        next older one, with a line; ``folder``/``target``: one folder elsewhere, e.g.
-        ``best/``); what failed, each."""
+        ``usable`` takes, read into the local copy (a missing object, a bad manifest, a
+        failed check: the next older one, with a line); what failed, each."""
         problems = []
         # (not OSError: a store that cannot be read is an error, never a fall back)
         failed = (
@@ -269,10 +267,9 @@ class RemoteRun:
             RecursionError,
         )
         for name in reversed(names):
-            into = target if target is not None else self.local / CHECKPOINTS / name
+            into = self.local / BEST if name == BEST else self.local / CHECKPOINTS / name
             try:
-                self._download_dir(folder or self.remote(CHECKPOINTS, name), into)
-                verify_files(into)
+                self.store.read(name)
                 if usable is not None:
                     usable(into)
             except failed as err:  # (a manifest nested 200,000 deep: RecursionError)
@@ -282,26 +279,11 @@ class RemoteRun:
                 if os.path.lexists(into):
                     remove_marked(into)
                 continue
-            if target is None:
+            if name != BEST:
                 with atomic_path(self.local / CHECKPOINTS / LATEST) as tmp:
                     tmp.write_text(name + "\n", encoding="utf-8")
             return name, problems
         return None, problems
-
-    def _remote_steps(self, *, complete: bool) -> list[str]:
-        """The remote ``step-`` folders, oldest first (``complete``: those with a manifest)."""
-        try:
-            entries = self.fs.ls(self.remote(CHECKPOINTS), detail=False)
-        except FileNotFoundError:
-            return []
-        names = sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in entries})
-        steps = [n for n in names if STEP_DIR.match(n)]
-        if complete:
-            steps = [n for n in steps if self._has_manifest(self.remote(CHECKPOINTS, n))]
-        return steps
-
-    def _has_manifest(self, folder: str) -> bool:
-        return bool(self.fs.exists(f"{folder}/manifest.json"))
 
     def _download_if_there(self, source: str, target: Path) -> None:
         """``source`` into ``target`` through a temporary file beside it (never a link)."""
@@ -309,33 +291,6 @@ class RemoteRun:
             return
         with atomic_path(target) as tmp:
             self.fs.get_file(source, str(tmp))
-
-    def _download_dir(self, source: str, target: Path) -> None:
-        """The files a remote checkpoint's manifest lists (nothing else), into a staging
-        folder renamed to ``target``; verified by the caller."""
-        manifest = json.loads(self.fs.cat_file(f"{source}/manifest.json"))
-        files = manifest.get("files") if isinstance(manifest, dict) else None
-        if not isinstance(files, dict):
-            raise CheckpointError(f"checkpoint: {self.shown}: {source} has no file list")
-        own_dir(target.parent)
-        staging = target.with_name(f".tmp-{target.name}-{os.getpid()}")
-        if os.path.lexists(staging):
-            remove_tree(staging)
-        own_dir(staging)
-        mark(staging)
-        try:
-            for name in [*sorted(files), layout.MANIFEST]:
-                if not SAFE_NAME.match(name) or ".." in name:
-                    raise CheckpointError(f"checkpoint: {source}: the manifest names {name!r}")
-                local = staging / name
-                own_dir(local.parent)
-                self.fs.get_file(f"{source}/{name}", str(local))
-        except BaseException:
-            remove_marked(staging)
-            raise
-        if os.path.lexists(target):  # (a local one of the same name, not verifying)
-            remove_marked(target)
-        replace_own(staging, target)
 
     # ------------------------------------------------------------------------- push
     def push_checkpoint(self, path: Path) -> None:
@@ -418,40 +373,13 @@ class RemoteRun:
             self.uploading = None
 
     def _upload_checkpoint(self, path: Path) -> None:
-        """Objects first, each checked against the manifest's size; then the run's files (a
-        resume from this checkpoint finds the metric rows up to its step in the bucket); the
-        manifest last, read back; then ``latest``; then pruning. An earlier upload of the
-        same folder loses its manifest first (no longer complete while its objects change)."""
-        try:
-            manifest_bytes = (path / layout.MANIFEST).read_bytes()
-        except FileNotFoundError:
-            return  # (swapped for the same step saved again: its own upload is queued)
-        files = json.loads(manifest_bytes)["files"]
-        where = self.remote(BEST) if path.name == BEST else self.remote(CHECKPOINTS, path.name)
-        if self.fs.exists(f"{where}/manifest.json"):
-            self.fs.rm_file(f"{where}/manifest.json")
-        try:
-            for name, entry in sorted(files.items()):
-                if (path / name).is_symlink():  # (never read through a link)
-                    raise OSError(f"'{path / name}' is a symbolic link")
-                self._makedirs(f"{where}/{name}".rsplit("/", 1)[0])
-                self.fs.put_file(str(path / name), f"{where}/{name}")
-                size = self.fs.info(f"{where}/{name}")["size"]
-                if size != entry["size"]:
-                    raise OSError(f"{name} has {size} bytes after upload, not {entry['size']}")
-        except OSError:
-            if _replaced(path, manifest_bytes):
-                return  # the same step saved again meanwhile: its own upload is queued
-            raise
-        if _replaced(path, manifest_bytes):
-            return  # (replaced with files of the same sizes: the queued upload redoes it)
-        if path.name != BEST:  # the metric rows up to this step, before it is visible
-            self._upload_run_files(final=False)
-        self.fs.pipe_file(f"{where}/manifest.json", manifest_bytes)
-        if self.fs.cat_file(f"{where}/manifest.json") != manifest_bytes:
-            raise OSError(f"{where}/manifest.json does not read back as written")
+        """The run's files as they are now (a resume from this checkpoint finds the metric
+        rows up to its step in the bucket), then the checkpoint, complete once its manifest
+        is in (:meth:`glassloop.run_dir.fsspec_store.FsspecStore.write`); then pruning."""
         if path.name != BEST:
-            self.fs.pipe_file(self.remote(CHECKPOINTS, LATEST), (path.name + "\n").encode())
+            self._upload_run_files(final=False)
+        self.store.write(path.name, path)
+        if path.name != BEST and self.store.has_manifest(path.name):
             self._prune(path.name)
 
     def _prune(self, latest: str) -> None:
@@ -461,16 +389,11 @@ class RemoteRun:
         incomplete one older than ``latest`` (a kill's leftovers), each manifest first."""
         if self.keep_last < 1:
             return
-        complete = self._remote_steps(complete=True)
-        keep = set(complete[-max(self.keep_last, 2) :]) | {latest}
-        for name in self._remote_steps(complete=False):
-            if name in keep or name > latest:
-                continue
-            folder = self.remote(CHECKPOINTS, name)
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(f"{folder}/manifest.json")
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(folder, recursive=True)
+        complete = self.store.complete()
+        kept = set(complete[-max(self.keep_last, 2) :])
+        for name in self.store.steps(complete=False):
+            if name not in kept and name < latest:
+                self.store.remove(name)
 
     def _upload_run_files(self, *, final: bool = True) -> None:
         """The run's files as they are now: read whole first (the metric files grow while
@@ -479,13 +402,13 @@ class RemoteRun:
         checkpoint): never the final weights nor a run.json that says the run finished,
         which training may have written while this checkpoint's upload waited its turn:
         the bucket says "finished" only after its final checkpoint (the end's own upload)."""
-        self._makedirs(self.root)
+        self.store.makedirs(self.root)
         for folder in RUN_FOLDERS:
             if (self.local / folder).is_symlink() or not (self.local / folder).is_dir():
                 continue
             for file in sorted((self.local / folder).glob("[!.]*")):
                 if file.is_file() and not file.is_symlink():
-                    self._makedirs(self.remote(folder))
+                    self.store.makedirs(self.remote(folder))
                     with contextlib.suppress(FileNotFoundError):  # (replaced meanwhile)
                         self.fs.pipe_file(self.remote(folder, file.name), file.read_bytes())
         for name in RUN_FILES:
@@ -501,12 +424,6 @@ class RemoteRun:
                 continue
             self.fs.pipe_file(self.remote(name), data)
 
-    def _makedirs(self, folder: str) -> None:
-        """``folder`` made where folders are real (``memory://``, a mounted disk); an object
-        store has none, and its driver's makedirs would create a bucket deleted since."""
-        if self.bucket is None:
-            self.fs.makedirs(folder, exist_ok=True)
-
     def shown_path(self, path: Path) -> str:
         """``path`` of the local copy as the remote run's URL (secrets replaced)."""
         try:
@@ -517,14 +434,6 @@ class RemoteRun:
     def state_info(self) -> dict[str, Any]:
         """What run.json says of it: the URL (secrets replaced) and the local copy."""
         return {"remote": self.shown, "local_copy": str(self.local)}
-
-
-def _replaced(path: Path, manifest: bytes) -> bool:
-    """Whether the local checkpoint ``path`` is no longer the one whose manifest was read."""
-    try:
-        return (path / layout.MANIFEST).read_bytes() != manifest
-    except OSError:
-        return True
 
 
 def _says_finished(data: bytes) -> bool:
