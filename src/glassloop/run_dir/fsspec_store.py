@@ -38,6 +38,10 @@ class FsspecStore:
     def where(self, name: str) -> str:
         return f"{self.root}/{BEST}" if name == BEST else f"{self.root}/{CHECKPOINTS}/{name}"
 
+    def shown_of(self, name: str) -> str:
+        """``name`` as messages show it: under the URL (secrets replaced)."""
+        return f"{self.shown}/{BEST}" if name == BEST else f"{self.shown}/{CHECKPOINTS}/{name}"
+
     def write(self, name: str, folder: Path) -> None:
         """``folder``'s files (the manifest's list) first, each checked against its size, the
         manifest last, read back; then ``latest`` for a step's. ``folder`` replaced meanwhile
@@ -93,7 +97,11 @@ class FsspecStore:
         to the local copy's ``checkpoints/<name>`` (``best/``), each verified."""
         source = self.where(name)
         target = self.local / BEST if name == BEST else self.local / CHECKPOINTS / name
-        manifest = json.loads(self.fs.cat_file(f"{source}/{MANIFEST}"))
+        self._refuse_link(source)
+        try:
+            manifest = json.loads(self.fs.cat_file(f"{source}/{MANIFEST}"))
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint: '{self.shown_of(name)}' has no manifest") from None
         files = manifest.get("files") if isinstance(manifest, dict) else None
         if not isinstance(files, dict):
             raise CheckpointError(f"checkpoint: {self.shown}: {source} has no file list")
@@ -109,7 +117,13 @@ class FsspecStore:
                     raise CheckpointError(f"checkpoint: {source}: the manifest names {file!r}")
                 local = staging / file
                 own_dir(local.parent)
-                self.fs.get_file(f"{source}/{file}", str(local))
+                self._refuse_link(f"{source}/{file}")
+                try:
+                    self.fs.get_file(f"{source}/{file}", str(local))
+                except FileNotFoundError:
+                    raise CheckpointError(
+                        f"checkpoint: '{self.shown_of(name)}': {file} is missing"
+                    ) from None
         except BaseException:
             remove_marked(staging)
             raise

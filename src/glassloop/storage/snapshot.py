@@ -44,7 +44,7 @@ def snapshot(
     meta: dict[str, Any],
     to_host: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Snapshot:
-    """What :func:`write_checkpoint_dir` writes of ``model`` (``None``: a sharded run's
+    """What :func:`glassloop.run_dir.checkpoints.stage_checkpoint` writes of ``model`` (``None``: a sharded run's
     weights, staged by its processes), ``state`` and ``meta``, taken now (``to_host``: how a
     tensor reaches the CPU, e.g. a copy that training cannot change). Raises
     :class:`CheckpointError` for a state that cannot be stored without pickle."""
