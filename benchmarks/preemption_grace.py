@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/preemption_grace.py --stops 10 --seed 7
 
-A run of the preemption test's config (tests/integration/test_preemption.py: 480 training
+A run of the preemption test's config (tests/checkpoint/test_preemption.py: 480 training
 samples, a validation of 10 batches every 5 steps and at each epoch's end, the model pausing
 10 ms in each forward) is started, sent SIGTERM at a random moment after its start header
 (every other stop: just after a validation has begun), SIGKILLed if it is still there 3 s
@@ -85,12 +85,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
     chosen = random.Random(args.seed)
-    test = (ROOT / "tests/integration/test_preemption.py").read_text(encoding="utf-8")
+    test = (ROOT / "tests/checkpoint/test_preemption.py").read_text(encoding="utf-8")
     config = re.search(r'CONFIG = """(.*?)"""', test, re.DOTALL)
     assert config is not None
     folder = Path(tempfile.mkdtemp(prefix="glassloop-grace-"))
     try:
-        shutil.copy(ROOT / "tests/integration/preemptible_model.py", folder / "preemptible.py")
+        shutil.copy(ROOT / "tests/checkpoint/preemptible_model.py", folder / "preemptible.py")
         (folder / "cfg.toml").write_text(config.group(1), encoding="utf-8")
         rows = []
         for i in range(args.stops):

@@ -6,7 +6,7 @@ a resume may change it in ``option(...)``, and its description in the docstring 
 (:func:`check_options`, :func:`rules`), the ``[train]`` schema (``TrainConfig``
 extends :class:`TrainOptions`), the config → Trainer mapping, what a run built in Python
 records and what a resume compares (:func:`resume_safe`). A new option is written twice:
-here and in the Trainer's signature (``tests/unit/test_trainer_arguments.py`` checks that they
+here and in the Trainer's signature (``tests/loop/test_trainer_arguments.py`` checks that they
 agree).
 
 Also here, torch-free for the same reason, the Trainer's other argument types:

@@ -104,7 +104,7 @@ class SchedulerConfig:
 # The default optimizer's keyword arguments as the resolved config records them (its own
 # numeric defaults, read off AdamW's signature by glassloop.config.optimizers.optimizer_kwargs), so
 # that reading a config that leaves [optim] alone needs no torch (importing it takes ~1.7 s).
-# tests/unit/test_config.py checks them against the installed torch's.
+# tests/config/test_config.py checks them against the installed torch's.
 DEFAULT_OPTIM_KWARGS: dict[str, Any] = {
     "betas": (0.9, 0.999),
     "eps": 1e-08,

@@ -44,8 +44,8 @@ def snapshot(
     meta: dict[str, Any],
     to_host: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Snapshot:
-    """What :func:`glassloop.run_dir.checkpoints.stage_checkpoint` writes of ``model`` (``None``: a sharded run's
-    weights, staged by its processes), ``state`` and ``meta``, taken now (``to_host``: how a
+    """What a checkpoint holds of ``model`` (``None``: a sharded run's weights, staged by its
+    processes), ``state`` and ``meta``, taken now (``to_host``: how a
     tensor reaches the CPU, e.g. a copy that training cannot change). Raises
     :class:`CheckpointError` for a state that cannot be stored without pickle."""
     try:

@@ -1,4 +1,4 @@
-"""The runs of tests/integration/test_every_number.py: one task's data, model and loss, and a
+"""The runs of tests/loop/test_every_number.py: one task's data, model and loss, and a
 script that trains them with glassloop in a process of its own (under torchrun for two
 processes), checkpointing every step, optionally killing itself with SIGKILL at a step, and
 writing every number glassloop reports into ``RUN_DIR/numbers.json``.

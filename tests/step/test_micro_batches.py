@@ -5,7 +5,7 @@
 16, says so, and ends with the weights and every reported number of the run that took the
 batches whole (to fp32 rounding: the sums are taken in another order; measured: weights within
 3.0e-8, every reported number within 1.1e-7 relative). Two processes settle
-on the same plan when only one of them runs out of memory: tests/integration/test_distributed.py.
+on the same plan when only one of them runs out of memory: tests/distributed/test_distributed.py.
 """
 
 from __future__ import annotations

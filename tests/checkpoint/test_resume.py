@@ -24,7 +24,7 @@ from glassloop.step.throughput import TIMING
 # Its tests share module fixtures: one worker of `make test` runs them all, in order.
 pytestmark = pytest.mark.xdist_group("test_resume")
 
-KILLABLE = Path(__file__).with_name("killable_model.py")  # copied next to the config
+KILLABLE = Path(__file__).parents[1] / "killable_model.py"  # copied next to the config
 
 # 480 training samples / batch 32 = 15 steps per epoch; 3 epochs = 45 steps. Shuffling,
 # dropout, AdamW and a per-step cosine schedule; a checkpoint every 4 steps and per epoch.

@@ -1,5 +1,5 @@
 """Fine-tuning as people do it (issue 36): LoRA on a tiny LLaMA-style model built from a config,
-in fresh processes (tests/integration/lora_run.py). The checkpoints hold the adapter and the
+in fresh processes (tests/tools/lora_run.py). The checkpoints hold the adapter and the
 SHA-256 of the base; a kill -9 and a resume on a rebuilt base end bitwise where the straight run
 ends, another base is refused in one line; the exports load with transformers and peft
 themselves, in a fresh process, and compute bitwise what the trained model computed."""

@@ -21,7 +21,7 @@ from glassloop.step.throughput import TIMING
 # Its tests share module fixtures: one worker of `make test` runs them all, in order.
 pytestmark = pytest.mark.xdist_group("test_distributed")
 
-KILLABLE = Path(__file__).with_name("killable_model.py")  # copied next to the config
+KILLABLE = Path(__file__).parents[1] / "killable_model.py"  # copied next to the config
 
 # 640 training samples = 20 global batches of 32 per epoch (16 per process with 2 processes).
 CONFIG = """

@@ -9,7 +9,7 @@ independent computation in plain PyTorch and scikit-learn written here, and the 
 equal the hand-written loop's (bitwise in one process).
 
 By default a diagonal of the matrix runs (every value of every axis at least once, ~1 min);
-the whole matrix (~10 min): ``GLASSLOOP_MATRIX=full .venv/bin/pytest tests/integration/test_every_number.py``.
+the whole matrix (~10 min): ``GLASSLOOP_MATRIX=full .venv/bin/pytest tests/loop/test_every_number.py``.
 """
 
 from __future__ import annotations

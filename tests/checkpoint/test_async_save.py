@@ -2,7 +2,7 @@
 at the save, never what training changed after it; a failed background save stops the run at
 the next step row or save with its own message and never leaves a half-visible checkpoint;
 ``verify-resume`` (kill -9, resume in a new process) is exact with it on. (The every-number
-matrix runs with it too: tests/integration/test_every_number.py.)"""
+matrix runs with it too: tests/loop/test_every_number.py.)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A LoRA fine-tuning of a tiny LLaMA-style model built from a config (no download), as a user
-writes it; tests/integration/test_fine_tuning.py runs it in fresh processes.
+writes it; tests/tools/test_fine_tuning.py runs it in fresh processes.
 
     python lora_run.py train RUN [--kill-at N]   # N: SIGKILL itself in training forward N
     python lora_run.py resume RUN [--wrong-base] # --wrong-base: first try another base

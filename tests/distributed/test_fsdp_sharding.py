@@ -1,6 +1,6 @@
 """FSDP2 in one process: what is sharded, that accumulation defers the gradient reduction,
 that a sharded (DCP) checkpoint resumes bit for bit, and that it is verified like any other
-checkpoint before anything is loaded. (Two processes: tests/integration/test_fsdp.py.)"""
+checkpoint before anything is loaded. (Two processes: tests/distributed/test_fsdp.py.)"""
 
 from __future__ import annotations
 
