@@ -480,7 +480,7 @@ def test_a_missing_object_falls_back_and_a_failed_final_upload_is_repaired(
     again = trainer(url, keep_last=10)
     again.fit(loader(), epochs=1, resume="auto")
     out = capsys.readouterr().out
-    assert f"{newest}/state.json (after download); falling back to an older one" in out
+    assert f"{newest}': state.json is missing (after download); falling back to an older one" in out
     assert f"resumed from 'memory://bucket/repair/checkpoints/{older}'" in out
     assert fs.exists("/bucket/repair/model.safetensors")
     assert json.loads(fs.cat_file("/bucket/repair/run.json"))["status"] == "finished"
