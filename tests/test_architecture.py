@@ -346,7 +346,7 @@ def layout() -> str:
         for module in members:
             targets = {part_of(t) for t in edges[module] - {"glassloop.errors"}} - {name}
             shown = module.removeprefix("glassloop.") if module != "glassloop" else "glassloop"
-            if module.endswith("__init__") or (name.endswith("/") and shown == name[:-1]):
+            if name.endswith("/") and shown == name[:-1]:
                 shown = name  # the folder's own docstring: what the part is for
             used = ", ".join(sorted(targets, key=FLOOR.__getitem__)) or "—"
             rows.append(f"| {name} | `{shown}` | {job_of(module)} | {used} |")

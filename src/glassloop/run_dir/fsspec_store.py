@@ -38,18 +38,22 @@ class FsspecStore:
     def where(self, name: str) -> str:
         return f"{self.root}/{BEST}" if name == BEST else f"{self.root}/{CHECKPOINTS}/{name}"
 
+    def local_of(self, name: str) -> Path:
+        """Where :meth:`read` puts ``name`` in the local copy."""
+        return self.local / BEST if name == BEST else self.local / CHECKPOINTS / name
+
     def shown_of(self, name: str) -> str:
         """``name`` as messages show it: under the URL (secrets replaced)."""
         return f"{self.shown}/{BEST}" if name == BEST else f"{self.shown}/{CHECKPOINTS}/{name}"
 
-    def write(self, name: str, folder: Path) -> None:
+    def write(self, name: str, folder: Path) -> bool:
         """``folder``'s files (the manifest's list) first, each checked against its size, the
         manifest last, read back; then ``latest`` for a step's. ``folder`` replaced meanwhile
         (the same step saved again): abandoned, ``name`` left incomplete (its own write comes)."""
         try:
             manifest = refuse_link(folder / MANIFEST).read_bytes()
         except FileNotFoundError:
-            return  # (swapped for the same step saved again: its own write follows)
+            return False  # (swapped for the same step saved again: its own write follows)
         files = json.loads(manifest)["files"]
         where = self.where(name)
         self._refuse_link(where)
@@ -66,15 +70,16 @@ class FsspecStore:
                     raise OSError(f"{file} has {size} bytes after upload, not {entry['size']}")
         except OSError:
             if _replaced(folder, manifest):
-                return
+                return False
             raise
         if _replaced(folder, manifest):
-            return  # (replaced with files of the same sizes: its own write redoes it)
+            return False  # (replaced with files of the same sizes: its own write redoes it)
         self.fs.pipe_file(f"{where}/{MANIFEST}", manifest)
         if self.fs.cat_file(f"{where}/{MANIFEST}") != manifest:
             raise OSError(f"{where}/{MANIFEST} does not read back as written")
         if name != BEST:
             self.fs.pipe_file(f"{self.root}/{CHECKPOINTS}/{LATEST}", (name + "\n").encode())
+        return True
 
     def complete(self) -> list[str]:
         return self.steps(complete=True)
@@ -96,7 +101,7 @@ class FsspecStore:
         """The files ``name``'s manifest lists (nothing else), into a staging folder renamed
         to the local copy's ``checkpoints/<name>`` (``best/``), each verified."""
         source = self.where(name)
-        target = self.local / BEST if name == BEST else self.local / CHECKPOINTS / name
+        target = self.local_of(name)
         self._refuse_link(source)
         try:
             manifest = json.loads(self.fs.cat_file(f"{source}/{MANIFEST}"))

@@ -48,7 +48,7 @@ class LocalStore:
     def path(self, name: str) -> Path:
         return self.run_dir / BEST if name == BEST else self.run_dir / CHECKPOINTS / name
 
-    def write(self, name: str, folder: Path) -> None:
+    def write(self, name: str, folder: Path) -> bool:
         """Rename the staged checkpoint ``folder`` to ``name`` (:func:`commit_dir`), then move
         ``latest`` to a step's; a failure removes ``folder``."""
         target = self.path(name)
@@ -63,6 +63,7 @@ class LocalStore:
         if name != BEST:
             with atomic_path(target.parent / LATEST) as tmp:
                 tmp.write_text(name + "\n", encoding="utf-8")
+        return True  # (a rename: never abandoned half-way)
 
     def complete(self) -> list[str]:
         return [path.name for path in list_checkpoints(self.run_dir)]

@@ -267,7 +267,7 @@ class RemoteRun:
             RecursionError,
         )
         for name in reversed(names):
-            into = self.local / BEST if name == BEST else self.local / CHECKPOINTS / name
+            into = self.store.local_of(name)
             try:
                 self.store.read(name)
                 if usable is not None:
@@ -378,8 +378,7 @@ class RemoteRun:
         is in (:meth:`glassloop.run_dir.fsspec_store.FsspecStore.write`); then pruning."""
         if path.name != BEST:
             self._upload_run_files(final=False)
-        self.store.write(path.name, path)
-        if path.name != BEST and self.store.has_manifest(path.name):
+        if self.store.write(path.name, path) and path.name != BEST:
             self._prune(path.name)
 
     def _prune(self, latest: str) -> None:

@@ -30,9 +30,10 @@ from typing import Protocol
 class CheckpointStore(Protocol):
     """Complete checkpoints by name: ``step-00000120`` (a step's) or ``best``."""
 
-    def write(self, name: str, folder: Path) -> None:
+    def write(self, name: str, folder: Path) -> bool:
         """Put the complete local checkpoint ``folder`` (manifest written) in as ``name``;
-        a step's also becomes the newest (``checkpoints/latest``)."""
+        a step's also becomes the newest (``checkpoints/latest``). ``False``: ``folder``
+        was replaced meanwhile and the write abandoned (``name`` left incomplete)."""
         ...
 
     def complete(self) -> list[str]:
