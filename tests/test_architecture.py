@@ -2,7 +2,10 @@
 (docs/architecture.json): every module in exactly one part, every import pointing down the
 drawing (function-local and type-only imports counted), its "never"s, no import cycle, the
 size budgets as ``ruff format`` lays the code out, the command and the config schema
-starting without torch, and the README's layout table generated from the graph.
+starting without torch, and the layout page (docs/architecture.md) generated from the graph.
+
+Budgets only fall: a size budget may rise only in a commit that lowers another by as much
+(each one's history is in the commits that changed it).
 
 ``python tests/test_architecture.py`` rewrites that table after a change."""
 
@@ -246,18 +249,18 @@ def test_the_config_schema_loads_no_torch() -> None:
 # (no `# fmt: skip` or `fmt: off` anywhere in src/: a budget met by switching the formatter
 # off is not met). A class is counted with its glassloop base classes: a base with one
 # subclass moves size, it does not remove it. loop.py: the Trainer class and its imports and
-# module docstring.
-# Budgets only fall: a budget may rise only in a commit that lowers others by as much (the
-# history of each is in the commits that changed it).
+# module docstring. The Trainer's __init__: its signature (an option a line) and the parts it
+# builds, each one call.
 FILE_BUDGETS = {
-    "loop.py": 783,
-    "run_dir/checkpoints.py": 540,
+    "loop.py": 700,
+    "run_dir/checkpoints.py": 450,
     "storage/weights.py": 257,
     "storage/atomic.py": 155,
 }
-CLASS_BUDGETS = {("loop.py", "Trainer"): 720, ("checkpoint/checkpointer.py", "Checkpointer"): 478}
-LOOP_PROPER = ("fit", "_stop_if_signalled", 372)
+CLASS_BUDGETS = {("loop.py", "Trainer"): 650, ("checkpoint/checkpointer.py", "Checkpointer"): 476}
+LOOP_PROPER = ("fit", "_stop_if_signalled", 362)
 TRAIN_STEP = 55
+INIT = 100
 
 
 def test_the_formatter_is_never_switched_off() -> None:
@@ -310,6 +313,7 @@ def test_the_core_keeps_its_size_budget() -> None:
     first, last, budget = LOOP_PROPER
     assert lines_of_methods(first, last) <= budget
     assert lines_of_methods("train_step", "train_step") <= TRAIN_STEP
+    assert lines_of_methods("__init__", "__init__") <= INIT
 
 
 def test_one_trainer_class_and_no_glassloop_base() -> None:

@@ -28,8 +28,7 @@ from glassloop.callbacks import Callback
 from glassloop.checkpoint.checkpointer import Checkpointer
 from glassloop.data.position import epoch_batches, waits_cut
 from glassloop.deprecated import fold_replaced, warn_replaced
-from glassloop.device import move_to_device, resolve_device
-from glassloop.distributed.fsdp import gradient_sync
+from glassloop.device import move_to_device
 from glassloop.distributed.preemption import Preempted, StopRequested, StopSignals
 from glassloop.errors import GlassloopError
 from glassloop.evaluation.evaluate import LossFn, Metric
@@ -37,25 +36,21 @@ from glassloop.evaluation.validator import Validation, Validator
 from glassloop.options import CheckpointConfig, RunInfo, TrackingConfig
 from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.rng import seed_everything, use_deterministic
+from glassloop.run_dir.run import Run
 from glassloop.state import EpochRecord, TrainState, step_loss
 from glassloop.step.gradient_flow import GradientFlow
-from glassloop.step.guards import NonFinitePolicy, NonFiniteWatch
 from glassloop.step.micro_batches import MicroBatches
 from glassloop.step.optim import Schedulers, optimizer_parameters
-from glassloop.step.parallelize import averaged, evaluated, prepare_model
+from glassloop.step.parallelize import averaged, evaluated, place
 from glassloop.step.profiling import StepProfiler, fit_profiler
 from glassloop.step.throughput import Throughput, peak_flops
-from glassloop.step.window import Window, make_window
+from glassloop.step.window import StepLoss, Window, Windows
 from glassloop.storage.redaction import redacted
 from glassloop.tasks import model_loss
 from glassloop.tracking.console import ProgressReporter
-from glassloop.tracking.launched import since_launch
 from glassloop.tracking.provenance import environment
 from glassloop.tracking.run_log import RunLog, python_config
 from glassloop.tracking.summary import end_summary, samples_in, start_header
-
-# What a train_step returns: the step's loss, named losses, or None (skipped).
-StepLoss = torch.Tensor | Mapping[str, torch.Tensor] | None
 
 
 class Trainer:
@@ -80,14 +75,8 @@ class Trainer:
             RUN_DIR/best/ when checkpoint.monitor improved; checkpoint every n epochs
         checkpoint; RUN_DIR/model.safetensors
 
-    Example::
-
-        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=1e-3),
-                          nn.CrossEntropyLoss())
-        history = trainer.fit(train_loader, val_loader, epochs=10)
-        probs = trainer.predict(x_new)
-
-    Every argument is described below (each option's text in :mod:`glassloop.options`).
+    Every argument is described below (each option's text in :mod:`glassloop.options`); the
+    README begins with one in use.
     """
 
     def __init__(
@@ -110,7 +99,7 @@ class Trainer:
         ignore_index: int = -100,
         clip_grad_norm: float | None = None,
         clip_grad_value: float | None = None,
-        nonfinite: str | NonFinitePolicy = "raise",
+        nonfinite: str | guards.NonFinitePolicy = "raise",
         loss_spike: float = 0.0,
         ema_decay: float | None = None,
         compile: bool | Mapping[str, Any] = False,
@@ -146,105 +135,100 @@ class Trainer:
         self.options = {name: value for name, value in locals().items() if name in options.OPTIONS}
         policy, compiled, run_info = fold_replaced(replaced, nonfinite, compile, run_info, locals())
         guards.check_model(model)  # its own train()/eval() in place of nn.Module's, no weights
-        optimizer = optimizers.one_optimizer(optimizer)  # several by name (a GAN's): one
-        scheduler = Schedulers(scheduler) if isinstance(scheduler, Mapping) else scheduler
+        self.optimizer = optimizers.one_optimizer(optimizer)  # several by name (a GAN's): one
+        self.scheduler = Schedulers(scheduler) if isinstance(scheduler, Mapping) else scheduler
+        self.loss_fn, self.precision = loss_fn, precision
+        self.scheduler_interval = scheduler_interval
         # What the model is trained to do (glassloop.tasks), or each head's: what predict
         # returns, the metrics and the checks.
-        task, self.heads = tasks.resolve_heads(task)
-        self.task = tasks.resolve_task(task, loss_fn)
-        # (BCELoss, a final nn.Sigmoid: probabilities already, never through a second one)
-        self.probabilities = tasks.outputs_are_probabilities(outputs, model, loss_fn)
-        # "sum": the loss adds up over a batch (reported per sample; micro-batches add up)
-        self.loss_reduction = tasks.reduction_of(loss_fn, loss_reduction)
+        told = tasks.resolve(task, loss_fn, model, outputs, loss_reduction, train_accuracy)
+        self.task, self.heads, self.probabilities = told.task, told.heads, told.probabilities
+        self.loss_reduction, self.train_accuracy = told.loss_reduction, told.train_accuracy
         self.summed = self.loss_reduction == "sum"  # (read every step: an attribute)
         self.metrics = evaluation.metric_table(metrics, self.task, self.heads)
-        # the training labels got right, counted on the device ([correct, counted]) per step
-        self.train_accuracy = tasks.check_train_accuracy(train_accuracy, self.task, loss_fn)
-        self._correct: torch.Tensor | None = None
         self.validate_every_n_steps, self.limit_batches = validate_every_n_steps, limit_batches
-        if seed is not None:
-            seed_everything(seed)
-        self.deterministic = use_deterministic(deterministic)  # "on", "warn" or "off"
-        # Several processes (torchrun): join their process group; this process's device.
-        resolved = resolve_device(device)
-        self.world = world or distributed.init_from_env(resolved, strategy=strategy)
-        self.device = distributed.local_device(resolved, self.world)
-        self.distributed = self.world.distributed  # (read every step: an attribute)
-        self.precision_note = check_precision(precision, self.device)
-        # Compiled, then under DDP or FSDP2 with several processes (glassloop.step.parallelize);
-        # sharded: an FSDP run's weights and optimizer state, which checkpoints save.
-        self.model, self.sharded = prepare_model(
-            model,
-            optimizer,
-            self.world,
-            self.device,
-            strategy=strategy,
-            precision=precision,
-            compile=compiled,
-            ema=bool(ema_decay),
-            checkpointed=activation_checkpointing,
-        )
-        self._parameters = list(self.model.parameters())
-        optimizers.check_kernels(optimizer)  # on the device: capturable=True needs a GPU
-        self.optimizer, self.loss_fn, self.precision = optimizer, loss_fn, precision
-        self.scheduler, self.scheduler_interval = scheduler, scheduler_interval
-        self.scaler = make_scaler(precision, self.device)
         self.grad_accum_steps, self.loss_weighting = grad_accum_steps, loss_weighting
-        self.ignore_index = ignore_index
-        self.clip_grad_norm = clip_grad_norm or None
+        self.ignore_index, self.nonfinite, self.log_every = ignore_index, policy, log_every
+        self.clip_grad_norm = clip_grad_norm or None  # (0: off, recorded as None)
         self.clip_grad_value = clip_grad_value or None
-        self.nonfinite = policy
-        # LBFGS & co.: step(closure) evaluates forward, loss and backward itself.
-        self.closure_step = optimizers.closure_step(
-            optimizer,
-            precision=precision,
-            clipping=bool(clip_grad_norm or clip_grad_value),
-            nonfinite=policy.policy,
-            processes=self.world.size,
-        )
-        # each batch split into micro-batches that fit ("auto": found in the first steps)
-        self.micro_batches = MicroBatches(
-            micro_batch_size, sharded=self.sharded is not None, closure=self.closure_step
-        )
-        # The default: NaN/inf noticed on the device, read where the loop reads anyway (no
-        # host sync per step); "strict", "skip" and fp16 (its scaler reads) check each step.
-        self.watch = NonFiniteWatch(spike=loss_spike)  # (and finite spikes, when asked)
-        self.deferred_check = policy.policy == "raise" and not self.scaler.is_enabled()
-        # An exponential moving average of the weights (torch's AveragedModel): evaluated
-        # and exported instead of the raw weights when enabled.
         self.ema_decay = ema_decay or None
-        self.ema = averaged(self.model, ema_decay) if ema_decay else None
-        self.log_every = log_every
         self.stop_signals = stop_signals  # each stops the run after a step, with a checkpoint
         self.grace_s = grace_s  # what a scheduler leaves before SIGKILL (said at the first save)
         self.profile = profile  # steps to profile (0: none): glassloop.step.profiling
-        self.profiler: StepProfiler | None = None
         self.callbacks = list(callbacks)
         self.state, self.record = TrainState(), EpochRecord()  # where the loop is, what it saw
         # What the run records and compares on resume (secrets in URIs replaced by ***).
-        self.config = redacted(dict(run_info.config)) if run_info.config is not None else None
-        self.model_spec = dict(run_info.model_spec) if run_info.model_spec is not None else None
-        self.info = RunInfo(self.config, self.model_spec)  # (and fit's versions)
-        # The run directory's two writers, each handed its parts once (a URL: the run log
-        # opens its local copy and the remote run both upload to, glassloop.run_dir.remote).
-        self.run_log = RunLog(
-            run_dir,
-            world=self.world,
-            tensorboard=tensorboard,
-            tracking=tracking,
-            state=self.state,
-            info=self.info,
+        config, spec = run_info.config, run_info.model_spec
+        self.config = redacted(dict(config)) if config is not None else None
+        self.info = RunInfo(self.config, dict(spec) if spec is not None else None)  # (+ fit's)
+        if seed is not None:
+            seed_everything(seed)
+        self.deterministic = use_deterministic(deterministic)  # "on", "warn" or "off"
+        # Where it runs (glassloop.step.parallelize): its processes (torchrun's: their group
+        # joined), this process's device, the model on it, compiled, under DDP or FSDP2
+        # (sharded: an FSDP run's weights and optimizer state, which checkpoints save).
+        how: dict[str, Any] = {"precision": precision, "compile": compiled, "ema": bool(ema_decay)}
+        self.world, self.device, self.model, self.sharded = place(
+            model, self.optimizer, device, world, strategy, activation_checkpointing, **how
         )
-        self.run_dir = self.run_log.run_dir
-        # Only rank 0 talks: the other processes print nothing at all.
-        self.console = ProgressReporter(progress, silent=not self.world.is_main)
+        self.distributed = self.world.distributed  # (read every step: an attribute)
+        self.precision_note = check_precision(precision, self.device)
+        self._parameters = list(self.model.parameters())
+        optimizers.check_kernels(self.optimizer)  # on the device: capturable=True needs a GPU
+        self._step_parts(micro_batch_size, loss_spike)
+        self._run_parts(run_dir, checkpoint, tracking)
+        self._signals, self._train_loader = StopSignals(), cast(Iterable[Any], ())  # fit's
+        self.validator = Validator(None)  # fit's validation sets (glassloop.evaluation.validator)
+
+    def _step_parts(self, micro_batch_size: int | str, loss_spike: float) -> None:
+        """What the step uses besides the model and optimizer: the fp16 scaler, the closure
+        an optimizer like LBFGS steps with, the micro-batches, the non-finite guard, the
+        EMA of the weights and how each step's window is weighted."""
+        self.scaler = make_scaler(self.precision, self.device)
+        # LBFGS & co.: step(closure) evaluates forward, loss and backward itself.
+        clipping, processes = bool(self.clip_grad_norm or self.clip_grad_value), self.world.size
+        self.closure_step = optimizers.closure_step(
+            self.optimizer, self.precision, clipping, self.nonfinite.policy, processes
+        )
+        # each batch split into micro-batches that fit ("auto": found in the first steps)
+        sharded = self.sharded is not None
+        self.micro_batches = MicroBatches(
+            micro_batch_size, sharded=sharded, closure=self.closure_step
+        )
+        # The default: NaN/inf noticed on the device, read where the loop reads anyway (no
+        # host sync per step); "strict", "skip" and fp16 (its scaler reads) check each step.
+        self.watch = guards.NonFiniteWatch(spike=loss_spike)  # (and finite spikes, when asked)
+        self.deferred_check = self.nonfinite.policy == "raise" and not self.scaler.is_enabled()
+        # An exponential moving average of the weights (torch's AveragedModel): evaluated
+        # and exported instead of the raw weights when enabled.
+        self.ema = averaged(self.model, self.ema_decay) if self.ema_decay else None
+        tokens = self.loss_weighting == "tokens" and self.loss_reduction == "mean"
+        own = self.loss_fn is None
+        how: dict[str, Any] = {"precision": self.precision, "device": self.device}
+        self.windows = Windows(
+            self.model, self.world, self.summed, tokens, self.ignore_index, own, **how
+        )
+
+    def _run_parts(
+        self,
+        run: str | Path | None,
+        policy: CheckpointConfig | None,
+        tracking: TrackingConfig | None,
+    ) -> None:
+        """The run directory (its lock, remote copy and save times: :mod:`glassloop.run_dir.
+        run`), handed once to its two writers: the run log (its files, and every row to each
+        destination, the console too: only rank 0 talks) and the checkpointer."""
+        self.run = Run(run, self.world)
+        self.run_dir = self.run.path
+        progress, silent = self.options["progress"], not self.world.is_main
+        self.console = ProgressReporter(progress, silent=silent, record=self.record)
+        writes = {"tensorboard": self.options["tensorboard"], "tracking": tracking}
+        self.run_log = RunLog(self.run, self.console, state=self.state, info=self.info, **writes)
         # weights no gradient reaches, named after a fresh run's first steps (a warning)
-        unwrapped = distributed.unwrap_model(self.model)
-        self.gradient_flow = GradientFlow(unwrapped, self.console.message, loss_fn)
+        self.gradient_flow = GradientFlow(self.model, self.console.message, self.loss_fn)
         self.checkpointer = Checkpointer(
-            self.run_dir,
-            checkpoint,
-            world=self.world,
+            self.run,
+            policy,
             model=self.model,
             shards=self.sharded,
             record=self.record,
@@ -253,18 +237,8 @@ class Trainer:
             info=self.info,
             device=self.device,
             say=self.console.message,
-            remote=self.run_log.remote,
-            times=self.run_log.checkpoint_times,
-            grace_s=grace_s,
+            grace_s=self.grace_s,
         )
-        self.run_log.base = self.checkpointer.final_base(model)  # an adapter's: not in weights
-        self.should_stop = False  # callbacks set it to end the run after this epoch
-        self._signals = StopSignals()
-        self._train_loader: Iterable[Any] = ()
-        self.validator = Validator(None)  # fit's validation sets (glassloop.evaluation.validator)
-        self._checked_first_batch = False
-        self._label_shift: int | None = None  # tokens a model's own loss counts: from t+shift
-        self._failure: str | None = None  # the error a failed fit ended with, for run.json
 
     def fit(
         self,
@@ -286,7 +260,8 @@ class Trainer:
         """
         if not isinstance(epochs, int) or epochs < 1:
             raise GlassloopError(f"train.epochs must be a positive integer, got {epochs!r}")
-        self.should_stop = self._checked_first_batch = False  # a Trainer may fit again
+        # (a Trainer may fit again) should_stop: set by callbacks to end it after this epoch
+        self.should_stop, self._checked_first_batch = False, False
         if resume is None and distributed.restarted():  # torchrun restarted it: go on
             resume = "auto"
         self._train_loader = train_loader
@@ -297,14 +272,14 @@ class Trainer:
             limit=self.limit_batches,
             counted=self.sharded is not None,
             every=self.validate_every_n_steps,
-            sinks=(self.run_log.write, self.console.validation_row),  # mid-epoch rows
+            sinks=(self.run_log.write,),  # mid-epoch rows
         )
         # The config a resume compares (without a config file: the Trainer's options), the
         # versions and git SHA (a git subprocess: only worth it when something is written).
-        self.info.config = self.config or self.python_config()
+        self.info.config = self.config or python_config(self)
         self.info.versions = environment(self.deterministic) if self.run_dir else {}
-        self.checkpointer.attach(self.stateful(), loader=train_loader)  # what a save holds
-        with self.run_log.hold(self.checkpointer.usable):  # its lock, for the whole fit
+        self._attached()  # what a save holds
+        with self.run.hold(self.checkpointer.usable):  # its lock, for the whole fit
             distributed.barrier()  # nobody reads the run dir while rank 0 tidies it
             self.checkpointer.resume(resume, epochs=epochs, allow_config_change=allow_config_change)
             if self.state.epoch >= epochs or self.state.stopped:
@@ -325,7 +300,10 @@ class Trainer:
         self.state.began = time.perf_counter()  # the run's training time: from the header
         self.gradient_flow.start(fresh=self.state.step == 0, sharded=self.sharded is not None)
         status, pairs = "failed", None  # pairs: a regression's outputs and targets, plotted
-        self.profiler = fit_profiler(self.profile, self.world, self.run_dir, self.console.message)
+        self._failure: str | None = None  # the error a failed fit ends with, for run.json
+        self.profiler: StepProfiler | None = fit_profiler(
+            self.profile, self.world, self.run_dir, self.console.message
+        )
         try:
             profiling = self.profiler or contextlib.nullcontext()
             with StopSignals(self.stop_signals) as self._signals, profiling:
@@ -354,8 +332,7 @@ class Trainer:
         finally:
             self.console.close()
             self.checkpointer.close()  # a save in flight commits before the end
-            self.state.end_clock(since_launch())  # (the report's drawing is not training)
-            # The final weights and run.json, then the final report, which shows the end.
+            # The clocks stop; the final weights and run.json, then the final report.
             last: dict[str, Any] = {"evaluation": self.last_eval, "predicted_vs_true": pairs}
             report = self.run_log.finish(status, self.eval_model, error=self._failure, **last)
         self.console.info(end_summary(self, report))
@@ -425,8 +402,10 @@ class Trainer:
             self._checked_first_batch = True
             self.check_first_batch(*micro[0])
         local = sum(batch_size_of(target, inputs) for inputs, target in micro)  # this process's
-        self._correct = None  # (train_accuracy: counted by this step's first forward_backward)
-        window, signum = self._window(self.micro_batches.split(micro))  # (micro_batch_size)
+        # train_accuracy's [right, counted] labels, counted by its first forward_backward
+        self._correct: torch.Tensor | None = None
+        # (micro_batch_size: split; several processes: the stop signal any of them got)
+        window, signum = self.windows.make(self.micro_batches.split(micro), self._signals.received)
         if self.micro_batches.trying:  # "auto", a first step: out of memory halves, retried
             loss, window, signum = self._step_that_fits(micro, window, signum)
         elif self.throughput.counting:  # a fit's first step: its FLOPs, for MFU (GPU only)
@@ -437,7 +416,7 @@ class Trainer:
             self.throughput.add(micro)  # a language model's tokens, for tokens/s
         state.samples_seen += window.samples
         state.batch_in_epoch += len(micro)
-        self.console.advance(local, self.record)
+        self.console.advance(local)
         if loss is not None:  # None: skipped, nothing learned, no step counted
             if self.scheduler is not None and self.scheduler_interval == "step":
                 self.scheduler.step()  # once per optimizer step, never for a skipped one
@@ -464,30 +443,16 @@ class Trainer:
     def _step_that_fits(
         self, micro: list[tuple[Inputs, Any]], window: Window, signum: int | None
     ) -> tuple[StepLoss, Window, int | None]:
-        """``micro_batch_size="auto"``, one of the first steps: the step, retried from the
-        same state with micro-batches half as large after an out-of-memory error; several
-        processes try it without reducing gradients first, and agree
-        (:mod:`glassloop.step.micro_batches`). The loss, and the window and signal it ran with."""
+        """``micro_batch_size="auto"``, a first step: retried from the same state with half as
+        many rows after an out-of-memory error (:mod:`glassloop.step.micro_batches`)."""
         plan = self.micro_batches
         while not (tried := plan.attempt(self, window)).fits:  # (undone: RNG, buffers, grads)
             plan.halve(micro)
             self._correct = None  # (what the failed try counted)
-            window, signum = self._window(plan.split(micro))
+            window, signum = self.windows.make(plan.split(micro), self._signals.received)
         if (line := plan.settled(micro)) is not None:
             self.console.message(line)
         return tried.loss, window, signum
-
-    def _window(self, micro: list[tuple[Inputs, Any]]) -> tuple[Window, int | None]:
-        """The step's :class:`Window` and under DDP the stop signal of any process
-        (:func:`glassloop.step.window.make_window`)."""
-        shift, weighed = None, len(micro) > 1 or self.distributed  # (alone: the loss as is)
-        if weighed and self.loss_weighting == "tokens" and self.loss_reduction == "mean":
-            if self._label_shift is None and self.loss_fn is None:  # the model's own loss
-                args = (*micro[0], self.ignore_index, self.device, self.precision)
-                self._label_shift = evaluation.label_shift(self.model, *args)  # HF LMs: by one
-            shift = self._label_shift or 0
-        got = self._signals.received  # (a stop signal: agreed in the step's collective)
-        return make_window(micro, self.world, self.summed, shift, self.ignore_index, got)
 
     def train_step(self, window: Window) -> StepLoss:
         """One optimizer step over ``window`` (``grad_accum_steps`` micro-batches, fewer at the
@@ -526,7 +491,7 @@ class Trainer:
         ):
             # Several processes: gradients are reduced across them only in the window's last
             # micro-batch's backward (DDP's no_sync, FSDP's requires_gradient_sync).
-            with gradient_sync(self.model, i == last):
+            with fsdp.gradient_sync(self.model, i == last):
                 with autocast(self.precision, self.device):
                     output = self.model(*args, **kwargs)  # forward
                     # The model's own loss (e.g. a Hugging Face model given labels) or ours.
@@ -607,12 +572,9 @@ class Trainer:
         """Record the epoch, let callbacks see it, track the best, checkpoint per policy."""
         for callback in self.callbacks:  # before the row is written: they may add to it
             callback.on_epoch_end(self, row)
-        if self.run_dir is not None:  # every step's loss, for the report (one host read)
-            losses = self.record.step_losses(self.world)
-            self.run_log.write_losses(row["epoch"], row["step"], losses)
+        self.run_log.write_losses(row, self.record)  # every step's, for the report
         self.record.end_epoch(row)
-        self.run_log.write(row)
-        self.console.epoch_end(row, epochs)
+        self.run_log.write(row)  # (to every destination: the files, the console, ...)
         self.state.stopped = self.should_stop  # a stopped run stays finished on resume
         best = self.checkpointer.better(row, self.state.best_metric)
         if best is not None:
@@ -643,7 +605,6 @@ class Trainer:
         self.checkpointer.poll()  # (a background save that failed stops the run here)
         self.watch.check(self.state, self.world)  # (a NaN since the last row stops here)
         value = step_loss(loss, self.world)  # a host sync, only every log_every steps
-        self.console.log_step(value, sum(self.record.sizes))
         norm = None if self.state.grad_norm is None else float(self.state.grad_norm)
         self.run_log.write_step(loss=value, lr=self.optimizer.param_groups[0]["lr"], grad_norm=norm)
 
@@ -652,20 +613,7 @@ class Trainer:
         """The first-batch guard (:func:`glassloop.step.guards.check_first_batch`; the rest:
         :func:`glassloop.doctor`). Override it to replace it, or with ``pass`` to switch it
         off (e.g. for a model that keeps state between steps)."""
-        guards.check_first_batch(
-            distributed.unwrap_model(self.model),
-            inputs,
-            target,
-            precision=self.precision,
-            device=self.device,
-            ignore_index=self.ignore_index,
-            task=self.task,
-            own_loss=self.loss_fn is None,
-            cross_entropy=isinstance(self.loss_fn, nn.CrossEntropyLoss),  # no softmax before
-            rows=self.micro_batches.rows or (1 if self.micro_batches.auto else None),  # fits
-            say=None if self.state.step else self.console.message,
-            read_as_logits=self.options["outputs"] == "auto" and not self.probabilities,
-        )
+        guards.check_trainers_first_batch(self, inputs, target)
 
     # ----------------------------------------------------------------------- checkpoints
     def stateful(self) -> dict[str, Any]:
@@ -676,8 +624,7 @@ class Trainer:
         loader = self._train_loader
         return {
             "loop": self.state,
-            # (FSDP: the weights' and the optimizer's shards, see
-            # glassloop.distributed.fsdp.ShardedState)
+            # (FSDP: the weights' and optimizer's shards, glassloop.distributed.fsdp.ShardedState)
             "optimizer": self.sharded if self.sharded is not None else self.optimizer,
             "scheduler": self.scheduler,
             "scaler": self.scaler if self.scaler.is_enabled() else None,
@@ -690,28 +637,21 @@ class Trainer:
         """Everything but the weights that an exact resume needs (a collective with several
         processes): :meth:`stateful`, the epoch's losses, callbacks, RNG, the loss-spike
         guard's window (:meth:`glassloop.checkpoint.checkpointer.Checkpointer.state_dict`)."""
-        self.checkpointer.attach(self.stateful(), loader=self._train_loader)
-        return self.checkpointer.state_dict()
+        return self._attached().state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the weights are the model's own to load)."""
-        self.checkpointer.attach(self.stateful(), loader=self._train_loader)
-        self.checkpointer.load_state_dict(state)
+        self._attached().load_state_dict(state)
 
     def save_checkpoint(self, *, finished: bool = False, best: bool = False) -> Path | None:
         """Replaced by ``trainer.checkpointer.save()``; works, with a warning, until 0.2."""
         warn_replaced("Trainer.save_checkpoint()", "trainer.checkpointer.save()")
-        self.checkpointer.attach(self.stateful(), loader=self._train_loader)
-        return self.checkpointer.save(finished=finished, best=best)
+        return self._attached().save(finished=finished, best=best)
 
-    def python_config(self) -> dict[str, Any]:
-        """What a run built in Python (no config file) records and a resume compares: what
-        it was given (:func:`glassloop.tracking.run_log.python_config`) and every option as this
-        Trainer resolved it (its attribute of the same name, where it keeps one)."""
-        resolved = {name: getattr(self, name, value) for name, value in self.options.items()}
-        resolved["task"] = self.heads or self.task  # (a task per head: the heads')
-        given = (self.model, self.optimizer, self.loss_fn, self.scheduler, self.scheduler_interval)
-        return python_config(*given, resolved)
+    def _attached(self) -> Checkpointer:
+        """The checkpointer, handed what a save holds (what ``fit`` does first)."""
+        self.checkpointer.attach(self.stateful(), loader=self._train_loader)
+        return self.checkpointer
 
     @property
     def last_grad_norm(self) -> torch.Tensor | float | None:
@@ -740,20 +680,7 @@ class Trainer:
         plus ``metrics``. Override it to add your own: returned numbers become ``val_*``.
         In a multi-process FSDP job every process calls it with its shard (a loader with a
         ``len()``: shards may differ by a batch)."""
-        with autocast(self.precision, self.device):
-            return evaluation.evaluate(
-                self.eval_model,
-                self.console.validation(loader),
-                self.loss_fn,
-                task=self.task,
-                device=self.device,
-                loss_reduction=self.loss_reduction,
-                ignore_index=self.ignore_index,
-                metrics=self.metrics,
-                heads=self.heads,
-                outputs="probabilities" if self.probabilities else "logits",
-                live=self.console.live_validation if self.console.bar else None,  # the bar's
-            )
+        return evaluation.evaluate_with(self, loader)
 
     def predict(
         self,
@@ -767,17 +694,7 @@ class Trainer:
         mode; with a task per head every head's, in a dict by name (a tuple for a model that
         returns one: :func:`~glassloop.evaluation.evaluate.predict_heads`; hence ``Any``).
         In a multi-process FSDP job every process calls it, each with its own data."""
-        common: dict[str, Any] = {"batch_size": batch_size, "device": self.device}
-        model = self.eval_model
-        with autocast(self.precision, self.device):
-            if self.heads:
-                return evaluation.predict_heads(model, data, self.heads, **common)
-            # (a loss of the user's says nothing: the outputs as they are)
-            task = tasks.predicted_task(self.task, self.loss_fn, self.last_eval)
-            probs = self.probabilities
-            return evaluation.predict(
-                model, data, task=task, classes=classes, probabilities=probs, **common
-            )
+        return evaluation.predict_with(self, data, batch_size, classes)
 
 
 Trainer.__doc__ = (Trainer.__doc__ or "") + options.described()  # the options, one entry each

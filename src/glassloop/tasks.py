@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -76,6 +76,36 @@ FUNCTION_TASKS = {
     F.huber_loss: "regression",
     F.smooth_l1_loss: "regression",
 }
+
+
+class Resolved(NamedTuple):
+    """What a model is trained to do, as the Trainer resolves it once (:func:`resolve`)."""
+
+    task: str  # the model's (with a task per head: "custom")
+    heads: dict[str, str] | None  # each head's task, or None
+    probabilities: bool  # its outputs are probabilities already: never through a second one
+    loss_reduction: str  # "sum": the loss adds up over a batch (reported per sample)
+    train_accuracy: bool  # the training labels it gets right are counted each step
+
+
+def resolve(
+    task: str | Mapping[str, str],
+    loss_fn: Any,
+    model: nn.Module,
+    outputs: str = "auto",
+    loss_reduction: str = "auto",
+    train_accuracy: bool = False,
+) -> Resolved:
+    """The Trainer's ``task``, ``outputs``, ``loss_reduction`` and ``train_accuracy``
+    resolved against its ``model`` and ``loss_fn``, each refused in one line where it does
+    not fit (:func:`resolve_heads`, :func:`resolve_task`, :func:`outputs_are_probabilities`,
+    :func:`reduction_of`, :func:`check_train_accuracy`)."""
+    task, heads = resolve_heads(task)
+    task = resolve_task(task, loss_fn)
+    probabilities = outputs_are_probabilities(outputs, model, loss_fn)
+    reduction = reduction_of(loss_fn, loss_reduction)
+    counted = check_train_accuracy(train_accuracy, task, loss_fn)
+    return Resolved(task, heads, probabilities, reduction, counted)
 
 
 def resolve_task(task: str, loss_fn: Any) -> str:
@@ -386,3 +416,36 @@ def check_same_shape(prediction: torch.Tensor, target: Any, where: str) -> None:
             "broadcast them and compare every output with every target): reshape the target "
             "(e.g. y.unsqueeze(1)) or the output (out.squeeze(1))"
         )
+
+
+def own_shift(
+    loss: torch.Tensor, prediction: torch.Tensor, target: Any, ignore_index: int
+) -> int | None:
+    """How a model that computed its own loss lines its per-token predictions up with the
+    labels: ``0`` (position t predicts label t), ``1`` (Hugging Face causal LMs shift inside:
+    position t predicts label t+1), found by recomputing its loss both ways; ``None`` when
+    neither gives the model's loss, so token metrics cannot be computed as the model counts
+    them and are not reported (comparing unshifted labels gave an accuracy that never moved
+    while the loss fell). Per-sample predictions are taken as they are (``0``)."""
+    per_token = (
+        isinstance(target, torch.Tensor)
+        and not target.is_floating_point()
+        and target.ndim == 2
+        and prediction.ndim == 3
+        and prediction.shape[:2] == target.shape
+    )
+    if not per_token:
+        return 0
+    for shift in (0, 1):
+        scores = prediction[:, : prediction.shape[1] - shift].reshape(-1, prediction.shape[-1])
+        labels = target[:, shift:].reshape(-1)
+        recomputed = F.cross_entropy(scores.float(), labels, ignore_index=ignore_index)
+        if torch.isclose(recomputed, loss.detach().float(), rtol=1e-3, atol=1e-5):
+            return shift
+    warnings.warn(
+        "evaluate: the model's own loss is not the cross-entropy of its logits with the "
+        "labels as given, nor shifted by one token; token accuracy is not reported (only "
+        "the model's loss)",
+        stacklevel=3,
+    )
+    return None

@@ -24,6 +24,7 @@ from glassloop.config.schema import Config, TrainConfig
 from glassloop.errors import GlassloopError
 from glassloop.options import ARGUMENTS, RunInfo, TrainOptions, docs, resume_safe
 from glassloop.step.guards import NonFinitePolicy
+from glassloop.tracking.run_log import python_config
 
 # Its tests share module fixtures: one worker of `make test` runs them all, in order.
 pytestmark = pytest.mark.xdist_group("test_trainer_arguments")
@@ -96,7 +97,7 @@ def test_a_new_option_is_checked_and_recorded_from_the_table_alone() -> None:
     with pytest.raises(ConfigError, match=r"^config: train.stop_signals\[0\] must be one of"):
         from_dict({"train": {"stop_signals": ["STOP"]}})
     assert from_dict({"train": {"stop_signals": ["USR1"]}}).train.stop_signals == ["USR1"]
-    recorded = make(stop_signals=["USR1"]).python_config()
+    recorded = python_config(make(stop_signals=["USR1"]))
     assert recorded["stop_signals"] == ["USR1"]
     assert set(OPTIONS) <= set(recorded)
     assert "stop_signals" in resume_safe(TrainOptions)
@@ -186,13 +187,13 @@ def test_replaced_names_still_work_with_a_warning() -> None:
     assert (old.nonfinite.policy, old.nonfinite.max_skips) == ("skip", 3)
     with pytest.warns(DeprecationWarning, match="run_info=RunInfo"):
         spec = make(config={"a": 1}, model_spec={"b": 2})
-    assert (spec.config, spec.model_spec) == ({"a": 1}, {"b": 2})
+    assert (spec.config, spec.info.model_spec) == ({"a": 1}, {"b": 2})
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new names warn about nothing
         new = make(
             nonfinite=NonFinitePolicy("skip", max_skips=3), run_info=RunInfo({"a": 1}, {"b": 2})
         )
-    assert (new.nonfinite.max_skips, new.config, new.model_spec) == (3, {"a": 1}, {"b": 2})
+    assert (new.nonfinite.max_skips, new.config, new.info.model_spec) == (3, {"a": 1}, {"b": 2})
 
 
 def test_an_unknown_argument_is_a_type_error() -> None:

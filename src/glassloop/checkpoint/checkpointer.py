@@ -6,7 +6,7 @@ The Trainer hands it the model, the record and the guard when it is built and th
 parts once per ``fit`` (:meth:`Checkpointer.attach`, as torchtitan's ``states=``); the loop
 then saves with one call and resumes with one::
 
-    checkpointer = Checkpointer(run_dir, CheckpointConfig(every_n_steps=100), model=model)
+    checkpointer = Checkpointer(Run(run_dir), CheckpointConfig(every_n_steps=100), model=model)
     checkpointer.attach({"loop": state, "optimizer": optimizer}, loader=train_loader)
     checkpointer.resume("auto", epochs=10)
     if checkpointer.due_after_step(step):
@@ -28,11 +28,11 @@ from torch import nn
 
 import glassloop.distributed.fsdp as fsdp
 from glassloop.best import improves, is_number, monitor_mode
-from glassloop.checkpoint.background import BackgroundSave, SaveTimes
+from glassloop.checkpoint.background import BackgroundSave
 from glassloop.checkpoint.resume import check_training_state, config_differences
 from glassloop.data.position import global_batch, replay_caveat, resized_note
 from glassloop.distributed.fsdp import ShardedState
-from glassloop.distributed.world import SINGLE, World, all_reduce, gather_objects, unwrap_model
+from glassloop.distributed.world import World, all_reduce, gather_objects, unwrap_model
 from glassloop.errors import (
     CheckpointError,
     CheckpointWriteError,
@@ -60,7 +60,7 @@ from glassloop.run_dir.checkpoints import (
 )
 from glassloop.run_dir.layout import BEST, SHARDS
 from glassloop.run_dir.local_store import LocalStore
-from glassloop.run_dir.remote import RemoteRun
+from glassloop.run_dir.run import Run
 from glassloop.state import EpochRecord, TrainState
 from glassloop.storage.frozen_base import FrozenBase, adapter_alone, recorded_names
 from glassloop.storage.snapshot import Snapshot, snapshot
@@ -90,10 +90,9 @@ class Checkpointer:
 
     def __init__(
         self,
-        run_dir: Path | None,
+        run: Run | Path | None,
         policy: CheckpointConfig | None = None,
         *,
-        world: World = SINGLE,
         model: nn.Module | None = None,
         record: EpochRecord | None = None,
         callbacks: Sequence[Any] = (),
@@ -102,22 +101,22 @@ class Checkpointer:
         shards: ShardedState | None = None,
         device: torch.device | None = None,
         say: Callable[[str], None] = print,
-        remote: RemoteRun | None = None,
-        times: SaveTimes | None = None,
         grace_s: float = 0.0,
     ) -> None:
-        """Handed once what every checkpoint holds beyond :meth:`attach`'s: the ``model``
-        whose weights it saves (an FSDP run's: ``shards``), the epoch's ``record``, the
-        callbacks (their states), what the run records (``info``), the non-finite ``watch``
-        (never a save after a NaN step; its loss-spike window) and the ``device`` the state
-        loads onto; ``say``: where a line about a slow background save goes; ``remote``:
-        the object-storage run each committed checkpoint is uploaded to; ``times``: where
-        each save's blocking and total seconds and bytes are recorded); ``grace_s``: the
-        seconds a stop signal leaves before SIGKILL, said against the first save's time)."""
-        self.run_dir = run_dir
+        """``run``: the run directory (:class:`glassloop.run_dir.run.Run`: its processes,
+        the object-storage run each committed checkpoint is uploaded to, where each save's
+        seconds and bytes are recorded; a path: one process's). Handed once what every
+        checkpoint holds beyond :meth:`attach`'s: the ``model`` whose weights it saves (an
+        FSDP run's: ``shards``), the epoch's ``record``, the callbacks (their states), what
+        the run records (``info``), the non-finite ``watch`` (never a save after a NaN step;
+        its loss-spike window) and the ``device`` the state loads onto; ``say``: where a line
+        about a slow background save goes; ``grace_s``: the seconds a stop signal leaves
+        before SIGKILL, said against the first save's time."""
+        self.run = run if isinstance(run, Run) else Run(run)
+        self.run_dir, self.world, self.remote = self.run.path, self.run.world, self.run.remote
+        self.times = self.run.times  # each save's seconds
         self.grace_s = grace_s
         self.policy = policy if policy is not None else CheckpointConfig()
-        self.world = world
         self.model = model if model is not None else nn.Module()
         self.record = record if record is not None else EpochRecord()
         self.callbacks, self.watch, self.shards = callbacks, watch, shards
@@ -126,14 +125,13 @@ class Checkpointer:
         self.device = device if device is not None else torch.device("cpu")
         self.parts: dict[str, Any] = {"loop": TrainState()}
         self.loader: Any = None
-        self.times = times if times is not None else SaveTimes()  # each save's seconds
-        self.remote = remote
-        if remote is not None:
-            remote.keep_last, remote.say = self.policy.keep_last, say
+        if self.remote is not None:
+            self.remote.keep_last, self.remote.say = self.policy.keep_last, say
         # A fine-tuned model's frozen tensors stay out of its checkpoints; their digests go
         # in (glassloop.storage.frozen_base). An FSDP run's shards hold every tensor.
         self.base = FrozenBase()  # (its digests: taken when training starts, in resume())
         self.leave_base_out = not self.policy.save_frozen and shards is None
+        self.run.base = self.final_base(unwrap_model(self.model))  # (final weights: not it)
         self.background = (
             BackgroundSave(self.times, say, sharded=shards is not None)
             if self.policy.async_save

@@ -12,7 +12,6 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from glassloop.batch import batch_size_of, required_inputs, split_batch, split_inputs
 from glassloop.device import move_to_device
@@ -31,6 +30,8 @@ from glassloop.tasks import (
     head_of,
     model_loss,
     outputs_are_probabilities,
+    own_shift,
+    predicted_task,
     prediction_of,
     reduction_of,
     resolve_task,
@@ -194,64 +195,6 @@ def update_heads(
             sums[name] = task_sums(task, prediction, goal, labels, device, ignore_index)
         if (found := sums[name]) is not None:
             update_sums(found, prediction, goal, labels)
-
-
-def own_shift(
-    loss: torch.Tensor, prediction: torch.Tensor, target: Any, ignore_index: int
-) -> int | None:
-    """How a model that computed its own loss lines its per-token predictions up with the
-    labels: ``0`` (position t predicts label t), ``1`` (Hugging Face causal LMs shift inside:
-    position t predicts label t+1), found by recomputing its loss both ways; ``None`` when
-    neither gives the model's loss, so token metrics cannot be computed as the model counts
-    them and are not reported (comparing unshifted labels gave an accuracy that never moved
-    while the loss fell). Per-sample predictions are taken as they are (``0``)."""
-    per_token = (
-        isinstance(target, torch.Tensor)
-        and not target.is_floating_point()
-        and target.ndim == 2
-        and prediction.ndim == 3
-        and prediction.shape[:2] == target.shape
-    )
-    if not per_token:
-        return 0
-    for shift in (0, 1):
-        scores = prediction[:, : prediction.shape[1] - shift].reshape(-1, prediction.shape[-1])
-        labels = target[:, shift:].reshape(-1)
-        recomputed = F.cross_entropy(scores.float(), labels, ignore_index=ignore_index)
-        if torch.isclose(recomputed, loss.detach().float(), rtol=1e-3, atol=1e-5):
-            return shift
-    warnings.warn(
-        "evaluate: the model's own loss is not the cross-entropy of its logits with the "
-        "labels as given, nor shifted by one token; token accuracy is not reported (only "
-        "the model's loss)",
-        stacklevel=3,
-    )
-    return None
-
-
-def label_shift(
-    model: nn.Module,
-    inputs: Any,
-    target: Any,
-    ignore_index: int,
-    device: torch.device,
-    precision: str = "32",
-) -> int:
-    """:func:`own_shift` of a model that computes its own loss, from one forward of a batch
-    in eval mode without gradients (no dropout: no random number is drawn), under
-    ``precision``'s autocast; ``0`` when it is not found. The loop's ``loss_weighting=
-    "tokens"`` counts the tokens such a loss averages over with it."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), autocast(precision, device):
-            output = model(*inputs[0], **inputs[1])
-    finally:
-        model.train(was_training)
-    shift = own_shift(
-        model_loss(output), prediction_of(output, with_loss=True), target, ignore_index
-    )
-    return shift or 0
 
 
 def metric_table(
@@ -573,3 +516,72 @@ def model_outputs(
     finally:
         model.train(was_training)
     return converted
+
+
+class Shows(Protocol):
+    """What a validation shows on the console (:class:`glassloop.tracking.console.
+    ProgressReporter`): its bar, and its running numbers on it."""
+
+    bar: bool
+
+    def validation(self, loader: Iterable[Any]) -> Iterable[Any]: ...
+    def live_validation(self, loss_sum: Any, weight: Any, sums: Any) -> None: ...
+
+
+class Evaluating(Protocol):
+    """What :func:`evaluate_with` and :func:`predict_with` read of a Trainer."""
+
+    @property
+    def eval_model(self) -> nn.Module: ...
+    @property
+    def last_eval(self) -> dict[str, Any] | None: ...
+
+    loss_fn: LossFn | None
+    task: str
+    heads: dict[str, str] | None
+    probabilities: bool
+    device: torch.device
+    precision: str
+    loss_reduction: str
+    ignore_index: int
+
+    @property
+    def metrics(self) -> Mapping[str, Metric | str]: ...
+    @property
+    def console(self) -> Shows: ...
+
+
+def evaluate_with(trainer: Evaluating, loader: Iterable[Any]) -> dict[str, Any]:
+    """:func:`evaluate` as ``trainer`` evaluates: its evaluated model (the EMA's when there
+    is one), loss, task and metrics, under its precision's autocast, on its console's
+    validation bar when it draws one."""
+    console = trainer.console
+    with autocast(trainer.precision, trainer.device):
+        return evaluate(
+            trainer.eval_model,
+            console.validation(loader),
+            trainer.loss_fn,
+            task=trainer.task,
+            device=trainer.device,
+            loss_reduction=trainer.loss_reduction,
+            ignore_index=trainer.ignore_index,
+            metrics=trainer.metrics,
+            heads=trainer.heads,
+            outputs="probabilities" if trainer.probabilities else "logits",
+            live=console.live_validation if console.bar else None,  # the bar's numbers
+        )
+
+
+def predict_with(
+    trainer: Evaluating, data: torch.Tensor | Iterable[Any], batch_size: int, classes: int | None
+) -> Any:
+    """:func:`predict` (a task per head: :func:`predict_heads`) as ``trainer`` predicts: its
+    evaluated model, under its precision's autocast; a loss of the user's says nothing of
+    the task, and the outputs are returned as they are."""
+    common: dict[str, Any] = {"batch_size": batch_size, "device": trainer.device}
+    with autocast(trainer.precision, trainer.device):
+        if trainer.heads:
+            return predict_heads(trainer.eval_model, data, trainer.heads, **common)
+        task = predicted_task(trainer.task, trainer.loss_fn, trainer.last_eval)
+        common.update(task=task, classes=classes, probabilities=trainer.probabilities)
+        return predict(trainer.eval_model, data, **common)

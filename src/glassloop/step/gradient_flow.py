@@ -24,6 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from glassloop.distributed.world import unwrap_model
+
 STEPS = 10  # steps a weight may go without a gradient before it is named
 NAMED = 5  # names in the line (then "and N more")
 
@@ -33,8 +35,10 @@ class GradientFlow:
     while :attr:`pending`."""
 
     def __init__(self, model: nn.Module, say: Callable[[str], None], loss: object = None) -> None:
-        """``loss``: the loss function, named ``loss.<name>`` when it has parameters."""
-        self.names = {id(p): name for name, p in model.named_parameters()}
+        """``model``: its parameters named as its own module's (under DDP or compiled);
+        ``loss``: the loss function, named ``loss.<name>`` when it has parameters."""
+        own = unwrap_model(model)
+        self.names = {id(p): name for name, p in own.named_parameters()}
         if isinstance(loss, nn.Module):  # (a loss with learnable weights)
             self.names.update({id(p): f"loss.{name}" for name, p in loss.named_parameters()})
         self.say = say

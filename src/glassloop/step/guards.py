@@ -14,20 +14,20 @@ import math
 import os
 import statistics
 import traceback
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from glassloop.batch import Inputs, describe_batch
 from glassloop.distributed.fsdp import local
-from glassloop.distributed.world import World, all_reduce
+from glassloop.distributed.world import World, all_reduce, unwrap_model
 from glassloop.errors import ConfigError, DataError, GlassloopError, ModelError, NonFiniteError
 from glassloop.precision import autocast
 from glassloop.rules import AT_LEAST_1, check_range
 from glassloop.state import TrainState
-from glassloop.step.micro_batches import split_rows
+from glassloop.step.micro_batches import MicroBatches, split_rows
 from glassloop.tasks import LABEL_TASKS, check_same_shape, class_scores, prediction_of
 
 SPIKE_WINDOW = 20  # the steps a loss spike is measured against (their median)
@@ -35,6 +35,51 @@ SPIKE_WINDOW = 20  # the steps a loss spike is measured against (their median)
 
 class LossSpikeError(NonFiniteError):
     """A finite loss far above the recent ones (``train.loss_spike``); exit code 4."""
+
+
+class Saying(Protocol):
+    def message(self, text: str) -> None: ...
+
+
+class FirstBatchOf(Protocol):
+    """What :func:`check_trainers_first_batch` reads of a Trainer."""
+
+    model: nn.Module
+    loss_fn: Any
+    precision: str
+    device: torch.device
+    ignore_index: int
+    task: str
+    probabilities: bool
+    micro_batches: MicroBatches
+    state: TrainState
+
+    @property
+    def options(self) -> Mapping[str, Any]: ...
+    @property
+    def console(self) -> Saying: ...
+
+
+def check_trainers_first_batch(trainer: FirstBatchOf, inputs: Inputs, target: Any) -> None:
+    """:func:`check_first_batch` as a Trainer runs it on its first batch: the model as its
+    own module; its loss's checks (a cross-entropy: no softmax before it); the rows that fit
+    (``micro_batch_size``); the warnings of a fresh run only; outputs read as logits when
+    ``outputs="auto"`` decided so."""
+    micro, loss_fn = trainer.micro_batches, trainer.loss_fn
+    check_first_batch(
+        unwrap_model(trainer.model),
+        inputs,
+        target,
+        precision=trainer.precision,
+        device=trainer.device,
+        ignore_index=trainer.ignore_index,
+        task=trainer.task,
+        own_loss=loss_fn is None,
+        cross_entropy=isinstance(loss_fn, nn.CrossEntropyLoss),
+        rows=micro.rows or (1 if micro.auto else None),
+        say=None if trainer.state.step else trainer.console.message,
+        read_as_logits=trainer.options["outputs"] == "auto" and not trainer.probabilities,
+    )
 
 
 def check_first_batch(

@@ -45,7 +45,7 @@ def needs_closure(optimizer: Any) -> bool:
 
 
 def closure_step(
-    optimizer: Any, *, precision: str, clipping: bool, nonfinite: str, processes: int
+    optimizer: Any, precision: str, clipping: bool, nonfinite: str, processes: int
 ) -> bool:
     """Whether ``optimizer`` steps with a closure (:func:`needs_closure`), checked against
     what such a step (LBFGS: it calls forward, loss and backward itself, several times)

@@ -19,10 +19,43 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.checkpoint import checkpoint
 
 import glassloop.distributed.fsdp as fsdp
+from glassloop.device import resolve_device
 from glassloop.distributed.fsdp import ShardedState
-from glassloop.distributed.world import World, check_strategy, unwrap_model, wrap
+from glassloop.distributed.world import (
+    World,
+    check_strategy,
+    init_from_env,
+    local_device,
+    unwrap_model,
+    wrap,
+)
 from glassloop.errors import ConfigError
 from glassloop.step.optim import Optimizers
+
+
+def place(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: str | torch.device,
+    world: World | None,
+    strategy: str,
+    checkpointed: Sequence[str] = (),
+    *,
+    precision: str,
+    compile: Mapping[str, Any] | None,
+    ema: bool,
+) -> tuple[World, torch.device, nn.Module, ShardedState | None]:
+    """Where a run runs: its processes (``world``, or torchrun's: their process group
+    joined), this process's device (``"auto"``: a GPU when there is one; under torchrun its
+    own), and ``model`` on it as :func:`prepare_model` makes it."""
+    resolved = resolve_device(device)
+    world = world or init_from_env(resolved, strategy=strategy)
+    here = local_device(resolved, world)
+    options: dict[str, Any] = {"precision": precision, "compile": compile, "ema": ema}
+    prepared, sharded = prepare_model(
+        model, optimizer, world, here, strategy=strategy, checkpointed=checkpointed, **options
+    )
+    return world, here, prepared, sharded
 
 
 def prepare_model(

@@ -5,14 +5,58 @@ what ``train_step`` receives. The shares make the summed gradients those of one 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from glassloop.batch import Inputs, batch_size_of
 from glassloop.distributed.world import World, agreed_counts
+from glassloop.precision import autocast
+from glassloop.tasks import model_loss, own_shift, prediction_of
+
+# What a train_step returns: the step's loss, named losses, or None (skipped).
+StepLoss = torch.Tensor | Mapping[str, torch.Tensor] | None
+
+
+class Windows:
+    """How the loop makes each step's :class:`Window`: weighted by samples, or by tokens
+    (``loss_weighting="tokens"`` with a mean loss: the labels other than ``ignore_index``;
+    a model's own loss counts them from a shift found once, :func:`label_shift`), and only
+    when there is something to weigh (several micro-batches or processes)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        world: World,
+        summed: bool,
+        tokens: bool,
+        ignore_index: int,
+        own_loss: bool,
+        *,
+        precision: str = "32",
+        device: torch.device | None = None,
+    ) -> None:
+        self.model, self.world, self.summed, self.tokens = model, world, summed, tokens
+        self.ignore_index, self.own_loss = ignore_index, own_loss
+        self.precision, self.device = precision, device or torch.device("cpu")
+        self.shift: int | None = None  # tokens a model's own loss counts: from t+shift
+
+    def make(
+        self, micro: list[tuple[Inputs, Any]], received: int | None
+    ) -> tuple[Window, int | None]:
+        """The step's window and under DDP the stop signal of any process
+        (:func:`make_window`; ``received``: this process's)."""
+        shift, weighed = None, len(micro) > 1 or self.world.distributed  # (alone: as is)
+        if weighed and self.tokens:
+            if self.shift is None and self.own_loss:  # HF causal LMs: by one
+                inputs, target = micro[0]
+                shown = (self.ignore_index, self.device, self.precision)
+                self.shift = label_shift(self.model, inputs, target, *shown)
+            shift = self.shift or 0
+        return make_window(micro, self.world, self.summed, shift, self.ignore_index, received)
 
 
 def make_window(
@@ -101,3 +145,28 @@ def without_empty(micro: list[Any], counts: list[int]) -> tuple[list[Any], list[
         return micro, counts
     kept = [i for i, count in enumerate(counts) if count]
     return [micro[i] for i in kept], [counts[i] for i in kept]
+
+
+def label_shift(
+    model: nn.Module,
+    inputs: Any,
+    target: Any,
+    ignore_index: int,
+    device: torch.device,
+    precision: str = "32",
+) -> int:
+    """:func:`own_shift` of a model that computes its own loss, from one forward of a batch
+    in eval mode without gradients (no dropout: no random number is drawn), under
+    ``precision``'s autocast; ``0`` when it is not found. The loop's ``loss_weighting=
+    "tokens"`` counts the tokens such a loss averages over with it."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), autocast(precision, device):
+            output = model(*inputs[0], **inputs[1])
+    finally:
+        model.train(was_training)
+    shift = own_shift(
+        model_loss(output), prediction_of(output, with_loss=True), target, ignore_index
+    )
+    return shift or 0

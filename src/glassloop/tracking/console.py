@@ -7,9 +7,12 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterable
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from tqdm import tqdm
+
+if TYPE_CHECKING:  # (torch: this module is imported before it)
+    from glassloop.state import EpochRecord
 
 
 def resolve_progress(
@@ -30,15 +33,26 @@ def resolve_progress(
 
 class ProgressReporter:
     """Per-epoch progress — a bar (running mean loss, samples/s, ETA; validation as its own
-    short bar) and/or the tutorial's plain lines — and a one-line epoch summary."""
+    short bar) and/or the tutorial's plain lines — and, as a row destination
+    (:class:`~glassloop.tracking.sinks.Destination`), a one-line epoch summary, the step
+    lines and the mid-epoch validations' lines. ``record``: the epoch's
+    :class:`~glassloop.state.EpochRecord` (the bar's running numbers, the lines' count)."""
+
+    kinds = frozenset({"epoch", "step", "val"})
 
     REFRESH_S = 0.5  # the bar's loss is read from the device at most this often
     VAL_REFRESH_S = 0.1  # a validation's numbers (no training waits on them): tqdm's pace
 
     def __init__(
-        self, mode: str = "auto", stream: IO[str] | None = None, *, silent: bool = False
+        self,
+        mode: str = "auto",
+        stream: IO[str] | None = None,
+        *,
+        silent: bool = False,
+        record: EpochRecord | None = None,
     ) -> None:
         self.stream = stream if stream is not None else sys.stdout
+        self.record = record
         self.silent = silent
         self.mode = "none" if silent else mode
         self.bar, self.lines = (False, False) if silent else resolve_progress(mode)
@@ -46,6 +60,7 @@ class ProgressReporter:
         self._val_bar: Any = None
         self._shown: dict[str, str] = {}  # the last mid-epoch validation's, in the bar
         self._total: int | None = None
+        self._epochs = 0  # the run's, for the epoch line
         self._refreshed = self._val_refreshed = 0.0
         self._said_uncounted = False  # (a NaN train_accuracy explained, once)
         self._epoch_seconds: list[float] = []  # each finished epoch's duration (run ETA)
@@ -59,7 +74,7 @@ class ProgressReporter:
         self, epoch: int, num_epochs: int, total_samples: int | None, done: int = 0
     ) -> None:
         """A new epoch's bar; ``done``: samples already trained in it (a resumed epoch)."""
-        self._total = total_samples
+        self._total, self._epochs = total_samples, num_epochs
         if self.bar:
             desc = f"epoch {epoch}/{num_epochs}"
             if self._epoch_seconds:  # the run's time left, from the epochs so far
@@ -75,12 +90,13 @@ class ProgressReporter:
                 dynamic_ncols=True,
             )
 
-    def advance(self, num_samples: int, record: Any = None) -> None:
-        """``num_samples`` more trained; with ``record`` (an :class:`EpochRecord`) the bar's
-        running mean loss (and accuracy, when counted) is refreshed when due (a host sync,
-        at most twice a second), next to the last mid-epoch validation's numbers."""
+    def advance(self, num_samples: int) -> None:
+        """``num_samples`` more trained; with a ``record`` the bar's running mean loss (and
+        accuracy, when counted) is refreshed when due (a host sync, at most twice a second),
+        next to the last mid-epoch validation's numbers."""
         if self._bar is None:
             return
+        record = self.record
         self._bar.update(num_samples)
         now = time.monotonic()
         if record is not None and now - self._refreshed >= self.REFRESH_S:
@@ -117,12 +133,25 @@ class ProgressReporter:
             shown["val_acc"] = f"{100 * accuracy:.2f}%"
         self._val_bar.set_postfix(shown, refresh=False)
 
-    def log_step(self, loss: float, seen_in_epoch: int) -> None:
-        if self.lines:
-            total = "?" if self._total is None else f"{self._total:>5d}"
-            print(f"loss: {loss:>7f}  [{seen_in_epoch:>5d}/{total}]", file=self.stream, flush=True)
+    def write(self, row: dict[str, Any]) -> None:
+        """A row as the console shows it: an epoch's summary line, a step's tutorial line, a
+        mid-epoch validation's line."""
+        kind = row["kind"]
+        if kind == "epoch":
+            self.epoch_end(row)
+        elif kind == "step":
+            self.log_step(row["loss"])
+        else:
+            self.validation_row(row)
 
-    def epoch_end(self, row: dict[str, Any], num_epochs: int) -> None:
+    def log_step(self, loss: float) -> None:
+        """The tutorial's line: the loss and the samples of the epoch so far (the record's)."""
+        if self.lines:
+            seen = sum(self.record.sizes) if self.record is not None else 0
+            total = "?" if self._total is None else f"{self._total:>5d}"
+            print(f"loss: {loss:>7f}  [{seen:>5d}/{total}]", file=self.stream, flush=True)
+
+    def epoch_end(self, row: dict[str, Any]) -> None:
         if isinstance(row.get("seconds"), float):
             self._epoch_seconds.append(row["seconds"])
         if self._bar is not None:
@@ -138,7 +167,7 @@ class ProgressReporter:
                 "class labels): reported as NaN"
             )
         if not self.quiet:
-            print(format_epoch_summary(row, num_epochs), file=self.stream, flush=True)
+            print(format_epoch_summary(row, self._epochs), file=self.stream, flush=True)
 
     def validation_row(self, row: dict[str, Any]) -> None:
         """A validation inside an epoch (``validate_every_n_steps``): its step and numbers,

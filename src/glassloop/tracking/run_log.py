@@ -8,40 +8,34 @@ OS's reason; checkpoints themselves are :mod:`glassloop.checkpoint.checkpointer`
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import re
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 import glassloop.distributed.fsdp as fsdp
-from glassloop.checkpoint.background import SaveTimes
-from glassloop.distributed.world import SINGLE, World, unwrap_model
-from glassloop.errors import CheckpointError, GlassloopError, write_failure
+from glassloop.distributed.world import unwrap_model
+from glassloop.errors import CheckpointError, write_failure
 from glassloop.options import RunInfo, TrackingConfig
 from glassloop.run_dir import layout
-from glassloop.run_dir.checkpoints import clean_temporaries, require_run_dir
-from glassloop.run_dir.layout import CHECKPOINTS, LATEST, STEP_DIR
-from glassloop.run_dir.lock import RunLock
-from glassloop.run_dir.remote import Usable, open_run_dir
-from glassloop.state import TrainState
-from glassloop.storage.atomic import ForeignPathError, own_dir
+from glassloop.run_dir.checkpoints import require_run_dir
+from glassloop.run_dir.run import Run
+from glassloop.state import EpochRecord, TrainState
+from glassloop.storage.atomic import own_dir
 from glassloop.storage.file_names import check_key
 from glassloop.storage.frozen_base import METADATA_KEY as BASE_KEY
-from glassloop.storage.frozen_base import FrozenBase
 from glassloop.storage.hugging_face import describe
 from glassloop.storage.serialization import behaviour_digest, stable_repr, write_json
 from glassloop.storage.weights import save_weights, weights_metadata
 from glassloop.tracking.launched import since_launch
 from glassloop.tracking.runs import read_json_object
-from glassloop.tracking.sinks import CSVSink, JSONLSink, TensorBoardSink, truncate_rows
+from glassloop.tracking.sinks import CSVSink, Destination, JSONLSink, TensorBoardSink, truncate_rows
 from glassloop.tracking.trackers import Tracker, make_tracker
 
 CSV_FIELDS = [
@@ -62,30 +56,29 @@ REPORT_EVERY_S = 60.0  # how often a running run's report/ is refreshed (plots t
 
 
 class RunLog:
-    """Writes the run directory's files (rank 0 only; nothing without a run directory)."""
+    """Writes the run directory's files (rank 0 only; nothing without a run directory) and
+    sends each row the loop makes to every destination that takes its kind: the tracker, the
+    metric files, TensorBoard and the console (:class:`~glassloop.tracking.sinks.Destination`;
+    the console also without a run directory)."""
 
     def __init__(
         self,
-        run_dir: str | Path | None,
+        run: Run,
+        console: Destination | None = None,
         *,
-        world: World = SINGLE,
         tensorboard: bool = False,
         tracking: TrackingConfig | None = None,
         state: TrainState | None = None,
         info: RunInfo | None = None,
-        base: FrozenBase | None = None,
     ) -> None:
-        """``base``: the frozen base the final weights leave out (``checkpoint.final_weights``;
-        ``None``: they are whole)."""
-        self.base = base
-        # A URL (s3://...): a local copy, uploaded to the remote run (glassloop.run_dir.remote).
-        self.run_dir, self.remote = open_run_dir(run_dir)
+        """``run``: the run directory (:class:`glassloop.run_dir.run.Run`: where it is, its
+        remote copy, its checkpoints' times, the frozen base the final weights leave out)."""
+        self.run = run
+        self.run_dir, self.remote, self.active = run.path, run.remote, run.writes
+        self.console = console
         # Handed once: where the loop stands and what the run records (filled in by fit).
         self.state = state if state is not None else TrainState()
         self.info = info if info is not None else RunInfo()
-        # How long its checkpoints took (run.json, epoch rows' checkpoint_s).
-        self.checkpoint_times = SaveTimes(active=self.run_dir is not None)
-        self.active = self.run_dir is not None and world.is_main
         self.tensorboard = tensorboard
         self.tracking = tracking
         self._tracker: Tracker | None = None
@@ -93,36 +86,6 @@ class RunLog:
         self._last_step = (time.perf_counter(), 0)  # when the last step row was, its samples
         self._last_report = time.monotonic()  # the first report after REPORT_EVERY_S
         self._started: str | None = None
-
-    @contextlib.contextmanager
-    def hold(self, usable: Usable | None = None) -> Iterator[None]:
-        """Create the run directory, hold its lock (one training process per directory) and
-        remove what an interrupted glassloop left in it, for the whole ``fit`` (a remote run:
-        pulled first, its newest checkpoint that ``usable`` takes)."""
-        if not self.active:
-            yield
-            return
-        assert self.run_dir is not None
-        remote = self.remote.held(usable) if self.remote is not None else contextlib.nullcontext()
-        with remote, self._held(self.run_dir):  # (a remote run: pulled first, then held)
-            yield
-
-    @contextlib.contextmanager
-    def _held(self, run_dir: Path) -> Iterator[None]:
-        if run_dir.exists() and not run_dir.is_dir():
-            raise GlassloopError(f"run: '{run_dir}' is a file, not a run directory")
-        refuse_links(run_dir)  # before anything, the lock included, is written
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            lock = RunLock(run_dir)
-            lock.acquire()
-        except OSError as err:
-            raise self.failure(err) from err
-        try:
-            clean_temporaries(run_dir)
-            yield
-        finally:
-            lock.release()
 
     def start(self, *, has_val: bool) -> None:
         """Write config.json and run.json ("running") and open the metric files; a resumed
@@ -161,19 +124,30 @@ class RunLog:
         if self._tracker is not None:
             self._tracker.start(self.run_dir, config, resume=not fresh, step=step)
 
+    @property
+    def destinations(self) -> list[Destination]:
+        """Where a row goes, in this order: the tracker, the files, the console."""
+        tracker: list[Destination] = [self._tracker] if self._tracker is not None else []
+        console = [self.console] if self.console is not None else []
+        return [*tracker, *self._sinks, *console]
+
     def write(self, row: dict[str, Any]) -> None:
-        """One metrics row to every sink; a full disk is a write failure (exit 3). A key
-        the files cannot hold (a callback's, an ``evaluate`` override's, a ``train_step``'s
-        named loss) is one line before any of them is written."""
+        """One row to each destination that takes its kind (``row["kind"]``:
+        :mod:`glassloop.tracking.sinks`); a full disk is a write failure (exit 3). A key the
+        files cannot hold (a callback's, an ``evaluate`` override's, a ``train_step``'s named
+        loss) is one line before any of them is written."""
         for key in row:
             check_key(key, "metrics: the row key")
-        if self._tracker is not None:
-            self._tracker.log(row)  # never raises: a failing backend turns itself off
-        for sink in self._sinks:
+        kind = row["kind"]
+        for destination in self.destinations:
+            if kind not in destination.kinds:
+                continue
             try:
-                sink.write(row)
+                destination.write(row)  # (a tracker never raises: a failing one turns off)
             except OSError as err:
-                raise self.failure(err, getattr(sink, "path", None)) from err
+                if destination is self.console:  # the terminal's, not the run directory's
+                    raise
+                raise self.failure(err, getattr(destination, "path", None)) from err
 
     def failure(self, err: OSError | CheckpointError, path: Path | None = None) -> Exception:
         """The one line of a failed write of a run file: which file, the OS's reason; the
@@ -207,20 +181,21 @@ class RunLog:
             }
         )
 
-    def write_losses(self, epoch: int, last_step: int, losses: list[float]) -> None:
-        """An epoch's every step loss (``"kind": "losses"``, its first step and the list, NaN
-        as null), to ``metrics.jsonl`` only: the report's per-step plot, not a metric row for
-        the CSV, TensorBoard or a tracker (which get the step rows)."""
-        jsonl = [sink for sink in self._sinks if isinstance(sink, JSONLSink)]
-        if not jsonl or not losses:
+    def write_losses(self, row: dict[str, Any], record: EpochRecord) -> None:
+        """The epoch of ``row``: every step loss of its ``record`` (``"kind": "losses"``, its
+        first step and the list, NaN as null, read in one host read; with several processes
+        a collective), which ``metrics.jsonl`` alone takes: the report's per-step plot, not a
+        metric row for the CSV, TensorBoard, a tracker or the console (they get the step
+        rows). Nothing without a run directory."""
+        if self.run_dir is None:
+            return
+        epoch, last_step, losses = row["epoch"], row["step"], record.step_losses(self.run.world)
+        if not losses:
             return
         first = last_step - len(losses) + 1
         values = [value if math.isfinite(value) else None for value in losses]
-        row = {"kind": "losses", "epoch": epoch, "step": last_step, "first_step": first}
-        try:
-            jsonl[0].write({**row, "loss": values})
-        except OSError as err:
-            raise self.failure(err, jsonl[0].path) from err
+        written = {"kind": "losses", "epoch": epoch, "step": last_step, "first_step": first}
+        self.write({**written, "loss": values})
 
     def report_due(self) -> bool:
         return time.monotonic() - self._last_report >= REPORT_EVERY_S
@@ -264,12 +239,14 @@ class RunLog:
         evaluation: dict[str, Any] | None = None,
         predicted_vs_true: Any = None,
     ) -> Path | None:
-        """Close the metric files; write the final weights (``status == "finished"``: those
-        of ``model``, a sharded one gathered into rank 0, a collective) and run.json, then
+        """Stop the run's clocks (the report's drawing is not training); close the metric
+        files; write the final weights (``status == "finished"``: those of ``model``, a
+        sharded one gathered into rank 0, a collective) and run.json, then
         (finished) the final report, which shows how the run ended; return its path. While
         another error is already on its way out (``status`` "failed" or "interrupted"), a
         failure here is only returned as a warning line, so that error is the one the user
         sees."""
+        self.state.end_clock(since_launch())  # (in every process: the end summary's)
         weights = final_weights(model) if status == "finished" else model
         for sink in self._sinks:
             try:
@@ -321,7 +298,7 @@ class RunLog:
         info["train_s"] = round(self.state.train_seconds(), 2)
         wall = self.state.wall_s if self.state.wall_s is not None else since_launch()
         info["wall_s"] = round(wall, 2)
-        if (times := self.checkpoint_times.summary()) is not None:
+        if (times := self.run.times.summary()) is not None:
             info["checkpoints"] = times
         if self.remote is not None:
             info.update(self.remote.state_info())
@@ -334,7 +311,9 @@ class RunLog:
         metadata = weights_metadata(model_spec)
         if isinstance(model, nn.Module):
             tensors, record = (
-                self.base.split(model) if self.base else (unwrap_model(model).state_dict(), None)
+                self.run.base.split(model)
+                if self.run.base
+                else (unwrap_model(model).state_dict(), None)
             )
             if record is not None:  # an adapter, without its base: the base's record
                 metadata[BASE_KEY] = json.dumps(record, sort_keys=True)
@@ -385,33 +364,6 @@ def final_weights(model: nn.Module) -> nn.Module | dict[str, torch.Tensor]:
 TEMPORARY = re.compile(r"\.(.+)\.tmp(?:-\d+)?")  # atomic_path's name for a file being written
 
 
-def refuse_links(run_dir: Path) -> None:
-    """Stop before anything is written when a symbolic link sits where glassloop keeps its
-    own files (a checkpoint or ``best/`` linked to another disk, a prepared run directory):
-    glassloop never writes, replaces or deletes through one, so the run could not go on."""
-    found = [run_dir / name for name in layout.OWN_NAMES if (run_dir / name).is_symlink()]
-    owned_folders = (
-        (run_dir / CHECKPOINTS, STEP_DIR.pattern),
-        (run_dir / layout.REPORT, ""),
-        (run_dir / layout.PROFILE, ""),
-    )
-    for folder, owned in owned_folders:
-        if folder.is_dir() and not folder.is_symlink():
-            found += [
-                p
-                for p in sorted(folder.iterdir())
-                if p.is_symlink() and (not owned or STEP_DIR.match(p.name) or p.name == LATEST)
-            ]
-    if found:
-        names = ", ".join(f"'{p}'" for p in found)
-        raise ForeignPathError(
-            f"run: {names} {'is a symbolic link' if len(found) == 1 else 'are symbolic links'}"
-            " where glassloop keeps its own files; glassloop never writes, replaces or deletes"
-            " through a link and left everything untouched: remove the link(s) (their targets"
-            " stay as they are), or choose another --run-dir"
-        )
-
-
 def _status(run_dir: Path) -> str | None:
     status = read_json_object(run_dir / layout.STATUS).get("status")
     return status if isinstance(status, str) else None
@@ -421,17 +373,33 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-def python_config(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: Any,
-    scheduler: Any,
-    scheduler_interval: str,
-    options: dict[str, Any],
-) -> dict[str, Any]:
+class Configured(Protocol):
+    """What :func:`python_config` reads of a Trainer."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: Any
+    scheduler: Any
+    scheduler_interval: str
+    options: dict[str, Any]  # the options it was given, by name
+    task: str
+    heads: dict[str, str] | None
+
+
+def python_config(trainer: Configured) -> dict[str, Any]:
     """The configuration of a run built in Python (no config file), what a resume compares:
-    the model, optimizer, loss and scheduler it was given, described, and its ``options``
-    (every option of :class:`glassloop.options.TrainOptions`, as the Trainer resolved it)."""
+    the model, optimizer, loss and scheduler the Trainer was given, described, and every
+    option of :class:`glassloop.options.TrainOptions` as it resolved it: its attribute of
+    the same name where it keeps one (``clip_grad_norm=0`` is recorded as ``None``, off),
+    and the task (a task per head: the heads')."""
+    options = {name: getattr(trainer, name, value) for name, value in trainer.options.items()}
+    options["task"] = trainer.heads or trainer.task
+    model, optimizer, loss_fn, scheduler = (
+        trainer.model,
+        trainer.optimizer,
+        trainer.loss_fn,
+        trainer.scheduler,
+    )
     recorded = {
         "model": fsdp.class_name(unwrap_model(model)),
         "num_parameters": sum(p.numel() for p in model.parameters()),
@@ -442,7 +410,7 @@ def python_config(
         # digest differs, and a resume says so as for any config change)
         **_digest("loss_fn_source_sha256", loss_fn),
         "scheduler": type(scheduler).__name__ if scheduler is not None else None,
-        "scheduler_interval": scheduler_interval,
+        "scheduler_interval": trainer.scheduler_interval,
         # whether the model runs compiled (the option itself may change on a resume)
         "compile": model is not unwrap_model(model),
     }

@@ -1,8 +1,12 @@
-"""Where metric rows go: metrics.csv, metrics.jsonl, TensorBoard (the console is
-:mod:`glassloop.tracking.console`).
+"""Where the loop's rows go: one interface, :class:`Destination` (Composer's
+``LoggerDestination`` is the precedent), for the files here (metrics.csv, metrics.jsonl,
+TensorBoard), a tracker (:mod:`glassloop.tracking.trackers`) and the console
+(:mod:`glassloop.tracking.console`); the run log hands each row to every destination that
+takes its kind (:meth:`glassloop.tracking.run_log.RunLog.write`). Callbacks stay the user's
+hook into the loop itself.
 
 Rows are plain dicts. A step row has ``kind="step"``; an epoch row has ``kind="epoch"``; a
-mid-epoch validation's ``kind="val"``; metrics.jsonl alone also gets each epoch's every step
+mid-epoch validation's ``kind="val"``; metrics.jsonl alone also takes each epoch's every step
 loss, ``kind="losses"`` (:meth:`glassloop.tracking.run_log.RunLog.write_losses`).
 """
 
@@ -13,14 +17,26 @@ import io
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from glassloop.run_dir import layout
 from glassloop.storage.atomic import atomic_path, open_own
 
+ROWS = frozenset({"epoch", "step", "val"})  # the metric rows (not an epoch's step losses)
+
+
+class Destination(Protocol):
+    """Where rows go: ``write`` takes one row of each kind in ``kinds``."""
+
+    @property
+    def kinds(self) -> frozenset[str]: ...
+    def write(self, row: dict[str, Any]) -> None: ...
+
 
 class JSONLSink:
     """One JSON object per line; non-finite floats are written as null (JSON has no NaN)."""
+
+    kinds = ROWS | {"losses"}  # (the report's per-step plot)
 
     def __init__(self, path: Path, *, fresh: bool = True) -> None:
         self.path = path
@@ -47,6 +63,8 @@ class CSVSink:
     """A CSV whose header grows with the metrics: a row with a new column (a metric a
     callback or an ``evaluate`` override adds) rewrites the file once with the wider header,
     earlier rows leaving it empty. A resumed run keeps the header it finds."""
+
+    kinds = ROWS
 
     def __init__(self, path: Path, fields: list[str], *, fresh: bool = True) -> None:
         self.path = path
@@ -97,6 +115,8 @@ class TensorBoardSink:
     """Scalars for TensorBoard (the optional ``tensorboard`` package): step rows under
     ``step/<name>`` against the optimizer step, epoch rows under ``epoch/<name>`` against the
     epoch."""
+
+    kinds = ROWS
 
     def __init__(self, log_dir: Path) -> None:
         try:

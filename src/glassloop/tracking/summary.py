@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from glassloop.best import best_epoch, shown
-from glassloop.checkpoint.background import SaveTimes
 from glassloop.distributed.fsdp import class_name
 from glassloop.distributed.world import World, unwrap_model
 from glassloop.options import CheckpointConfig
 from glassloop.run_dir import layout
+from glassloop.run_dir.run import SaveTimes
 from glassloop.state import TrainState
 from glassloop.tracking.launched import since_launch
 

@@ -47,15 +47,18 @@ from glassloop.storage.atomic import atomic_path
 from glassloop.storage.redaction import redact, redacted_output, remember_secrets
 from glassloop.storage.serialization import dotted
 from glassloop.tracking.runs import read_json_object, read_rows
+from glassloop.tracking.sinks import ROWS
 
 
 class Tracker:
     """What every backend does with a run: :meth:`start` (create or continue it, log the
-    params), :meth:`log` (a metrics row), :meth:`finish` (artifacts, status). Every call to
+    params), :meth:`write` (a metrics row: a :class:`~glassloop.tracking.sinks.Destination`),
+    :meth:`finish` (artifacts, status). Every call to
     the backend goes through :meth:`_call`: its first failure turns tracking off with one
     warning, and training goes on."""
 
     name = ""
+    kinds = ROWS
 
     def __init__(self, config: TrackingConfig, warn: Callable[[str], None] = print) -> None:
         self.config = config
@@ -74,7 +77,7 @@ class Tracker:
             with atomic_path(run_dir / layout.TRACKING) as tmp:
                 tmp.write_text(json.dumps(record))
 
-    def log(self, row: dict[str, Any]) -> None:
+    def write(self, row: dict[str, Any]) -> None:
         """The numbers of a metrics row, at its optimizer step (:func:`tracked_numbers`)."""
         if self.run_id is None or self.failed:
             return

@@ -1,0 +1,155 @@
+"""A run directory, opened once: a :class:`Run` is where the run is written (a folder; for a
+URL, the local copy and the remote run it mirrors), the lock held for a whole ``fit``, how
+long its checkpoints took and the frozen base its final weights leave out. The Trainer builds
+one and hands it to the run directory's two writers: the run log (config, status, metric
+rows, final weights: :mod:`glassloop.tracking.run_log`) and the checkpointer
+(:mod:`glassloop.checkpoint.checkpointer`); the names of what they write are
+:mod:`glassloop.run_dir.layout`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from glassloop.distributed.world import SINGLE, World
+from glassloop.errors import GlassloopError, write_failure
+from glassloop.run_dir import layout
+from glassloop.run_dir.checkpoints import clean_temporaries
+from glassloop.run_dir.layout import CHECKPOINTS, LATEST, STEP_DIR
+from glassloop.run_dir.lock import RunLock
+from glassloop.run_dir.remote import RemoteRun, Usable, open_run_dir
+from glassloop.storage.atomic import ForeignPathError
+from glassloop.storage.frozen_base import FrozenBase
+
+
+class Run:
+    """The run directory ``run_dir`` (a path, a URL, or ``None``: a run that writes nothing)
+    as this process sees it; only the main process writes its files (``writes``)."""
+
+    def __init__(self, run_dir: str | Path | None, world: World = SINGLE) -> None:
+        self.path: Path | None
+        self.remote: RemoteRun | None
+        # A URL (s3://...): a local copy, uploaded to the remote run (glassloop.run_dir.remote).
+        self.path, self.remote = open_run_dir(run_dir)
+        self.world = world
+        self.writes = self.path is not None and world.is_main
+        self.times = SaveTimes(active=self.path is not None)  # run.json, epoch rows
+        # What the final weights leave out (a fine-tuned model's frozen base, set by the
+        # checkpointer from checkpoint.final_weights); None: they are whole.
+        self.base: FrozenBase | None = None
+
+    @contextlib.contextmanager
+    def hold(self, usable: Usable | None = None) -> Iterator[None]:
+        """Create the run directory, hold its lock (one training process per directory) and
+        remove what an interrupted glassloop left in it, for the whole ``fit`` (a remote run:
+        pulled first, its newest checkpoint that ``usable`` takes)."""
+        if not self.writes:
+            yield
+            return
+        assert self.path is not None
+        remote = self.remote.held(usable) if self.remote is not None else contextlib.nullcontext()
+        with remote, self._held(self.path):  # (a remote run: pulled first, then held)
+            yield
+
+    @contextlib.contextmanager
+    def _held(self, run_dir: Path) -> Iterator[None]:
+        if run_dir.exists() and not run_dir.is_dir():
+            raise GlassloopError(f"run: '{run_dir}' is a file, not a run directory")
+        refuse_links(run_dir)  # before anything, the lock included, is written
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock = RunLock(run_dir)
+            lock.acquire()
+        except OSError as err:
+            named = getattr(err, "filename", None)
+            where = Path(named) if isinstance(named, str) else run_dir
+            raise write_failure(
+                where, err, safe="the checkpoints written so far are intact"
+            ) from err
+        try:
+            clean_temporaries(run_dir)
+            yield
+        finally:
+            lock.release()
+
+
+@dataclass
+class SaveTimes:
+    """How long each checkpoint held up the step and how long it took to commit."""
+
+    blocking_s: list[float] = field(default_factory=list)
+    total_s: list[float] = field(default_factory=list)
+    nbytes: list[int] = field(default_factory=list)
+    active: bool = True  # a run that can save (one with a run directory)
+    held_s: float = 0.0  # what the steps waited for checkpoints since the last epoch row
+    graced: bool = False  # the first save's time was said against train.grace_s
+
+    def row(self) -> dict[str, float]:
+        """An epoch row's ``checkpoint_s``: the seconds the steps waited for checkpoints
+        since the previous row (an epoch's own end is in the next row's)."""
+        held, self.held_s = self.held_s, 0.0
+        return {"checkpoint_s": round(held, 6)} if self.active else {}
+
+    def add(self, blocking: float, total: float, nbytes: int) -> None:
+        self.blocking_s.append(blocking)
+        self.total_s.append(total)
+        self.nbytes.append(nbytes)
+
+    def against_grace(self, grace_s: float) -> str | None:
+        """Once, when the first save's time is known (a background one's: at a later look):
+        that time against ``grace_s`` (``train.grace_s``; 0: nothing to say), with a warning
+        when a stop signal's save would not land before the SIGKILL that follows it."""
+        if not grace_s or self.graced or not self.total_s:
+            return None
+        self.graced, took = True, self.total_s[0]
+        if took <= grace_s:
+            return f"checkpoint: {took:.2f} s to save, within train.grace_s = {grace_s:g} s"
+        return (
+            f"warning: a checkpoint takes {took:.1f} s, more than train.grace_s = "
+            f"{grace_s:g} s: a stop signal's save would be killed before it lands (the "
+            "previous checkpoint stays the latest); ask the scheduler for a longer grace "
+            "(Slurm: --signal=USR1@SECONDS; Kubernetes: terminationGracePeriodSeconds); "
+            "until then a preempted run resumes from its last periodic checkpoint"
+        )
+
+    def summary(self) -> dict[str, float | int] | None:
+        """Counts, medians and the write speed (``None`` before the first save)."""
+        if not self.total_s:
+            return None
+        blocking, total = sorted(self.blocking_s), sorted(self.total_s)
+        return {
+            "saves": len(total),
+            "blocking_s": round(blocking[len(blocking) // 2], 4),
+            "total_s": round(total[len(total) // 2], 4),
+            "gb_per_s": round(sum(self.nbytes) / max(sum(self.total_s), 1e-9) / 1e9, 3),
+        }
+
+
+def refuse_links(run_dir: Path) -> None:
+    """Stop before anything is written when a symbolic link sits where glassloop keeps its
+    own files (a checkpoint or ``best/`` linked to another disk, a prepared run directory):
+    glassloop never writes, replaces or deletes through one, so the run could not go on."""
+    found = [run_dir / name for name in layout.OWN_NAMES if (run_dir / name).is_symlink()]
+    owned_folders = (
+        (run_dir / CHECKPOINTS, STEP_DIR.pattern),
+        (run_dir / layout.REPORT, ""),
+        (run_dir / layout.PROFILE, ""),
+    )
+    for folder, owned in owned_folders:
+        if folder.is_dir() and not folder.is_symlink():
+            found += [
+                p
+                for p in sorted(folder.iterdir())
+                if p.is_symlink() and (not owned or STEP_DIR.match(p.name) or p.name == LATEST)
+            ]
+    if found:
+        names = ", ".join(f"'{p}'" for p in found)
+        raise ForeignPathError(
+            f"run: {names} {'is a symbolic link' if len(found) == 1 else 'are symbolic links'}"
+            " where glassloop keeps its own files; glassloop never writes, replaces or deletes"
+            " through a link and left everything untouched: remove the link(s) (their targets"
+            " stay as they are), or choose another --run-dir"
+        )
