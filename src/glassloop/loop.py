@@ -36,7 +36,7 @@ from glassloop.evaluation.validator import Validation, Validator
 from glassloop.options import CheckpointConfig, RunInfo, TrackingConfig
 from glassloop.precision import autocast, check_precision, make_scaler
 from glassloop.rng import seed_everything, use_deterministic
-from glassloop.run_dir.run import Run
+from glassloop.run_dir.run import RunDir
 from glassloop.state import EpochRecord, TrainState, step_loss
 from glassloop.step.gradient_flow import GradientFlow
 from glassloop.step.micro_batches import MicroBatches
@@ -218,7 +218,7 @@ class Trainer:
         """The run directory (its lock, remote copy and save times: :mod:`glassloop.run_dir.
         run`), handed once to its two writers: the run log (its files, and every row to each
         destination, the console too: only rank 0 talks) and the checkpointer."""
-        self.run = Run(run, self.world)
+        self.run = RunDir(run, self.world)
         self.run_dir = self.run.path
         progress, silent = self.options["progress"], not self.world.is_main
         self.console = ProgressReporter(progress, silent=silent, record=self.record)

@@ -6,7 +6,7 @@ The Trainer hands it the model, the record and the guard when it is built and th
 parts once per ``fit`` (:meth:`Checkpointer.attach`, as torchtitan's ``states=``); the loop
 then saves with one call and resumes with one::
 
-    checkpointer = Checkpointer(Run(run_dir), CheckpointConfig(every_n_steps=100), model=model)
+    checkpointer = Checkpointer(RunDir(run_dir), CheckpointConfig(every_n_steps=100), model=model)
     checkpointer.attach({"loop": state, "optimizer": optimizer}, loader=train_loader)
     checkpointer.resume("auto", epochs=10)
     if checkpointer.due_after_step(step):
@@ -60,7 +60,7 @@ from glassloop.run_dir.checkpoints import (
 )
 from glassloop.run_dir.layout import BEST, SHARDS
 from glassloop.run_dir.local_store import LocalStore
-from glassloop.run_dir.run import Run
+from glassloop.run_dir.run import RunDir
 from glassloop.state import EpochRecord, TrainState
 from glassloop.storage.frozen_base import FrozenBase, adapter_alone, recorded_names
 from glassloop.storage.snapshot import Snapshot, snapshot
@@ -90,7 +90,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        run: Run | Path | None,
+        run: RunDir | Path | None,
         policy: CheckpointConfig | None = None,
         *,
         model: nn.Module | None = None,
@@ -103,7 +103,7 @@ class Checkpointer:
         say: Callable[[str], None] = print,
         grace_s: float = 0.0,
     ) -> None:
-        """``run``: the run directory (:class:`glassloop.run_dir.run.Run`: its processes,
+        """``run``: the run directory (:class:`glassloop.run_dir.run.RunDir`: its processes,
         the object-storage run each committed checkpoint is uploaded to, where each save's
         seconds and bytes are recorded; a path: one process's). Handed once what every
         checkpoint holds beyond :meth:`attach`'s: the ``model`` whose weights it saves (an
@@ -112,7 +112,7 @@ class Checkpointer:
         its loss-spike window) and the ``device`` the state loads onto; ``say``: where a line
         about a slow background save goes; ``grace_s``: the seconds a stop signal leaves
         before SIGKILL, said against the first save's time."""
-        self.run = run if isinstance(run, Run) else Run(run)
+        self.run = run if isinstance(run, RunDir) else RunDir(run)
         self.run_dir, self.world, self.remote = self.run.path, self.run.world, self.run.remote
         self.times = self.run.times  # each save's seconds
         self.grace_s = grace_s

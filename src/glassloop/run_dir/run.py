@@ -1,4 +1,4 @@
-"""A run directory, opened once: a :class:`Run` is where the run is written (a folder; for a
+"""A run directory, opened once: a :class:`RunDir` is where the run is written (a folder; for a
 URL, the local copy and the remote run it mirrors), the lock held for a whole ``fit``, how
 long its checkpoints took and the frozen base its final weights leave out. The Trainer builds
 one and hands it to the run directory's two writers: the run log (config, status, metric
@@ -25,7 +25,7 @@ from glassloop.storage.atomic import ForeignPathError
 from glassloop.storage.frozen_base import FrozenBase
 
 
-class Run:
+class RunDir:
     """The run directory ``run_dir`` (a path, a URL, or ``None``: a run that writes nothing)
     as this process sees it; only the main process writes its files (``writes``)."""
 

@@ -25,7 +25,7 @@ from glassloop.errors import CheckpointError, write_failure
 from glassloop.options import RunInfo, TrackingConfig
 from glassloop.run_dir import layout
 from glassloop.run_dir.checkpoints import require_run_dir
-from glassloop.run_dir.run import Run
+from glassloop.run_dir.run import RunDir
 from glassloop.state import EpochRecord, TrainState
 from glassloop.storage.atomic import own_dir
 from glassloop.storage.file_names import check_key
@@ -63,7 +63,7 @@ class RunLog:
 
     def __init__(
         self,
-        run: Run,
+        run: RunDir,
         console: Destination | None = None,
         *,
         tensorboard: bool = False,
@@ -71,7 +71,7 @@ class RunLog:
         state: TrainState | None = None,
         info: RunInfo | None = None,
     ) -> None:
-        """``run``: the run directory (:class:`glassloop.run_dir.run.Run`: where it is, its
+        """``run``: the run directory (:class:`glassloop.run_dir.run.RunDir`: where it is, its
         remote copy, its checkpoints' times, the frozen base the final weights leave out)."""
         self.run = run
         self.run_dir, self.remote, self.active = run.path, run.remote, run.writes
