@@ -31,15 +31,26 @@ class ModelConfig:
     / ``"path/to/file.py:Class"`` with ``kwargs`` for your own model."""
 
     name: str = option("mlp", rule=tuple(BUILT_IN_KEYS))
+    """a built-in model: "mlp" (Flatten, then Linear/ReLU[/Dropout] per hidden width, then
+    Linear), "cnn" or "text-classifier"."""
     hidden: list[int] = option([512, 512], rule=Range(1, 2**20))
+    """mlp: the hidden layers' widths."""
     dropout: float = option(0.0, rule=FRACTION)
+    """mlp, text-classifier: dropout after each hidden layer (0: none)."""
     target: str = ""
+    """your own model: "package.module:Class" or "path/to/file.py:Class" (imported: a config
+    you pass is trusted like a script)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
+    """keyword arguments for ``target``, e.g. ``{ width = 64 }``."""
     # text-classifier: embedding + encoder ("gru" or "transformer") + masked mean pooling
     embed_dim: int = option(64, rule=Range(1, 2**16))
+    """text-classifier: the embedding's width."""
     encoder: str = option("gru", rule=("gru", "transformer"))
+    """text-classifier: "gru" or "transformer"."""
     num_layers: int = option(1, rule=Range(1, 1024))
+    """text-classifier: encoder layers."""
     num_heads: int = option(4, rule=Range(1, 1024))
+    """text-classifier, transformer: attention heads."""
 
 
 # -------------------------------------------------------------------------------- [loss]
@@ -71,11 +82,16 @@ class LossConfig:
 
     # (not given: the task's, TASK_LOSSES; a config's train.task and loss.name must fit)
     name: str = option("cross_entropy", rule=tuple(LOSS_TASKS))
-    label_smoothing: float = option(0.0, rule=FRACTION)  # cross_entropy
-    # bce_with_logits: one per label
+    """"cross_entropy", "nll", "bce_with_logits", "mse", "l1", "huber" or "smooth_l1" (not
+    given: the task's own, e.g. mse for a regression)."""
+    label_smoothing: float = option(0.0, rule=FRACTION)
+    """cross_entropy: label smoothing."""
     pos_weight: list[float] = option([], rule=POSITIVE)
-    delta: float = option(1.0, rule=POSITIVE)  # huber
-    beta: float = option(1.0, rule=POSITIVE)  # smooth_l1
+    """bce_with_logits: one weight per label (its positives count more)."""
+    delta: float = option(1.0, rule=POSITIVE)
+    """huber: where the loss turns from quadratic to linear."""
+    beta: float = option(1.0, rule=POSITIVE)
+    """smooth_l1: where the loss turns from quadratic to linear."""
 
 
 # ---------------------------------------------------------------------- [optim], [scheduler]
@@ -84,9 +100,14 @@ class OptimConfig:
     """Any ``torch.optim`` class by name; other keys are its keyword arguments."""
 
     name: str = "AdamW"
+    """any ``torch.optim`` class by name."""
     lr: float = option(1e-3, rule=Range(0, open_low=True))  # lr = 0 trains nothing, silently
-    no_decay_bias_norm: bool = False  # biases and norm weights (1-D params) get weight_decay 0
+    """the learning rate."""
+    no_decay_bias_norm: bool = False
+    """true: biases and norm weights (1-D parameters) get no weight decay."""
     kwargs: dict[str, Any] = field(default_factory=dict)
+    """(every other key: a keyword argument of that class, checked by name and type, e.g.
+    ``weight_decay = 0.01``)"""
 
 
 @dataclass
@@ -97,8 +118,13 @@ class SchedulerConfig:
     then cosine down to ``min_lr_ratio`` x lr at the end of the run."""
 
     name: str = "CosineAnnealingLR"
+    """any ``torch.optim.lr_scheduler`` class by name, "warmup_cosine" (``warmup_steps``,
+    ``min_lr_ratio``; per step) or "none"."""
     interval: str = option("epoch", rule=SCHEDULER_INTERVALS)
+    """it steps every "epoch" or every optimizer "step"."""
     kwargs: dict[str, Any] = field(default_factory=dict)
+    """(every other key: a keyword argument of that class; a cosine without ``T_max`` spans
+    the run; ``ReduceLROnPlateau`` steps on val_loss)"""
 
 
 # The default optimizer's keyword arguments as the resolved config records them (its own
