@@ -120,7 +120,7 @@ def test_a_failed_background_save_stops_the_run_and_loses_nothing(tmp_path: Path
 def test_async_fsdp_is_refused_in_one_line() -> None:
     from glassloop.checkpoint.background import BackgroundSave
     from glassloop.errors import ConfigError
-    from glassloop.run_dir.run import SaveTimes
+    from glassloop.state import SaveTimes
 
     with pytest.raises(ConfigError, match=r"async_save is not available with train\.strategy"):
         BackgroundSave(SaveTimes(), sharded=True)

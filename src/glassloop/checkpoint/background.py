@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from glassloop.errors import ConfigError
-from glassloop.run_dir.run import SaveTimes
+from glassloop.state import SaveTimes
 from glassloop.storage.snapshot import HostCopy, Snapshot, snapshot
 
 # A wait for the previous save longer than this is said on the console: saves are then

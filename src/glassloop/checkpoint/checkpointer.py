@@ -125,6 +125,7 @@ class Checkpointer:
         self.device = device if device is not None else torch.device("cpu")
         self.parts: dict[str, Any] = {"loop": TrainState()}
         self.loader: Any = None
+        self.global_batch: int | None = None  # meta.json's (per micro-batch, every process)
         if self.remote is not None:
             self.remote.keep_last, self.remote.say = self.policy.keep_last, say
         # A fine-tuned model's frozen tensors stay out of its checkpoints; their digests go
@@ -139,11 +140,10 @@ class Checkpointer:
         )
 
     def attach(self, parts: dict[str, Any], *, loader: Any = None) -> None:
-        """Hand it the stateful parts, once per ``fit``: the objects by name
-        (``state_dict()``/``load_state_dict()``; ``None``: not part of this run; the loop's
-        :class:`~glassloop.state.TrainState` as ``"loop"``) and the training ``loader``
-        (its generators join the RNG state). One without both methods is refused here, not
-        at the first save."""
+        """Hand it the stateful parts, once per ``fit``: the objects by name (``None``: not
+        part of this run; the loop's :class:`~glassloop.state.TrainState` as ``"loop"``) and
+        the training ``loader`` (its generators join the RNG state). One without both
+        ``state_dict()`` and ``load_state_dict()`` is refused here, not at the first save."""
         for name, part in parts.items():
             if part is not None and not (
                 hasattr(part, "state_dict") and hasattr(part, "load_state_dict")
@@ -153,6 +153,7 @@ class Checkpointer:
                     "state_dict()/load_state_dict(); give it both, or leave it out"
                 )
         self.parts, self.loader = parts, loader
+        self.global_batch = global_batch(loader, self.world)  # (None: not known)
 
     @property
     def state(self) -> TrainState:
@@ -390,7 +391,7 @@ class Checkpointer:
             "step": state.step,
             "epoch": state.epoch,
             "batch_in_epoch": state.batch_in_epoch,
-            "global_batch": global_batch(self.loader, self.world),  # (None: not known)
+            "global_batch": self.global_batch,
             "finished": finished,
             "train_s": round(state.train_seconds(), 3),  # (a resume goes on counting from it)
             "metrics": history[-1] if history else None,

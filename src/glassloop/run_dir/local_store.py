@@ -27,7 +27,6 @@ from glassloop.run_dir.checkpoints import (
     verify_files,
 )
 from glassloop.run_dir.layout import BEST, CHECKPOINTS, LATEST
-from glassloop.run_dir.store import prunable
 from glassloop.storage.atomic import (
     ForeignPathError,
     atomic_path,
@@ -148,3 +147,17 @@ def commit_dir(tmp: Path, target: Path) -> None:
         with contextlib.suppress(OSError):
             remove_marked(old)
     fsync_dir(target.parent)
+
+
+def prunable(complete: list[str], keep_last: int, latest: str | None, keep: set[str]) -> list[str]:
+    """Which of the ``complete`` checkpoints (oldest first) pruning removes: all but the newest
+    ``keep_last``, never ``latest`` or one newer (a resume from an older one replaces those
+    as it goes), never one in ``keep`` (being uploaded). ``keep_last`` 0: none.
+
+    >>> prunable(["step-1", "step-2", "step-3", "step-4"], 2, "step-4", {"step-1"})
+    ['step-2']
+    """
+    if keep_last < 1:
+        return []
+    kept = set(complete[-keep_last:]) | keep
+    return [n for n in complete if n not in kept and (latest is None or n < latest)]

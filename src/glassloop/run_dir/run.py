@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from glassloop.distributed.world import SINGLE, World
@@ -21,6 +20,7 @@ from glassloop.run_dir.checkpoints import clean_temporaries
 from glassloop.run_dir.layout import CHECKPOINTS, LATEST, STEP_DIR
 from glassloop.run_dir.lock import RunLock
 from glassloop.run_dir.remote import RemoteRun, Usable, open_run_dir
+from glassloop.state import SaveTimes
 from glassloop.storage.atomic import ForeignPathError
 from glassloop.storage.frozen_base import FrozenBase
 
@@ -74,58 +74,6 @@ class RunDir:
             yield
         finally:
             lock.release()
-
-
-@dataclass
-class SaveTimes:
-    """How long each checkpoint held up the step and how long it took to commit."""
-
-    blocking_s: list[float] = field(default_factory=list)
-    total_s: list[float] = field(default_factory=list)
-    nbytes: list[int] = field(default_factory=list)
-    active: bool = True  # a run that can save (one with a run directory)
-    held_s: float = 0.0  # what the steps waited for checkpoints since the last epoch row
-    graced: bool = False  # the first save's time was said against train.grace_s
-
-    def row(self) -> dict[str, float]:
-        """An epoch row's ``checkpoint_s``: the seconds the steps waited for checkpoints
-        since the previous row (an epoch's own end is in the next row's)."""
-        held, self.held_s = self.held_s, 0.0
-        return {"checkpoint_s": round(held, 6)} if self.active else {}
-
-    def add(self, blocking: float, total: float, nbytes: int) -> None:
-        self.blocking_s.append(blocking)
-        self.total_s.append(total)
-        self.nbytes.append(nbytes)
-
-    def against_grace(self, grace_s: float) -> str | None:
-        """Once, when the first save's time is known (a background one's: at a later look):
-        that time against ``grace_s`` (``train.grace_s``; 0: nothing to say), with a warning
-        when a stop signal's save would not land before the SIGKILL that follows it."""
-        if not grace_s or self.graced or not self.total_s:
-            return None
-        self.graced, took = True, self.total_s[0]
-        if took <= grace_s:
-            return f"checkpoint: {took:.2f} s to save, within train.grace_s = {grace_s:g} s"
-        return (
-            f"warning: a checkpoint takes {took:.1f} s, more than train.grace_s = "
-            f"{grace_s:g} s: a stop signal's save would be killed before it lands (the "
-            "previous checkpoint stays the latest); ask the scheduler for a longer grace "
-            "(Slurm: --signal=USR1@SECONDS; Kubernetes: terminationGracePeriodSeconds); "
-            "until then a preempted run resumes from its last periodic checkpoint"
-        )
-
-    def summary(self) -> dict[str, float | int] | None:
-        """Counts, medians and the write speed (``None`` before the first save)."""
-        if not self.total_s:
-            return None
-        blocking, total = sorted(self.blocking_s), sorted(self.total_s)
-        return {
-            "saves": len(total),
-            "blocking_s": round(blocking[len(blocking) // 2], 4),
-            "total_s": round(total[len(total) // 2], 4),
-            "gb_per_s": round(sum(self.nbytes) / max(sum(self.total_s), 1e-9) / 1e9, 3),
-        }
 
 
 def refuse_links(run_dir: Path) -> None:

@@ -47,17 +47,3 @@ class CheckpointStore(Protocol):
     def remove(self, name: str) -> None:
         """Delete the checkpoint ``name``, its manifest first."""
         ...
-
-
-def prunable(complete: list[str], keep_last: int, latest: str | None, keep: set[str]) -> list[str]:
-    """Which of the ``complete`` checkpoints (oldest first) pruning removes: all but the newest
-    ``keep_last``, never ``latest`` or one newer (a resume from an older one replaces those
-    as it goes), never one in ``keep`` (being uploaded). ``keep_last`` 0: none.
-
-    >>> prunable(["step-1", "step-2", "step-3", "step-4"], 2, "step-4", {"step-1"})
-    ['step-2']
-    """
-    if keep_last < 1:
-        return []
-    kept = set(complete[-keep_last:]) | keep
-    return [n for n in complete if n not in kept and (latest is None or n < latest)]

@@ -24,8 +24,7 @@ from glassloop.distributed.fsdp import class_name
 from glassloop.distributed.world import World, unwrap_model
 from glassloop.options import CheckpointConfig
 from glassloop.run_dir import layout
-from glassloop.run_dir.run import SaveTimes
-from glassloop.state import TrainState
+from glassloop.state import SaveTimes, TrainState
 from glassloop.tracking.launched import since_launch
 
 
