@@ -43,47 +43,32 @@ class Windows:
         self.ignore_index, self.own_loss = ignore_index, own_loss
         self.precision, self.device = precision, device or torch.device("cpu")
         self.shift: int | None = None  # tokens a model's own loss counts: from t+shift
+        self.distributed = world.distributed  # (read every step: an attribute, no call)
 
     def make(
         self, micro: list[tuple[Inputs, Any]], received: int | None
     ) -> tuple[Window, int | None]:
-        """The step's window and under DDP the stop signal of any process
-        (:func:`make_window`; ``received``: this process's)."""
-        shift, weighed = None, len(micro) > 1 or self.world.distributed  # (alone: as is)
-        if weighed and self.tokens:
+        """The step's :class:`Window` (each micro-batch's loss weight, ``None`` alone in one
+        process: the loss as it is) and under DDP the stop signal any process ``received``,
+        in one collective. Weighted by tokens (labels other than ``ignore_index``, from the
+        model's shift on) or by samples; ``summed``: a loss that adds up over a batch."""
+        sizes = [batch_size_of(target, inputs) for inputs, target in micro]
+        samples = sum(sizes)
+        if len(micro) == 1 and not self.distributed:  # (alone: as is)
+            return Window(micro, [None], samples), None
+        counts = sizes
+        if self.tokens:
             if self.shift is None and self.own_loss:  # HF causal LMs: by one
                 inputs, target = micro[0]
                 shown = (self.ignore_index, self.device, self.precision)
                 self.shift = label_shift(self.model, inputs, target, *shown)
-            shift = self.shift or 0
-        return make_window(micro, self.world, self.summed, shift, self.ignore_index, received)
-
-
-def make_window(
-    micro: list[tuple[Inputs, Any]],
-    world: World,
-    summed: bool,
-    token_shift: int | None,
-    ignore_index: int,
-    received: int | None,
-) -> tuple[Window, int | None]:
-    """The step's :class:`Window` (each micro-batch's loss weight, ``None`` alone in one
-    process: the loss as it is) and under DDP the stop signal any process ``received``, in
-    one collective. ``token_shift``: weighted by tokens (labels other than ``ignore_index``
-    from that position on), else by samples; ``summed``: a loss that adds up over a batch."""
-    sizes = [batch_size_of(target, inputs) for inputs, target in micro]
-    samples = sum(sizes)
-    if len(micro) == 1 and not world.distributed:
-        return Window(micro, [None], samples), None
-    counts = sizes
-    if token_shift is not None:
-        counts = token_counts([t for _, t in micro], token_shift, ignore_index)
-        micro, counts = without_empty(micro, counts)  # (padding alone: a mean of 0/0)
-    total, signum = sum(counts), None
-    if world.distributed:  # the counts of every process, and a stop signal of any
-        total, samples, signum = agreed_counts(total, samples, received)
-    weights = loss_weights(counts, total, world.size, summing=summed)
-    return Window(micro, list(weights), samples), signum
+            counts = token_counts([t for _, t in micro], self.shift or 0, self.ignore_index)
+            micro, counts = without_empty(micro, counts)  # (padding alone: a mean of 0/0)
+        total, signum = sum(counts), None
+        if self.distributed:  # the counts of every process, and a stop signal of any
+            total, samples, signum = agreed_counts(total, samples, received)
+        weights = loss_weights(counts, total, self.world.size, summing=self.summed)
+        return Window(micro, list(weights), samples), signum
 
 
 @dataclass
