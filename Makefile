@@ -9,24 +9,28 @@ BIN    := $(VENV)/bin
 TORCH    ?= torch==2.13.0
 PIP_ARGS ?=
 
-.PHONY: demo test lint typecheck unit venv dev clean
+.PHONY: demo test lint typecheck unit venv dev lock clean
 
 # `make demo` installs what glassloop needs to train (torch and the runtime dependencies);
 # `make test` adds the dev extra (pytest, ruff, mypy, and the libraries the tests run
 # against: transformers, peft, mlflow, wandb, tensorboard, pyarrow, s3fs and moto).
-$(BIN)/.runtime: pyproject.toml
+# Both install with `-c $(LOCK)`: the versions every package had when the tests last passed,
+# so a fresh clone resolves nothing and a new release cannot break it (`make lock` moves them).
+LOCK := requirements.lock
+
+$(BIN)/.runtime: pyproject.toml $(LOCK)
 	@echo "== [1/3] creating $(VENV) and upgrading pip"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	@echo "== [2/3] installing $(TORCH) (the largest download; pip shows its progress)"
-	$(BIN)/pip install --progress-bar on $(PIP_ARGS) $(TORCH)
+	$(BIN)/pip install --progress-bar on -c $(LOCK) $(PIP_ARGS) $(TORCH)
 	@echo "== [3/3] installing glassloop and its runtime dependencies"
-	$(BIN)/pip install --progress-bar on -e .
+	$(BIN)/pip install --progress-bar on -c $(LOCK) -e .
 	touch $@
 
-$(BIN)/.dev: $(BIN)/.runtime pyproject.toml
+$(BIN)/.dev: $(BIN)/.runtime pyproject.toml $(LOCK)
 	@echo "== installing the dev extra: test, lint and type-check tools and the libraries the tests use"
-	$(BIN)/pip install --progress-bar on -e '.[dev]'
+	$(BIN)/pip install --progress-bar on -c $(LOCK) -e '.[dev]'
 	touch $@
 
 venv: $(BIN)/.runtime
@@ -48,6 +52,14 @@ typecheck: dev
 # Two workers; a file whose tests share module fixtures (marked xdist_group: one FSDP test
 # reads another's run) goes whole to one worker, every other test to whichever is free (whole
 # files left one worker idle behind the longest): about 12 minutes on 2 cores.
+# Re-resolves pyproject.toml from the index (the only target that does) and rewrites the lock;
+# tests/test_lock.py fails until the lock matches pyproject.toml again. Needs only a pip.
+lock:
+	test -x $(BIN)/pip || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --dry-run --ignore-installed --report $(VENV)/lock-report.json \
+	  $(PIP_ARGS) $(TORCH) -e '.[dev]'
+	$(BIN)/python tests/test_lock.py $(VENV)/lock-report.json
+
 unit: dev
 	$(BIN)/pytest -q -n 2 --dist loadgroup
 

@@ -22,14 +22,17 @@ from importlib import metadata
 from pathlib import Path
 
 import tomllib
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).parents[1]
 LOCK = ROOT / "requirements.lock"
 EXTRAS = ("dev",)  # what make test installs beyond the runtime dependencies
 NOT_LOCKED = {"glassloop", "torch"}  # the package itself; torch: the Makefile's TORCH
 HEADER = "# pyproject digest: "
+
+
+def canonicalize_name(name: str) -> str:
+    """PEP 503's normal form (packaging's, which a bare venv's ``make lock`` lacks)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def requirements() -> list[str]:
@@ -79,6 +82,8 @@ def test_the_lock_is_made_from_this_pyproject() -> None:
 
 
 def test_every_requirement_is_pinned_within_its_range() -> None:
+    from packaging.requirements import Requirement
+
     locked = pins()
     for line in requirements():
         req = Requirement(line)
