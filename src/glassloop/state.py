@@ -357,5 +357,5 @@ class SaveTimes:
             "saves": len(total),
             "blocking_s": round(blocking[len(blocking) // 2], 4),
             "total_s": round(total[len(total) // 2], 4),
-            "gb_per_s": round(sum(self.nbytes) / max(sum(self.total_s), 1e-9) / 1e9, 3),
+            "gb_per_s": round(sum(self.nbytes) / max(sum(self.total_s), 1e-9) / 1e9, 6),
         }

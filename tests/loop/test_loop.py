@@ -228,6 +228,22 @@ def test_half_precision_gradient_norms_that_are_finite_do_not_count_as_overflow(
     assert trainer.state.skipped_steps == 0
 
 
+def test_the_header_of_several_processes_says_whose_batch_size_it_is() -> None:
+    """Under --nproc 2 the global batch doubles (a batch size is each process's): the header
+    says so, how to keep one process's batch, and that step lines count this process's."""
+    from glassloop.distributed.world import World
+    from glassloop.tracking.summary import start_header
+
+    trainer = make_trainer()
+    trainer.world = World(rank=0, size=2)
+    header = start_header(trainer, DataLoader(data(), batch_size=64), None, 1)
+    assert (
+        "batch: 128 = 64 per step x 1 accumulation x 2 processes; the batch size is each "
+        "process's, so 2 processes take 2x one process's samples per step (batch size 32 keeps "
+        "64); step lines count this process's samples"
+    ) in header
+
+
 def test_start_header_and_end_summary(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     trainer = make_trainer(progress="lines", run_dir=tmp_path / "run")
     trainer.fit(DataLoader(data(), batch_size=16), DataLoader(data(40), batch_size=16), epochs=2)
@@ -245,7 +261,7 @@ def test_start_header_and_end_summary(capsys: pytest.CaptureFixture[str], tmp_pa
     # Each checkpoint's times (medians; the end's and each epoch's: 3 saves)
     assert re.fullmatch(
         r"checkpoints: 3 saved, the step held \d+\.\d\d s each, written in \d+\.\d\d s "
-        r"\(\d+\.\d\d GB/s; medians\)",
+        r"\((\d+\.\d\d GB/s|[\d.e-]+ MB/s); medians\)",
         summary[1],
     )
     report = tmp_path / "run" / "report" / "index.html"

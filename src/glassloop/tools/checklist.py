@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -389,9 +388,3 @@ def doctor(
     for check in checks if echo else []:
         print(check.line())
     return checks
-
-
-def timed_doctor(cfg: Config, *, output: Path | None = None) -> tuple[list[Check], float]:
-    start = time.perf_counter()
-    checks = run_doctor(cfg, output=output)
-    return checks, time.perf_counter() - start

@@ -106,10 +106,17 @@ def start_header(
     batch = getattr(train_loader, "batch_size", None)
     if isinstance(batch, int):
         accum, size = trainer.grad_accum_steps, trainer.world.size
-        lines.append(
+        line = (
             f"batch: {batch * accum * size} = {batch} per step x {accum} accumulation x "
             f"{size} process{'es' if size > 1 else ''}"
         )
+        if size > 1:  # (a batch size is each process's: N processes take N times the samples)
+            line += (
+                f"; the batch size is each process's, so {size} processes take {size}x one "
+                f"process's samples per step (batch size {batch // size or 1} keeps "
+                f"{(batch // size or 1) * size}); step lines count this process's samples"
+            )
+        lines.append(line)
     optimizers = (
         trainer.optimizer if isinstance(trainer.optimizer, dict) else {"": trainer.optimizer}
     )
@@ -230,7 +237,7 @@ def end_summary(trainer: Described, report: Path | None) -> str:
     if saves is not None:  # (rank 0's: the one that writes)
         lines.append(
             f"checkpoints: {saves['saves']} saved, the step held {saves['blocking_s']:.2f} s "
-            f"each, written in {saves['total_s']:.2f} s ({saves['gb_per_s']:.2f} GB/s; medians)"
+            f"each, written in {saves['total_s']:.2f} s ({speed(saves['gb_per_s'])}; medians)"
         )
     if trainer.run_dir is not None:
         where = f"weights: {trainer.run_dir / layout.WEIGHTS}"
@@ -245,3 +252,14 @@ def counted(n: int, noun: str) -> str:
     ('1 epoch', '3 steps')
     """
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def speed(gb_per_s: float) -> str:
+    """A write speed a small run can show too (its few KB never read ``0.00 GB/s``).
+
+    >>> speed(1.234), speed(0.0421), speed(0.0000153)
+    ('1.23 GB/s', '42.1 MB/s', '0.0153 MB/s')
+    """
+    if gb_per_s >= 0.1:
+        return f"{gb_per_s:.2f} GB/s"
+    return f"{gb_per_s * 1000:.3g} MB/s"
