@@ -321,7 +321,12 @@ def test_the_bar_shows_running_accuracy_and_live_validation_numbers(
     glassloop.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
                       progress="bar", train_accuracy=True,
                       validate_every_n_steps=6).fit(data, data[:8], epochs=1)  # fmt: skip
-    bars = capsys.readouterr().err
+    said = capsys.readouterr()
+    bars = said.err
+    # the mid-epoch validation's line: its own line above the bar, accuracy as the bar has it
+    both = said.out + said.err
+    line = next(part for part in re.split(r"[\r\n]", both) if "step 6: val_loss" in part)
+    assert re.fullmatch(r"step 6: val_loss \d\.\d+, val_accuracy \d+\.\d\d%", line), line
     assert re.search(r"epoch 1/1.*loss=\d\.\d{4}, acc=\d+\.\d\d%", bars), bars[-2000:]
     assert re.search(r"acc=\d+\.\d\d%, val_loss=\d\.\d{4}, val_acc=\d+\.\d\d%", bars), bars
     assert re.search(r"validate.*val_loss=\d\.\d{4}, val_acc=\d+\.\d\d%", bars), bars

@@ -11,6 +11,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from glassloop.best import is_number, shown
+
 if TYPE_CHECKING:  # (torch: this module is imported before it)
     from glassloop.state import EpochRecord
 
@@ -172,7 +174,9 @@ class ProgressReporter:
     def validation_row(self, row: dict[str, Any]) -> None:
         """A validation inside an epoch (``validate_every_n_steps``): its step and numbers,
         which the bar then shows until the next."""
-        numbers = ", ".join(f"{k} {v:.4g}" for k, v in row.items() if k.startswith("val_"))
+        numbers = ", ".join(
+            f"{k} {shown(k, v)}" for k, v in row.items() if k.startswith("val_") and is_number(v)
+        )  # (accuracies in percent, as the bar and the epoch line show them)
         self.message(f"step {row['step']}: {numbers}")
         for key in ("val_loss", "val_accuracy"):
             if isinstance(row.get(key), float):
@@ -182,7 +186,11 @@ class ProgressReporter:
 
     def message(self, text: str) -> None:
         """Resume notices and warnings: printed whatever the progress mode."""
-        if not self.silent:
+        if self.silent:
+            return
+        if self._bar is not None:  # above the bar, which is drawn again below it
+            self._bar.write(text, file=self.stream)
+        else:
             print(text, file=self.stream, flush=True)
 
     def info(self, text: str) -> None:
