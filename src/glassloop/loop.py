@@ -50,7 +50,7 @@ from glassloop.tasks import model_loss
 from glassloop.tracking.console import ProgressReporter
 from glassloop.tracking.provenance import environment
 from glassloop.tracking.run_log import RunLog, python_config
-from glassloop.tracking.summary import end_summary, samples_in, start_header
+from glassloop.tracking.summary import end_summary, samples_in, shown_path, start_header
 
 
 class Trainer:
@@ -598,7 +598,7 @@ class Trainer:
         if signum:
             started = time.perf_counter()
             path = self.checkpointer.save(wait=True)  # (async: committed before the end)
-            where = str(path) if path is not None else None
+            where = shown_path(self.run, path.parents[1], path) if path else None  # (a URL)
             raise Preempted(signum, self.state.step, where, time.perf_counter() - started)
 
     def _log_step(self, loss: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from cli_runner import run_group
+from cli_runner import run_glassloop, run_group
 from s3_server import SECRET, local_s3
 from safetensors.torch import load
 from torch import nn
@@ -648,3 +648,18 @@ def test_a_remote_manifest_nested_too_deep_is_passed_over(
     fell_back = [line for line in said if "falling back to an older one" in line]
     assert len(fell_back) == 1 and len(fell_back[0]) < 1000, said
     assert f"resumed from '{url}/checkpoints/{steps[-2].rsplit('/', 1)[-1]}'" in "\n".join(said)
+
+
+def test_a_remote_run_is_called_by_its_url(tmp_path: Path, cache: Path) -> None:
+    """The header, the weights and the report are named by the run's URL, where they end up;
+    the local copy is named once, as what it is (a newcomer took the cache path for the run)."""
+    lines = [*SMALL[:-2], "--set", "train.progress=lines"]
+    done = run_glassloop("train", *lines, "--run-dir", "memory://shown/run", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = done.stdout.splitlines()
+    copy = next(line for line in said if line.startswith("run directory: "))
+    assert re.fullmatch(r"run directory: memory://shown/run \(local copy: .+\)", copy), copy
+    assert (
+        "weights: memory://shown/run/model.safetensors; "
+        "report: memory://shown/run/report/index.html"
+    ) in said, said

@@ -37,6 +37,9 @@ class RunDir:
         self.world = world
         self.writes = self.path is not None and world.is_main
         self.times = SaveTimes(active=self.path is not None)  # run.json, epoch rows
+        # What the run is called on screen: its URL (redacted) for a remote run, never the
+        # local copy's path in the cache.
+        self.shown = self.remote.shown if self.remote is not None else str(self.path)
         # What the final weights leave out (a fine-tuned model's frozen base, set by the
         # checkpointer from checkpoint.final_weights); None: they are whole.
         self.base: FrozenBase | None = None

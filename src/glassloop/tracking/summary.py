@@ -38,6 +38,12 @@ class HasPolicy(Protocol):
     def times(self) -> SaveTimes: ...
 
 
+class Shown(Protocol):
+    """What the header and the summary call the run directory (a remote run's URL)."""
+
+    shown: str
+
+
 class Described(Protocol):
     """What the start header and the end summary read of a trainer."""
 
@@ -61,6 +67,9 @@ class Described(Protocol):
 
     @property
     def checkpointer(self) -> HasPolicy: ...
+
+    @property
+    def run(self) -> Shown: ...
 
     @property
     def history(self) -> list[dict[str, Any]]: ...
@@ -135,7 +144,10 @@ def start_header(
     if (note := loss_note(trainer.loss_fn, trainer.loss_reduction)) is not None:
         lines.append(note)
     if trainer.run_dir is not None:
-        lines.append(f"run directory: {trainer.run_dir}")
+        copy = (
+            f" (local copy: {trainer.run_dir})" if trainer.run.shown != str(trainer.run_dir) else ""
+        )
+        lines.append(f"run directory: {trainer.run.shown}{copy}")
         if trainer.grace_s:  # (the first save's time is said against it when known)
             signals = ", ".join(f"SIG{name}" for name in trainer.stop_signals)
             lines.append(
@@ -240,9 +252,18 @@ def end_summary(trainer: Described, report: Path | None) -> str:
             f"each, written in {saves['total_s']:.2f} s ({speed(saves['gb_per_s'])}; medians)"
         )
     if trainer.run_dir is not None:
-        where = f"weights: {trainer.run_dir / layout.WEIGHTS}"
-        lines.append(where + (f"; report: {report}" if report is not None else ""))
+        weights = shown_path(trainer.run, trainer.run_dir, trainer.run_dir / layout.WEIGHTS)
+        said = f"; report: {shown_path(trainer.run, trainer.run_dir, report)}" if report else ""
+        lines.append(f"weights: {weights}{said}")
     return "\n".join(lines)
+
+
+def shown_path(run: Shown, run_dir: Path, path: Path) -> str:
+    """``path`` in the run directory as the run is called: under a remote run's URL (where
+    the upload puts it), else the path itself."""
+    if run.shown == str(run_dir):
+        return str(path)
+    return f"{run.shown}/{path.relative_to(run_dir).as_posix()}"
 
 
 def counted(n: int, noun: str) -> str:
