@@ -446,3 +446,29 @@ def test_the_line_a_stopped_run_ends_with_holds_no_secret() -> None:
     assert line.startswith("glassloop: stopped by SIGTERM after step 7; checkpoint saved to ")
     assert line.endswith("; continue with: glassloop train --run-dir s3://***@bucket/run "
                          "--nproc 2 --resume")  # fmt: skip
+
+
+def test_a_ctrl_c_says_whether_anything_was_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before the first step (imports, data, the model) nothing has been saved; in training
+    without SIGINT among train.stop_signals the moment is not saved but earlier ones are."""
+    import glassloop
+    import glassloop.config.assemble
+
+    def interrupt(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    small = ["--set", "data.name=synthetic", "--set", "train.epochs=1", "--run-dir", "r"]
+    with monkeypatch.context() as patch:
+        patch.setattr(glassloop.config.assemble, "build", interrupt)
+        early = run_glassloop("train", *small, cwd=tmp_path)
+    assert early.returncode == 130
+    said = "glassloop: interrupted during start-up, before the first step: nothing was saved yet"
+    assert early.stderr.strip() == said
+    monkeypatch.setattr(glassloop.Trainer, "train_step", interrupt)
+    late = run_glassloop("train", *small, "--set", 'train.stop_signals=["TERM"]', cwd=tmp_path)
+    assert late.returncode == 130 and late.stderr.strip().endswith(
+        "glassloop: interrupted during training (SIGINT is not in train.stop_signals): this "
+        "moment was not saved; the checkpoints saved before it are intact"
+    ), late.stderr

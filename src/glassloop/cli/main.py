@@ -396,6 +396,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def interrupted(command: str, err: KeyboardInterrupt) -> str:
+    """What a Ctrl-C that reached the command says. In ``fit`` SIGINT stops with a checkpoint
+    (:class:`Preempted`), unless ``train.stop_signals`` leaves it out; before ``fit`` (imports,
+    data, the model) nothing has been saved yet, and a newcomer should not have to wonder."""
+    frames, tb = [], err.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_globals.get("__name__"), tb.tb_frame.f_code.co_name))
+        tb = tb.tb_next
+    if command != "train":
+        return "interrupted"
+    if ("glassloop.loop", "fit") in frames:
+        return (
+            "interrupted during training (SIGINT is not in train.stop_signals): this moment "
+            "was not saved; the checkpoints saved before it are intact"
+        )
+    return "interrupted during start-up, before the first step: nothing was saved yet"
+
+
 def stopped_line(args: argparse.Namespace, stop: Preempted) -> str:
     """What a stopped run says last: where it stopped and the command that continues it (a
     run directory's URL through the one redaction, as every other line)."""
@@ -691,8 +709,9 @@ def run_command(argv: Sequence[str] | None = None) -> int:
             print(file=sys.stderr)  # the terminal's "^C" stays on the bar's line, alone
         print(stopped_line(args, stop), file=sys.stderr)
         return stop.exit_code
-    except KeyboardInterrupt:
-        print(f"{chr(10) if sys.stderr.isatty() else ''}glassloop: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:
+        what = interrupted(args.command, err)
+        print(f"{chr(10) if sys.stderr.isatty() else ''}glassloop: {what}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception:  # a bug, or a library's own error: its traceback, through the redaction
         print(redact(traceback.format_exc()), end="", file=sys.stderr)
