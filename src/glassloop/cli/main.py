@@ -391,6 +391,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not run.trainer.world.is_main:
         return EXIT_OK
     last = history[-1] if history else {}
+    for line in run.warnings:  # (said before the header too: it has scrolled away by now)
+        print(line)
     if "val_accuracy" in last:  # the demo's last line (the README quotes it)
         print(f"final validation accuracy: {100 * last['val_accuracy']:.2f}%")
     return EXIT_OK

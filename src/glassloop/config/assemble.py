@@ -55,6 +55,8 @@ class Run:
     trainer: Trainer
     # data.val_sets: further validation sets by name, each reported as val_<name>_*
     val_sets: dict[str, InMemoryLoader | ResumableLoader] = field(default_factory=dict)
+    # What the command says again at its end (a warning above the header scrolls away).
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def validation(self) -> Validation:
@@ -93,6 +95,7 @@ class Built:
     device: torch.device
     task: str  # what the model is trained to do (glassloop.tasks)
     val_sets: dict[str, InMemoryLoader | ResumableLoader] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # what the command says again at its end
 
 
 def parquet_data(cfg: Config) -> DiskData | TextData:
@@ -207,6 +210,7 @@ def build_parts(cfg: Config, *, world: World = SINGLE, files_from: Path | None =
     texts = load_text(cfg.data) if cfg.data.name == "text-csv" else None
     if isinstance(on_disk, TextData):  # a Parquet text column, tokenized as it is read
         texts, on_disk = on_disk, None
+    empty: str | None = None  # (arrays in memory only: classes without a training sample)
     if texts is not None:
         data = texts
         model = build_model(
@@ -268,7 +272,7 @@ def build_parts(cfg: Config, *, world: World = SINGLE, files_from: Path | None =
             standardize_targets(data)
         scale = target_scale_of(data.preprocessing)
         if task == "classification":
-            warn_empty_classes(data)
+            empty = warn_empty_classes(data)
         model = build_model(cfg.model, data.input_shape, data.num_classes, target_scale=scale)
         train_loader, val_loader = loaders_for_splits(
             data,
@@ -296,27 +300,39 @@ def build_parts(cfg: Config, *, world: World = SINGLE, files_from: Path | None =
         cfg.loss, num_outputs=data.num_classes, ignore_index=cfg.train.ignore_index
     )
     return Built(
-        cfg, data, train_loader, val_loader, model, loss_fn.to(device), device, task, val_sets
+        cfg,
+        data,
+        train_loader,
+        val_loader,
+        model,
+        loss_fn.to(device),
+        device,
+        task,
+        val_sets,
+        [empty] if empty else [],
     )
 
 
-def warn_empty_classes(data: Splits) -> None:
-    """One line when a class the model gets an output for has no training sample: labels
-    1..10 make 11 outputs, and class 0 is never learned (what ``glassloop doctor`` calls the
-    class balance; a model of the user's, with 10 outputs, is stopped by the first-batch
-    guard instead)."""
+def warn_empty_classes(data: Splits) -> str | None:
+    """One line (printed, and returned: the command repeats it at its end) when a class the
+    model gets an output for has no training sample: labels 1..10 make 11 outputs, and class
+    0 is never learned (what ``glassloop doctor`` calls the class balance; a model of the
+    user's, with 10 outputs, is stopped by the first-batch guard instead)."""
     labels = data.y_train
     if labels.ndim != 1 or labels.is_floating_point() or not len(labels):
-        return
+        return None
     counts = torch.bincount(labels.clamp(min=0), minlength=data.num_classes)
     empty = (counts[: data.num_classes] == 0).nonzero().flatten().tolist()
     if empty:
         low, high = int(labels.min()), int(labels.max())
         start = "; labels that start at 1 need 1 subtracted" if empty[0] == 0 and low == 1 else ""
-        print(
+        said = (
             f"warning: data: classes {empty[:10]} have no training samples (labels "
             f"{low}..{high}, {data.num_classes} outputs): they can never be learned{start}"
         )
+        print(said)
+        return said
+    return None
 
 
 def standardize_targets(data: Splits) -> None:
@@ -430,4 +446,4 @@ def build(
     )
     if (note := target_scale_note(data, parts.task)) is not None:
         trainer.console.message(note)
-    return Run(cfg, data, train_loader, val_loader, trainer, parts.val_sets)
+    return Run(cfg, data, train_loader, val_loader, trainer, parts.val_sets, parts.warnings)
