@@ -7,7 +7,7 @@ starting without torch, and the layout page (docs/architecture.md) generated fro
 Budgets only fall: a size budget may rise only in a commit that lowers another by as much
 (each one's history is in the commits that changed it).
 
-``python tests/test_architecture.py`` rewrites that table after a change."""
+``python tests/test_architecture.py`` rewrites the page's tables after a change."""
 
 from __future__ import annotations
 
@@ -328,33 +328,69 @@ LAYOUT_PAGE = ROOT / "docs" / "architecture.md"
 
 
 def job_of(module: str) -> str:
-    """A module's job: the first sentence of its docstring."""
+    """A module's job: the first sentence of its docstring (outside parentheses; a leading
+    ``name:`` left out), its reST code and cross-references as Markdown code."""
     name = module.removeprefix("glassloop").lstrip(".").replace(".", "/") or "__init__"
     path = PACKAGE / f"{name}.py"
     if not path.exists():
         path = PACKAGE / name / "__init__.py"
     doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
-    first = " ".join(doc.split("\n\n")[0].split())
-    return re.split(r"(?<=[.:])\s", first, maxsplit=1)[0].rstrip(".:").replace("|", "\\|")
+    text = " ".join(doc.split("\n\n")[0].split())
+    own = f"{module.split('.')[-1]}: "
+    if text.startswith(own):
+        text = text[len(own)].upper() + text[len(own) + 1 :]
+    ends = (m.start() for m in re.finditer(r"[.:](?=\s|$)", text))
+    end = next((i for i in ends if text[:i].count("(") == text[:i].count(")")), len(text))
+    job = re.sub(r":\w+:`~?(?:[\w.]+\.)?(\w+)`", r"`\1`", text[:end])  # :class:`~a.B` -> `B`
+    return job.replace("``", "`").replace("|", "\\|")
+
+
+def file_of(module: str) -> str:
+    """The file a module is, as its part's heading leaves it: ``loop.py``, ``fsdp.py``."""
+    if module == "glassloop":
+        return "__init__.py"
+    return module.split(".")[-1] + ".py"
 
 
 def layout() -> str:
-    """The layout table: each part of the drawing, bottom to top (a folder: its own job, then
-    each of its modules), what each module does and the parts it imports (errors left out:
-    nearly every module imports it)."""
+    """The layout: the parts of the drawing bottom to top, then a table per part that is a
+    folder (its own job above it) and one for the modules at the package top, each row a
+    module, what it does and the parts it imports (errors left out: nearly every module
+    imports it)."""
     edges = graph()
-    rows = ["| part | module | its job | imports (parts) |", "|---|---|---|---|"]
-    for part in DRAWING["parts"]:
-        name = part["name"]
-        members = sorted(m for m in edges if part_of(m) == name)
-        for module in members:
-            targets = {part_of(t) for t in edges[module] - {"glassloop.errors"}} - {name}
-            shown = module.removeprefix("glassloop.") if module != "glassloop" else "glassloop"
-            if name.endswith("/") and shown == name[:-1]:
-                shown = name  # the folder's own docstring: what the part is for
-            used = ", ".join(sorted(targets, key=FLOOR.__getitem__)) or "—"
-            rows.append(f"| {name} | `{shown}` | {job_of(module)} | {used} |")
-    return "\n".join([START, *rows, END])
+
+    def imported(module: str) -> str:
+        targets = {part_of(t) for t in edges[module] - {"glassloop.errors"}} - {part_of(module)}
+        return ", ".join(f"`{t}`" for t in sorted(targets, key=FLOOR.__getitem__)) or "—"
+
+    def table(modules: list[str]) -> list[str]:
+        rows = ["| module | its job | imports (parts) |", "|---|---|---|"]
+        rows += [f"| `{file_of(m)}` | {job_of(m)} | {imported(m)} |" for m in modules]
+        return rows
+
+    names = [part["name"] for part in DRAWING["parts"]]
+    top = [n for n in names if not n.endswith("/")]
+    lines = [
+        START,
+        "",
+        "The parts, bottom to top (a module imports only its own part or one below it): "
+        + " → ".join(f"`{n}`" for n in names)
+        + ".",
+        "",
+        "### The package top",
+        "",
+        "The Trainer (`loop.py`) and the words every part speaks, in `src/glassloop/`, bottom "
+        "to top.",
+        "",
+        *table([m for n in top for m in sorted(m for m in edges if part_of(m) == n)]),
+    ]
+    for folder in (n for n in names if n.endswith("/")):
+        own = f"glassloop.{folder[:-1]}"
+        members = sorted(m for m in edges if part_of(m) == folder and m != own)
+        uses = imported(own)
+        about = job_of(own) + ("." if uses == "—" else f"; its `__init__.py` imports {uses}.")
+        lines += ["", f"### {folder}", "", about, "", *table(members)]
+    return "\n".join([*lines, "", END])
 
 
 def test_the_layout_page_is_the_graph() -> None:
