@@ -1,5 +1,5 @@
 """The README's "Your own step" example runs as written: in one process and under torchrun
-with two processes."""
+with two processes; docs/python-api.md shows the same example."""
 
 from __future__ import annotations
 
@@ -11,14 +11,18 @@ from pathlib import Path
 
 from cli_runner import run_group
 
-README = Path(__file__).parents[2] / "README.md"
+ROOT = Path(__file__).parents[2]
 
 
-def example() -> str:
-    section = README.read_text(encoding="utf-8").split("### Your own step", 1)[1]
+def example(page: str = "README.md") -> str:
+    section = (ROOT / page).read_text(encoding="utf-8").split("# Your own step", 1)[1]
     found = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    assert found, "no python block under 'Your own step'"
+    assert found, f"no python block under {page}'s 'Your own step'"
     return found.group(1)
+
+
+def test_the_api_page_shows_the_readme_example() -> None:
+    assert example("docs/python-api.md") == example()
 
 
 def test_the_readme_step_runs_in_one_process() -> None:

@@ -20,13 +20,15 @@ SMALL = [
 
 README_LINE = next(
     line.split("  #")[0]
-    for line in (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8").splitlines()
+    for line in (Path(__file__).parents[2] / "docs" / "checkpoints.md")
+    .read_text(encoding="utf-8")
+    .splitlines()
     if line.startswith("glassloop verify-resume ")
-)  # (the README's block test leaves this line to this test: each run costs ~14 s)
+)  # (the docs' block test leaves this line to this test: each run costs ~14 s)
 
 
 def test_verify_resume_proves_an_exact_resume(tmp_path: Path) -> None:
-    """The README's command as written (digits, killed mid-epoch after step 12, the last
+    """docs/checkpoints.md's command as written (digits, killed mid-epoch after step 12, the last
     checkpoint at step 10), resumed: every digest identical, exit 0; with --keep, both
     runs kept."""
     words = shlex.split(README_LINE)
