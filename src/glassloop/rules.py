@@ -58,6 +58,8 @@ class Range:
 
 def _shown(value: float | None) -> str:
     """A bound as a user reads it: whole numbers in full (2147483648, not 2.14748e+09)."""
+    if isinstance(value, int):  # (exact: 2**63 - 1 is no float)
+        return str(value)
     number = float(value or 0)
     return str(int(number)) if number.is_integer() else f"{number:g}"
 
