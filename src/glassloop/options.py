@@ -265,42 +265,57 @@ class CheckpointConfig:
     """When to save (``every_n_steps``, ``every_n_epochs``; always at the end), how many to
     keep, and which validation metric picks ``RUN_DIR/best/`` (``""``: no best tracking)."""
 
-    every_n_steps: int = option(0, rule=AT_LEAST_0)  # 0: off
-    every_n_epochs: int = option(1, rule=AT_LEAST_0)  # 0: off
+    every_n_steps: int = option(0, rule=AT_LEAST_0)
+    """save every this many optimizer steps (0: off)."""
+    every_n_epochs: int = option(1, rule=AT_LEAST_0)
+    """save at the end of every this many epochs (0: off)."""
     keep_last: int = option(3, rule=AT_LEAST_0)
-    monitor: str = ""  # e.g. "val_loss" or "val_accuracy"
-    mode: str = option("auto", rule=("auto", "min", "max"))  # max for accuracy/F1, else min
-    # true: the step waits only while the state is copied to host memory; the write goes on
-    # in the background, one save at a time (glassloop.checkpoint.background)
+    """keep the newest this many checkpoints, removing older ones (0: keep all)."""
+    monitor: str = ""
+    """the metric that picks ``RUN_DIR/best/``: "val_loss", "val_accuracy", ... ("": none)."""
+    mode: str = option("auto", rule=("auto", "min", "max"))
+    """"min" or "max": ``monitor`` improves by falling or rising ("auto": max for accuracy/F1)."""
     async_save: bool = False
-    # A model with frozen parameters (a peft adapter's base, a frozen encoder): false, its
-    # checkpoints hold the trainable tensors and the SHA-256 of the frozen ones, which a
-    # resume checks against the model it builds (glassloop.storage.frozen_base); true: every tensor
+    """true: the step waits only while the state is copied to host memory; the write goes on
+    in the background, one save at a time (:mod:`glassloop.checkpoint.background`)."""
     save_frozen: bool = False
-    # RUN_DIR/model.safetensors: "auto" (a peft model's adapter alone, any other model
-    # whole), "full" or "trainable" (without the frozen base, whose SHA-256 it records)
+    """a model with frozen parameters (a peft adapter's base, a frozen encoder): false, its
+    checkpoints hold the trainable tensors and the SHA-256 of the frozen ones, which a resume
+    checks against the model it builds (:mod:`glassloop.storage.frozen_base`); true: every
+    tensor."""
     final_weights: str = option("auto", rule=("auto", "full", "trainable"))
+    """``RUN_DIR/model.safetensors``: "auto" (a peft model's adapter alone, any other model
+    whole), "full" or "trainable" (without the frozen base, whose SHA-256 it records)."""
 
 
 @dataclass
 class TrackingConfig:
     """Where a run is tracked (``[tracking]`` in a config; ``backend = ""``: nowhere)."""
 
-    backend: str = option("", rule=("", "mlflow", "wandb"))  # "" (off), "mlflow" or "wandb"
-    uri: str = ""  # MLflow: the tracking URI ("": sqlite:///mlflow.db here); W&B: the server
-    experiment: str = "glassloop"  # the MLflow experiment, the W&B project
-    run_name: str = ""  # "": the run directory's name
+    backend: str = option("", rule=("", "mlflow", "wandb"))
+    """"" (off), "mlflow" or "wandb"."""
+    uri: str = ""
+    """MLflow: the tracking URI ("": ``sqlite:///mlflow.db`` here); W&B: the server."""
+    experiment: str = "glassloop"
+    """the MLflow experiment, the W&B project."""
+    run_name: str = ""
+    """the tracked run's name ("": the run directory's name)."""
     tags: dict[str, Any] = field(default_factory=dict)
+    """tags for the tracked run, e.g. ``{ team = "vision" }``."""
 
 
 @dataclass
 class EarlyStoppingConfig:
     """Stop when ``monitor`` has not improved by ``min_delta`` for ``patience`` epochs."""
 
-    monitor: str = ""  # "": off; "val_loss", "val_accuracy" or "train_loss"
+    monitor: str = ""
+    """the metric watched: "train_loss" or a validation metric, e.g. "val_loss" ("": off)."""
     patience: int = option(3, rule=AT_LEAST_1)
+    """epochs without improvement before the run stops."""
     min_delta: float = option(0.0, rule=AT_LEAST_0)
-    mode: str = option("auto", rule=("auto", "min", "max"))  # auto: max for accuracy, else min
+    """the least change that counts as an improvement."""
+    mode: str = option("auto", rule=("auto", "min", "max"))
+    """"min" or "max": ``monitor`` improves by falling or rising ("auto": max for accuracy)."""
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The run configuration: TOML parsed with ``tomllib`` into typed, validated dataclasses.
 
-Sections and keys (every key has a default; see the README's config reference)::
+Sections and keys (every key has a default; docs/config.md, generated from these
+dataclasses, gives each one's type, default and description)::
 
     [model]      name, hidden, dropout, target, kwargs
     [data]       name, path, batch_size, eval_batch_size, shuffle, num_workers,

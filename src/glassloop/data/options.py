@@ -32,38 +32,59 @@ class DataConfig:
     ``root``); see docs/datasets.md."""
 
     name: str = option("mnist-5k", rule=DATASET_NAMES)
-    path: str = ""  # npz, csv, image-folder
-    root: str = "data"  # mnist, fashion-mnist, cifar10: where their files are (or go)
-    download: bool = False  # mnist, fashion-mnist: fetch with torchvision (glassloop[vision])
-    label_column: str = "label"  # csv: the target column
-    label_columns: list[str] = field(default_factory=list)  # csv: several (multilabel, outputs)
-    image_column: str = ""  # parquet: a column of encoded images (else: text or numbers)
-    # image-folder: larger once decoded, images are read in workers
+    """the data: one of the names above (docs/datasets.md)."""
+    path: str = ""
+    """npz, csv, text-csv, image-folder, parquet: the file or folder to read."""
+    root: str = "data"
+    """mnist, fashion-mnist, cifar10: where their files are (or go)."""
+    download: bool = False
+    """mnist, fashion-mnist: fetch the files with torchvision (glassloop[vision])."""
+    label_column: str = "label"
+    """csv, text-csv, parquet: the target column."""
+    label_columns: list[str] = field(default_factory=list)
+    """csv: several target columns (multilabel, several outputs)."""
+    image_column: str = ""
+    """parquet: a column of encoded images (else: text or numbers)."""
     in_memory_mb: int = option(4096, rule=AT_LEAST_0)
-    # image-folder: resize to this square size (0: keep; all must match)
+    """image-folder: larger once decoded, images are read in workers."""
     image_size: int = option(0, rule=Range(0, 2**15))
-    # image-folder: 1 (grayscale) or 3 (RGB); 0: from the first image
+    """image-folder: resize to this square size (0: keep; all must match)."""
     channels: int = option(0, rule=(0, 1, 3))
-    text_column: str = "text"  # text-csv; parquet: a string column of this name: texts
-    tokenizer: str = ""  # text-csv: a tokenizer.json to use instead of training one
-    # text-csv: size of the tokenizer trained on the training texts
+    """image-folder: 1 (grayscale) or 3 (RGB); 0: from the first image."""
+    text_column: str = "text"
+    """text-csv; parquet: a string column of this name: texts."""
+    tokenizer: str = ""
+    """text-csv: a tokenizer.json to use instead of training one."""
     vocab_size: int = option(8000, rule=Range(2, 2**24))
-    max_length: int = option(256, rule=Range(1, 2**24))  # text-csv: longer texts are cut
-    bucket_by_length: bool = True  # text-csv: batches of similar lengths (less padding)
-    augment: list[str] = field(default_factory=list)  # images, training: "hflip", "crop"
-    normalize: bool = True  # images: standardise per channel; false: pixels in [0, 1] only
-    standardize_targets: bool = False  # regression: learn (y - mean) / std, report y's units
+    """text-csv: size of the tokenizer trained on the training texts."""
+    max_length: int = option(256, rule=Range(1, 2**24))
+    """text-csv: longer texts are cut."""
+    bucket_by_length: bool = True
+    """text-csv: batches of similar lengths (less padding)."""
+    augment: list[str] = field(default_factory=list)
+    """images, training only: "hflip", "crop"."""
+    normalize: bool = True
+    """images: standardise per channel; false: pixels in [0, 1] only."""
+    standardize_targets: bool = False
+    """regression: learn (y - mean) / std, report y's units."""
     batch_size: int = option(64, rule=Range(1, 2**31))
-    eval_batch_size: int = option(0, rule=Range(0, 2**31), resume_safe=True)  # 0: batch_size
+    """rows per training batch (per process)."""
+    eval_batch_size: int = option(0, rule=Range(0, 2**31), resume_safe=True)
+    """rows per validation batch (0: ``batch_size``)."""
     shuffle: bool = True
+    """shuffle the training data each epoch (seeded)."""
     num_workers: int = option(0, rule=Range(0, 256), resume_safe=True)
-    # for datasets without a fixed validation split
+    """loader worker processes (0: batches are made in the training process)."""
     val_fraction: float = option(0.2, rule=Range(0.0, 1.0, open_low=True, open_high=True))
-    # npz: further validation sets by name ({ood = "shifted.npz"}: x and y, every row, or
-    # x_val and y_val), each reported as val_<name>_*, monitorable like val_*
+    """the share held out for validation, for datasets without a fixed validation split."""
     val_sets: dict[str, str] = field(default_factory=dict)
-    num_samples: int = option(2048, rule=Range(1, 2**40))  # synthetic only
-    num_features: int = option(32, rule=Range(1, 2**24))  # synthetic only
-    num_classes: int = option(10, rule=Range(2, 2**24))  # synthetic only
-    # split / generation seed, independent of train.seed
+    """npz: further validation sets by name (``{ood = "shifted.npz"}``: x and y, every row, or
+    x_val and y_val), each reported as ``val_<name>_*``, monitorable like ``val_*``."""
+    num_samples: int = option(2048, rule=Range(1, 2**40))
+    """synthetic only: rows generated."""
+    num_features: int = option(32, rule=Range(1, 2**24))
+    """synthetic only: features per row."""
+    num_classes: int = option(10, rule=Range(2, 2**24))
+    """synthetic only: classes."""
     seed: int = option(0, rule=Range(0, 2**32 - 1))
+    """split / generation seed, independent of ``train.seed``."""
