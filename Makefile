@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 TORCH    ?= torch==2.13.0
 PIP_ARGS ?=
 
-.PHONY: demo test lint typecheck unit venv dev lock clean
+.PHONY: demo test lint typecheck unit venv dev lock docs clean
 
 # `make demo` installs what glassloop needs to train (torch and the runtime dependencies);
 # `make test` adds the dev extra (pytest, ruff, mypy, and the libraries the tests run
@@ -48,6 +48,13 @@ lint: dev
 
 typecheck: dev
 	$(BIN)/mypy src/glassloop
+
+# The documentation site into site/, offline, from docs/ and mkdocs.yml; strict: a broken link
+# or anchor, or an API reference that does not resolve, fails it. It regenerates nothing:
+# docs/cli.md and docs/config.md are committed (python docs/gen_reference.py rewrites them;
+# tests/docs/test_reference.py fails while they differ from the code).
+docs: dev
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 # Two workers; a file whose tests share module fixtures (marked xdist_group: one FSDP test
 # reads another's run) goes whole to one worker, every other test to whichever is free (whole
