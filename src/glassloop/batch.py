@@ -1,6 +1,6 @@
 """How a batch is split into the model's inputs and the loss's target.
 
-The convention (documented in the README):
+The convention (documented in docs/python-api.md):
 
 * a tuple or list ``(x, y)`` calls ``model(x)``; ``(x1, x2, ..., y)`` calls ``model(x1, x2, ...)``;
   the last element is always the target;

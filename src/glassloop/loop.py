@@ -76,7 +76,7 @@ class Trainer:
         checkpoint; RUN_DIR/model.safetensors
 
     Every argument is described below (each option's text in :mod:`glassloop.options`); the
-    README begins with one in use.
+    README and docs/python-api.md begin with one in use.
     """
 
     def __init__(
@@ -253,7 +253,7 @@ class Trainer:
 
         ``train_loader``: any iterable of batches, iterated exactly as given; ``val_loader``:
         one, or several by name (:mod:`glassloop.evaluation.validator`). ``resume="auto"``: from the
-        newest valid checkpoint in ``run_dir`` (or fresh without one), exactly (README:
+        newest valid checkpoint in ``run_dir`` (or fresh without one), exactly (docs/checkpoints.md,
         "Resume"); a path: from that checkpoint; a job torchrun restarted (its elastic mode)
         resumes by itself. A stop signal (``stop_signals``) stops it after the current step
         with a checkpoint and raises :class:`glassloop.Preempted`.

@@ -131,7 +131,7 @@ def report_run(run_dir: str | Path, *, trust_code: bool = False) -> Path:
 
         prediction = predict(parts.model, parts.data.x_val, task="regression", device=parts.device)
         pairs = (prediction, parts.data.y_val)
-    with written:  # (a read-only run directory: exit 3, as the README says)
+    with written:  # (a read-only run directory: exit 3, as docs/exit-codes.md says)
         return write_report(
             run_dir,
             evaluation=evaluation,
