@@ -168,6 +168,17 @@ def test_every_test_file_the_docs_name_exists() -> None:
             assert any(ROOT.glob(f"tests/**/{bare}")), f"{name} names {bare}: no such test"
 
 
+def test_every_page_with_code_has_its_blocks_run() -> None:
+    """A new page's blocks run from the day it is added: every docs page with a bash, python
+    or toml block is in FILES, or in the test that runs it (tasks.md: test_doc_examples.py;
+    the generated config.md: test_reference.py)."""
+    own_tests = {"docs/tasks.md", "docs/config.md"}
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        name = f"docs/{page.name}"
+        if any(language in ("bash", "python", "toml") for language, _ in blocks(name)):
+            assert name in FILES or name in own_tests, f"{name}'s code blocks are never run"
+
+
 def test_the_readme_links_resolve() -> None:
     """The README is read on GitHub, outside the site's strict build: each of its relative
     links names a file of the repository (and an anchor its page has)."""
