@@ -389,26 +389,23 @@ def test_a_filesystem_with_real_folders_gets_every_file(tmp_path: Path, cache: P
 @pytest.mark.parametrize(
     "command",
     [
-        ["report", "s3://bucket/run"],
-        ["eval", "s3://bucket/run"],
-        ["export", "s3://bucket/run", "-o", "w.safetensors"],
         ["export", "runs/x", "-o", "gs://bucket/w.safetensors"],
         ["predict", "runs/x", "s3://bucket/a.npy"],
-        ["runs", "s3://bucket"],
+        ["predict", "runs/x", "a.npy", "--output", "s3://bucket/p.csv"],
         ["verify-resume", "--kill-at", "3", "--keep", "s3://bucket/keep"],
     ],
 )
 def test_a_url_where_a_command_takes_a_local_path_is_one_line(
     tmp_path: Path, command: list[str]
 ) -> None:
-    """Only train --run-dir keeps a run on object storage; every other path argument given a
-    URL is one line and exit 2, and no local folder named s3: or gs: is made."""
+    """A run is read from its URL and written to it by train --run-dir; every other path
+    argument given a URL is one line and exit 2, and no local folder named s3: or gs: is made."""
     from cli_runner import run_glassloop
 
     done = run_glassloop(*command, cwd=tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith(f"glassloop: error: {command[0]}: ")
-    assert "is a URL; this command reads and writes local paths" in done.stderr
+    assert "is a URL; this argument is a local path" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())
 
@@ -663,3 +660,53 @@ def test_a_remote_run_is_called_by_its_url(tmp_path: Path, cache: Path) -> None:
         "weights: memory://shown/run/model.safetensors; "
         "report: memory://shown/run/report/index.html"
     ) in said, said
+
+
+def test_every_command_reads_a_run_from_its_url(
+    tmp_path: Path, s3: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """eval, predict, export, report, runs and verify-resume take a run's URL as they take a
+    local run directory, on a machine that never saw the run (a cache of its own): every
+    number they print equals what they print for the same run copied down by hand, and the
+    bucket is byte for byte what it was (nothing is written to it)."""
+    import numpy as np
+    import s3fs
+
+    url = "s3://bucket/reads/one"
+    monkeypatch.setenv("GLASSLOOP_CACHE_DIR", str(tmp_path / "trainer-cache"))
+    done = run_glassloop("train", *SMALL, "--run-dir", url, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    fs = s3fs.S3FileSystem()
+    fs.invalidate_cache()
+    fs.get("bucket/reads/one", str(tmp_path / "copied"), recursive=True)  # the hand's copy
+    before = {path: s3_bytes(f"s3://{path}") for path in s3_files("s3://bucket/reads")}
+    monkeypatch.setenv("GLASSLOOP_CACHE_DIR", str(tmp_path / "reader-cache"))  # another machine
+    np.save(tmp_path / "rows.npy", np.random.default_rng(0).normal(size=(3, 8)).astype("float32"))
+
+    for command, extra in [("eval", ()), ("predict", ("rows.npy",))]:
+        remote = run_glassloop(command, url, *extra, cwd=tmp_path)
+        local = run_glassloop(command, str(tmp_path / "copied"), *extra, cwd=tmp_path)
+        assert remote.returncode == 0 == local.returncode, remote.stderr + local.stderr
+        assert f"read {url} into a local copy" in remote.stderr
+        # every number the same; a path is the URL, never the reader's cache
+        assert remote.stdout == local.stdout.replace(str(tmp_path / "copied"), url)
+        assert "reader-cache" not in remote.stdout
+    for run, name in ((url, "remote.safetensors"), (str(tmp_path / "copied"), "local.safetensors")):
+        done = run_glassloop("export", run, "--output", name, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+    assert (tmp_path / "remote.safetensors").read_bytes() == (
+        tmp_path / "local.safetensors"
+    ).read_bytes()
+    report = run_glassloop("report", url, cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    assert "(in the local copy; the bucket is unchanged)" in report.stdout
+    listed = run_glassloop("runs", "s3://bucket/reads", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert re.search(rf"^{url} +finished +8 +1 ", listed.stdout, re.MULTILINE), listed.stdout
+    proved = run_glassloop("verify-resume", url, "--kill-at", "4", cwd=tmp_path)
+    assert proved.returncode == 0, proved.stdout + proved.stderr
+    assert "resume is exact" in proved.stdout
+    assert {path: s3_bytes(f"s3://{path}") for path in s3_files("s3://bucket/reads")} == before
+    nothing = run_glassloop("eval", "s3://bucket/reads/none", cwd=tmp_path)
+    assert nothing.returncode == 2, nothing.stderr
+    assert "s3://bucket/reads/none holds no run" in nothing.stderr

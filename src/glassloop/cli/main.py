@@ -8,6 +8,7 @@ codes listed once, in ``EPILOG`` (``glassloop --help`` prints them). Supervising
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shlex
@@ -187,7 +188,10 @@ def make_parser() -> Parser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     verify.add_argument(
-        "config", nargs="?", metavar="CONFIG", help="TOML config file (default: built-in demo)"
+        "config",
+        nargs="?",
+        metavar="CONFIG",
+        help="TOML config file, or a run's URL: its config.json (default: built-in demo)",
     )
     add_set_option(verify, "override a config key (repeatable), as for train")
     verify.add_argument(
@@ -210,8 +214,8 @@ def make_parser() -> Parser:
     evaluate.add_argument(
         "source",
         metavar="MODEL",
-        help="a run directory (its final weights, else newest checkpoint), a checkpoint "
-        "directory, or a .safetensors file written by glassloop export",
+        help="a run directory or its URL (its final weights, else newest checkpoint), a "
+        "checkpoint directory, or a .safetensors file written by glassloop export",
     )
     add_set_option(
         evaluate, "override a key of the run's config, e.g. --set data.eval_batch_size=500"
@@ -225,7 +229,9 @@ def make_parser() -> Parser:
         "training (from what the run saved); prints the top-k classes per input.",
     )
     predict.add_argument(
-        "source", metavar="MODEL", help="a run directory, a checkpoint or an exported file"
+        "source",
+        metavar="MODEL",
+        help="a run directory or its URL, a checkpoint or an exported file",
     )
     predict.add_argument("inputs", nargs="+", metavar="INPUT", help="files to predict on")
     predict.add_argument("--top-k", type=int, default=1, metavar="K", help="classes per input")
@@ -255,7 +261,11 @@ def make_parser() -> Parser:
         "per epoch, the confusion matrix and classification report of its final weights on its "
         "validation data, and an index.html showing it all.",
     )
-    report.add_argument("run_dir", metavar="RUN_DIR", help="a directory written by train")
+    report.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="a directory written by train, or its URL (drawn in a local copy of it)",
+    )
     add_trust_option(report)
 
     config = commands.add_parser(
@@ -276,7 +286,9 @@ def make_parser() -> Parser:
         description="List the run directories under DIR (default runs/): finished, "
         "interrupted, failed or running/killed, the last step and the best metric.",
     )
-    runs.add_argument("root", nargs="?", default="runs", metavar="DIR", help="default: runs/")
+    runs.add_argument(
+        "root", nargs="?", default="runs", metavar="DIR", help="default: runs/; or a URL"
+    )
     runs.add_argument(
         "--tracking",
         action="store_true",
@@ -293,7 +305,9 @@ def make_parser() -> Parser:
         "--format hf: a run of a transformers or peft model as a folder in their layout.",
     )
     export.add_argument(
-        "source", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory or checkpoint directory"
+        "source",
+        metavar="RUN_DIR_OR_CHECKPOINT",
+        help="a run directory or its URL, or a checkpoint directory",
     )
     export.add_argument(
         "--output",
@@ -529,7 +543,9 @@ def verify_in(where: Path, args: argparse.Namespace, children: Any) -> tuple[dic
 def cmd_eval(args: argparse.Namespace) -> int:
     from glassloop.tools.run_evaluation import evaluate_run
 
-    print(evaluate_run(args.source, args.overrides, trust_code=args.trust_code))
+    print(
+        as_shown(str(evaluate_run(args.source, args.overrides, trust_code=args.trust_code)), args)
+    )
     return EXIT_OK
 
 
@@ -574,7 +590,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from glassloop.tools.run_evaluation import report_run
 
     index = report_run(args.run_dir, trust_code=args.trust_code)
-    print(f"report: {index}")
+    where = " (in the local copy; the bucket is unchanged)" if args.local_copy else ""
+    print(f"report: {index}{where}")
     return EXIT_OK
 
 
@@ -597,7 +614,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if not root.is_dir():
         raise GlassloopError(f"runs: '{root}' is not a directory")
     summaries = list_runs(root)
-    print(format_runs(summaries) if summaries else f"no runs under '{root}'")
+    listed = format_runs(summaries, name=lambda path: as_shown(str(path), args))
+    print(listed if summaries else as_shown(f"no runs under '{root}'", args))
     if not args.tracking:
         return EXIT_OK
     from glassloop.tracking.trackers import check_tracked
@@ -638,15 +656,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # Arguments that name a file or folder glassloop reads or writes here.
 PATH_ARGUMENTS = ("run_dir", "source", "inputs", "output", "config", "keep", "root")
+# The argument that names the run a command reads: a URL there is read from object storage.
+READS_A_RUN = {
+    "eval": "source",
+    "predict": "source",
+    "export": "source",
+    "report": "run_dir",
+    "runs": "root",
+    "verify-resume": "config",
+}
 
 
-def refuse_remote_paths(args: argparse.Namespace) -> None:
-    """A URL where a command reads or writes a local path is one line, never a local folder
-    named ``s3:`` (only ``train --run-dir`` keeps a run on object storage: docs/storage.md)."""
+def read_remote_paths(args: argparse.Namespace, held: contextlib.ExitStack) -> None:
+    """A URL where a command reads a run is pulled into a local copy of the command's, held
+    by ``held`` (:mod:`glassloop.run_dir.remote_read`; nothing is written to the bucket); a
+    URL anywhere else a command reads or writes a local path is one line, never a local folder
+    named ``s3:`` (``train --run-dir`` keeps its run there: docs/storage.md)."""
     from glassloop.errors import GlassloopError
     from glassloop.storage.file_names import is_url
     from glassloop.storage.redaction import redact
 
+    args.local_copy = None  # (the local copy and the URL it stands for, to print the URL)
     for name in PATH_ARGUMENTS:
         values = getattr(args, name, None)
         if args.command == "train" and name == "run_dir":
@@ -654,11 +684,37 @@ def refuse_remote_paths(args: argparse.Namespace) -> None:
         for value in values if isinstance(values, list) else [values]:
             if not (isinstance(value, str) and is_url(value)):
                 continue
+            if READS_A_RUN.get(args.command) == name:
+                setattr(args, name, pull_run(args, value, held))
+                continue
             raise GlassloopError(
-                f"{args.command}: {redact(value)!r} is a URL; this command reads and writes "
-                "local paths (only train --run-dir keeps a run on object storage): copy the "
-                "run down first, e.g. aws s3 sync s3://bucket/run runs/run"
+                f"{args.command}: {redact(value)!r} is a URL; this argument is a local path "
+                "(a run on object storage is read from its URL by eval, predict, export, "
+                "report, runs and verify-resume, and written by train --run-dir)"
             )
+
+
+def pull_run(args: argparse.Namespace, url: str, held: contextlib.ExitStack) -> str:
+    """The local copy of the run at ``url`` (verify-resume: of its config.json)."""
+    from glassloop.run_dir.remote_read import read_run, read_runs
+
+    if args.command == "runs":
+        remote = held.enter_context(read_runs(url))
+    else:  # (verify-resume takes the run's config.json, or the run)
+        remote = held.enter_context(read_run(url.removesuffix(f"/{layout.CONFIG}")))
+    args.local_copy = (str(remote.local), remote.shown)
+    print(f"read {remote.shown} into a local copy, {remote.local}", file=sys.stderr)
+    if args.command == "verify-resume":
+        return str(remote.local / layout.CONFIG)
+    return str(remote.local)
+
+
+def as_shown(text: str, args: argparse.Namespace) -> str:
+    """``text`` with the local copy of a remote run (:func:`pull_run`) named by its URL."""
+    if args.local_copy is None:
+        return text
+    local, url = args.local_copy
+    return text.replace(local, url)
 
 
 def run_command(argv: Sequence[str] | None = None) -> int:
@@ -685,9 +741,10 @@ def run_command(argv: Sequence[str] | None = None) -> int:
         "export": cmd_export,
     }
     try:
-        refuse_remote_paths(args)
-        code = commands[args.command](args)
-        sys.stdout.flush()  # (a reader gone away is found here, not at the exit's flush)
+        with contextlib.ExitStack() as held:  # (a remote run's local copy, while read)
+            read_remote_paths(args, held)
+            code = commands[args.command](args)
+            sys.stdout.flush()  # (a reader gone away is found here, not at the exit's flush)
         return code
     except BrokenPipeError:
         if args.command in ("train", "verify-resume"):

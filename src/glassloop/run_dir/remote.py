@@ -231,7 +231,7 @@ class RemoteRun:
                     f"changed): {' | '.join(problems)}"
                 )
             for name in RUN_FILES:
-                self._download_if_there(self.remote(name), self.local / name)
+                self.download(self.remote(name), self.local / name)
             if self.store.has_manifest(BEST):
                 self._download_newest([BEST])
         except GlassloopError:
@@ -285,7 +285,7 @@ class RemoteRun:
             return name, problems
         return None, problems
 
-    def _download_if_there(self, source: str, target: Path) -> None:
+    def download(self, source: str, target: Path) -> None:
         """``source`` into ``target`` through a temporary file beside it (never a link)."""
         if not self.fs.exists(source):
             return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,8 +173,9 @@ def _start_time(summary: RunSummary) -> float:
             return 0.0
 
 
-def format_runs(summaries: list[RunSummary]) -> str:
-    """A plain table, newest run first; a failed run's error on the line below it.
+def format_runs(summaries: list[RunSummary], name: Callable[[Path], str] = str) -> str:
+    """A plain table, newest run first, each run called ``name(path)`` (a remote run's local
+    copy: by its URL); a failed run's error on the line below it.
 
     >>> print(format_runs([RunSummary(Path("runs/a"), "finished", 630, 10, "val_loss 0.2",
     ...                               duration="1m 05s", final="val_loss 0.2100")]))
@@ -182,7 +184,7 @@ def format_runs(summaries: list[RunSummary]) -> str:
     """
     headers = ("run", "status", "step", "epoch", "time", "final", "best")
     rows = [
-        (str(s.path), s.status, str(s.step), str(s.epoch), s.duration, s.final, s.best)
+        (name(s.path), s.status, str(s.step), str(s.epoch), s.duration, s.final, s.best)
         for s in summaries
     ]
     widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(6)]
