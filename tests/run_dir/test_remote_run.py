@@ -11,11 +11,14 @@ from; pruning leaves the newest complete ones; credentials are never written.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from glassloop import Callback, Trainer
+from glassloop.errors import CheckpointWriteError
 from glassloop.options import CheckpointConfig
+from glassloop.run_dir.lease import RunLeased
 from glassloop.step.throughput import TIMING
 
 # Its tests share module fixtures: one worker of `make test` runs them all, in order.
@@ -361,11 +366,19 @@ def test_a_failed_upload_never_hides_the_error_a_run_ends_with(
     run = trainer(url, StopAt(1))  # (before the first checkpoint: the end's upload fails)
     assert run.run_log.remote is not None
 
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise PermissionError(13, f"Access denied to {url}/x")
+    fs = run.run_log.remote.fs
+    put, pipe = fs.put_file, fs.pipe_file
 
-    monkeypatch.setattr(run.run_log.remote.fs, "put_file", refuse)
-    monkeypatch.setattr(run.run_log.remote.fs, "pipe_file", refuse)
+    def refusing(write: Any) -> Any:
+        def refuse(path: str, *args: Any, **kwargs: Any) -> Any:
+            if path.endswith("/.lease.json"):  # (the job's lease: taken and given back)
+                return write(path, *args, **kwargs)
+            raise PermissionError(13, f"Access denied to {url}/x")
+
+        return refuse
+
+    monkeypatch.setattr(fs, "put_file", refusing(put))
+    monkeypatch.setattr(fs, "pipe_file", refusing(pipe))
     with pytest.raises(KeyboardInterrupt):
         run.fit(loader(), epochs=1)
     out = capsys.readouterr().out
@@ -710,3 +723,98 @@ def test_every_command_reads_a_run_from_its_url(
     nothing = run_glassloop("eval", "s3://bucket/reads/none", cwd=tmp_path)
     assert nothing.returncode == 2, nothing.stderr
     assert "s3://bucket/reads/none holds no run" in nothing.stderr
+
+
+class SecondJob(Callback):
+    """At step 2, another machine (a cache of its own) starts the same URL: its line."""
+
+    def __init__(self, url: str, cache: Path) -> None:
+        self.url, self.cache = url, cache
+        self.said: tuple[str, str] | None = None
+
+    def on_step_end(self, trainer: Any, step: int, loss: torch.Tensor) -> None:
+        if step == 2:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("GLASSLOOP_CACHE_DIR", str(self.cache))
+                done = run_glassloop("train", *SMALL, "--run-dir", self.url)
+            self.said = (str(done.returncode), done.stderr)
+
+
+def lease(url: str) -> dict[str, Any] | None:
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    fs.invalidate_cache()
+    path = url.removeprefix("s3://") + "/.lease.json"
+    return json.loads(fs.cat_file(path)) if fs.exists(path) else None
+
+
+def test_one_job_writes_a_url_and_a_dead_jobs_lease_is_taken_over(
+    tmp_path: Path, s3: dict[str, str], cache: Path
+) -> None:
+    """A second job on a URL another job is training into (another machine: its own local
+    copy, so no lock of this machine sees the first) is refused in one line naming the
+    first, while the first trains on and ends; it gives the lease back at its end. A lease
+    whose heartbeat stopped (a job killed on another machine) is taken over and said; one
+    that still beats is refused with the wait until it would expire."""
+    import s3fs
+
+    url = "s3://bucket/lease/run"
+    second = SecondJob(url, tmp_path / "other-machine")
+    trainer(url, second).fit(loader(), epochs=1)
+    assert second.said is not None
+    code, said = second.said
+    assert code == "2", said
+    assert said.startswith(f"glassloop: error: run: {url} is being written by another job (host ")
+    assert f"PID {os.getpid()}, last heartbeat" in said and len(said.strip().splitlines()) == 1
+    assert lease(url) is None  # given back at the end
+    assert s3_files(url) and "lease/run/model.safetensors" in " ".join(s3_files(url))
+
+    fs = s3fs.S3FileSystem()
+    record = {"host": "node-7", "pid": 4242, "token": "x"}
+    fs.pipe_file("bucket/lease/run/.lease.json", json.dumps({**record, "heartbeat": 1.0}).encode())
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        trainer(url).fit(loader(), epochs=2, resume="auto")
+    assert "taking over s3://bucket/lease/run from a job that stopped without ending (host " in (
+        out.getvalue()
+    )
+    assert lease(url) is None
+    fresh = {**record, "heartbeat": time.time()}
+    fs.pipe_file("bucket/lease/run/.lease.json", json.dumps(fresh).encode())
+    with pytest.raises(RunLeased, match=r"host node-7, PID 4242, .* expires in (29|30) s"):
+        trainer(url).fit(loader(), epochs=3, resume="auto")
+    assert lease(url) == fresh  # (a refused job never touches another's lease)
+
+
+def test_a_job_whose_run_was_taken_over_stops_and_uploads_nothing_more(
+    s3: dict[str, str], cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job that stalled past its lease's expiry and was taken over finds another owner at
+    its next heartbeat: it stops at its next step row (exit 3's error), and what it would
+    upload after that never reaches the bucket."""
+    import s3fs
+
+    import glassloop.run_dir.lease as leases
+
+    monkeypatch.setattr(leases, "HEARTBEAT_S", 0.05)
+    url, fs = "s3://bucket/lease/taken", s3fs.S3FileSystem()
+
+    class TakenOver(Callback):
+        def on_step_end(self, trainer: Any, step: int, loss: torch.Tensor) -> None:
+            if step != 3:
+                return
+            theirs = {"host": "node-9", "pid": 9, "token": "theirs", "heartbeat": time.time()}
+            fs.pipe_file("bucket/lease/taken/.lease.json", json.dumps(theirs).encode())
+            remote = trainer.run.remote
+            deadline = time.monotonic() + 30  # (the heartbeat thread sees it: bounded)
+            while remote.lease.lost() is None and time.monotonic() < deadline:
+                threading.Event().wait(0.01)
+
+    with pytest.raises(CheckpointWriteError, match="was taken over by another job"):
+        trainer(url, TakenOver()).fit(loader(), epochs=1)  # (8 steps, a checkpoint each)
+    fs.invalidate_cache()
+    # an upload in flight when the loss was seen may end; no later checkpoint is sent
+    steps = re.findall(r"checkpoints/step-(\d+)/", " ".join(fs.find("bucket/lease/taken")))
+    assert steps and max(int(step) for step in steps) <= 3, steps
+    assert lease(url) is not None and lease(url)["token"] == "theirs"  # (never removed)

@@ -37,6 +37,8 @@ TENSORBOARD = "tensorboard"
 TRACKING = "tracking.json"
 WANDB = "wandb"
 PROFILE = "profile"
+# In a run on object storage only: the writing job's lease (glassloop.run_dir.lease).
+LEASE = ".lease.json"
 
 # What glassloop writes in a run directory (checkpoints/ and report/ are checked inside too).
 OWN_NAMES = (

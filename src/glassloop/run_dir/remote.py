@@ -32,8 +32,8 @@ looks whole; so does a step saved again (an epoch's end) before it is uploaded a
 
 Credentials come from the filesystem's own sources (environment variables, profiles, instance
 metadata) and are never written anywhere by glassloop; the URL is recorded with any secret in it
-replaced (:mod:`glassloop.storage.redaction`). One process writes a remote run at a time (the lock
-is the local copy's: two machines writing one URL are not detected)."""
+replaced (:mod:`glassloop.storage.redaction`). One job writes a remote run at a time: a lease
+object in the store (:mod:`glassloop.run_dir.lease`) refuses a second one, on any machine."""
 
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ from glassloop.run_dir.layout import (
     RUN_FOLDERS,
     WEIGHTS,
 )
+from glassloop.run_dir.lease import EXPIRES_S, Lease
 from glassloop.run_dir.lock import RunLock
 from glassloop.storage.atomic import atomic_path, own_dir, remove_tree
 from glassloop.storage.cache import cache_dir
@@ -153,6 +154,8 @@ class RemoteRun:
         self._failure: Exception | None = None
         self._worker: threading.Thread | None = None
         self._said_skip = False
+        self.lease: Lease | None = None  # this job's, while it writes (held)
+        self._said_lost = False
 
     # ------------------------------------------------------------------------- paths
     def remote(self, *parts: str) -> str:
@@ -178,10 +181,12 @@ class RemoteRun:
 
     # ------------------------------------------------------------------------- pull
     @contextlib.contextmanager
-    def held(self, usable: Usable | None = None) -> Iterator[str | None]:
-        """Hold the local copy (one process on this machine), :meth:`pull` into it, and at
-        the end wait for every upload (its failure, if the run did not raise one: a warning
-        while another error is on its way out, see :meth:`close`); yield what was pulled."""
+    def held(self, usable: Usable | None = None, *, writes: bool = True) -> Iterator[str | None]:
+        """Hold the local copy (one process on this machine) and, for a job that ``writes``,
+        the run's lease in the store (one job per URL: :mod:`glassloop.run_dir.lease`);
+        :meth:`pull` into it, and at the end wait for every upload (its failure, if the run
+        did not raise one: a warning while another error is on its way out, see
+        :meth:`close`) and give the lease back; yield what was pulled."""
         if os.path.lexists(self.container) and not (
             self.container.is_dir()
             and not self.container.is_symlink()
@@ -196,6 +201,8 @@ class RemoteRun:
         lock = RunLock(self.container)
         lock.acquire()
         try:
+            if writes:
+                self._take_lease()
             yield self.pull(usable)
         except GlassloopError as err:  # its lines name the run, not glassloop's cache
             err.args = (self.scrub(err, limit=100_000), *err.args[1:])
@@ -204,7 +211,40 @@ class RemoteRun:
             try:
                 self.close(quiet=True)  # (the normal end closed it already, raising)
             finally:
-                lock.release()
+                try:
+                    self._give_lease_back()
+                finally:
+                    lock.release()
+
+    def _take_lease(self) -> None:
+        """This job's lease on the URL, before anything is read or written there."""
+        self.lease = Lease(self.fs, self.remote(layout.LEASE), self.shown)
+        self.lease.say = self.say
+        try:
+            self.check_bucket()
+            self.store.makedirs(self.root)  # (a filesystem with real folders: the lease's)
+            self.lease.acquire()
+        except GlassloopError:
+            self.lease = None
+            raise
+        except Exception as err:  # OSError, and a driver's own (botocore, aiohttp, ...)
+            self.lease = None
+            raise CheckpointError(
+                f"checkpoint: cannot take the lease of {self.shown}: {self.scrub(err)}; "
+                "nothing was changed (check the network and the credentials, then run again)"
+            ) from None
+
+    def _give_lease_back(self) -> None:
+        lease, self.lease = self.lease, None
+        if lease is None:
+            return
+        try:
+            lease.release()
+        except Exception as err:  # (the next job then waits for its expiry: said)
+            self.say(
+                f"warning: could not give back the lease of {self.shown} ({self.scrub(err)}); "
+                f"the next job on it waits up to {EXPIRES_S:.0f} s"
+            )
 
     def pull(self, usable: Usable | None = None) -> str | None:
         """Make the local copy the remote run: a fresh folder (the previous local copy,
@@ -331,13 +371,16 @@ class RemoteRun:
             raise failure
 
     def failure(self) -> Exception | None:
-        """The first failed upload's error, once (``None``: none so far)."""
+        """The first failed upload's error, once, or a lost lease's (``None``: none so far)."""
         failure, self._failure = self._failure, None
+        if failure is None and self.lease is not None and not self._said_lost:
+            failure = self.lease.lost()
+            self._said_lost = failure is not None
         return failure
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            if self._failure is not None:
+            if self._failure is not None or (self.lease and self.lease.lost()):
                 continue  # (reported once; what follows it waits for the next run)
             kind, path = job
             try:

@@ -46,7 +46,7 @@ def read_run(url: str) -> Iterator[RemoteRun]:
 
     A URL that holds no run (no ``run.json``, ``config.json`` or checkpoint) is one line."""
     remote = _opened(url)
-    with remote.held():
+    with remote.held(writes=False):
         found = (remote.local / name for name in (layout.STATUS, layout.CONFIG, layout.WEIGHTS))
         if not any(path.is_file() for path in found) and not remote.store.complete():
             raise GlassloopError(
@@ -61,7 +61,7 @@ def read_runs(url: str) -> Iterator[RemoteRun]:
     """A folder of runs at ``url`` (or one run) in a local copy of this command's, each run's
     summary files only (:data:`SUMMARY_FILES`): what ``glassloop runs URL`` lists."""
     remote = _opened(url)
-    with remote.held():  # (the folder itself may be a run: pulled as read_run would)
+    with remote.held(writes=False):  # (the folder itself may be a run: pulled as read_run would)
         try:
             entries = remote.fs.ls(remote.root, detail=True)
         except FileNotFoundError:
