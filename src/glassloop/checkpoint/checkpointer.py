@@ -126,8 +126,7 @@ class Checkpointer:
         self.parts: dict[str, Any] = {"loop": TrainState()}
         self.loader: Any = None
         self.global_batch: int | None = None  # meta.json's (per micro-batch, every process)
-        if self.remote is not None:
-            self.remote.keep_last, self.remote.say = self.policy.keep_last, say
+        self.run.mirror(self.policy.keep_last, say, sharded=shards is not None)
         # A fine-tuned model's frozen tensors stay out of its checkpoints; their digests go
         # in (glassloop.storage.frozen_base). An FSDP run's shards hold every tensor.
         self.base = FrozenBase()  # (its digests: taken when training starts, in resume())

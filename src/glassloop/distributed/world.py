@@ -35,12 +35,13 @@ WHY_NOT_DATAPARALLEL = (
 
 @dataclass(frozen=True)
 class World:
-    """This process's place in the job: ``rank`` of ``size`` processes, ``local_rank`` on
-    its node."""
+    """This process's place in the job: ``rank`` of ``size`` processes, ``local_rank`` of
+    ``local_size`` on its node."""
 
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    local_size: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -50,6 +51,10 @@ class World:
     @property
     def distributed(self) -> bool:
         return self.size > 1
+
+    @property
+    def several_nodes(self) -> bool:
+        return self.size > self.local_size
 
 
 SINGLE = World()
@@ -62,7 +67,8 @@ def world_from_env() -> World:
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
         return SINGLE
-    return World(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")))
+    local = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    return World(int(os.environ["RANK"]), size, *local)
 
 
 def check_strategy(strategy: str) -> None:

@@ -92,11 +92,6 @@ def open_run_dir(run_dir: str | Path | None) -> tuple[Path | None, RemoteRun | N
         return Path(str(run_dir)[len("file://") :]), None
     if not is_url(run_dir):
         return Path(run_dir), None
-    if os.environ.get("WORLD_SIZE", "1") != os.environ.get("LOCAL_WORLD_SIZE", "1"):
-        raise GlassloopError(
-            f"run: a run directory on object storage ({redacted(str(run_dir))!r}) works with "
-            "the processes of one machine; with several nodes, use a shared filesystem"
-        )
     remote = RemoteRun(str(run_dir))
     return remote.local, remote
 

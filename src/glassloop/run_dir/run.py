@@ -10,11 +10,13 @@ rows, final weights: :mod:`glassloop.tracking.run_log`) and the checkpointer
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from glassloop.distributed.world import SINGLE, World
-from glassloop.errors import GlassloopError, write_failure
+import torch
+
+from glassloop.distributed.world import SINGLE, World, all_reduce
+from glassloop.errors import CheckpointError, GlassloopError, write_failure
 from glassloop.run_dir import layout
 from glassloop.run_dir.checkpoints import clean_temporaries
 from glassloop.run_dir.layout import CHECKPOINTS, LATEST, STEP_DIR
@@ -44,18 +46,57 @@ class RunDir:
         # checkpointer from checkpoint.final_weights); None: they are whole.
         self.base: FrozenBase | None = None
 
+    def mirror(self, keep_last: int, say: Callable[[str], None], *, sharded: bool) -> None:
+        """How a remote run is mirrored: the checkpoints its pruning keeps, where its lines go.
+        A sharded (FSDP) run on several nodes is refused: each node writes its shards into
+        its own local copy, and only rank 0's node uploads."""
+        if self.remote is None:
+            return
+        self.remote.keep_last, self.remote.say = keep_last, say
+        if sharded and self.world.several_nodes:
+            raise GlassloopError(
+                f"run: train.strategy = 'fsdp' on several nodes writes each node's shards on "
+                f"that node, and a run on object storage ({self.shown}) uploads one node's "
+                "local copy: use a shared filesystem for the run directory, or DDP"
+            )
+
     @contextlib.contextmanager
     def hold(self, usable: Usable | None = None) -> Iterator[None]:
         """Create the run directory, hold its lock (one training process per directory) and
         remove what an interrupted glassloop left in it, for the whole ``fit`` (a remote run:
-        pulled first, its newest checkpoint that ``usable`` takes)."""
+        pulled first, its newest checkpoint that ``usable`` takes; on each node of several,
+        by its first process into the node's own local copy, read but never written)."""
+        if self.remote is not None and not self.writes and self.world.local_rank == 0:
+            with self.remote.held(usable, writes=False) as pulled:  # (another node's copy)
+                self._same_on_every_node(pulled)
+                yield
+            return
         if not self.writes:
+            self._same_on_every_node(None)
             yield
             return
         assert self.path is not None
         remote = self.remote.held(usable) if self.remote is not None else contextlib.nullcontext()
-        with remote, self._held(self.path):  # (a remote run: pulled first, then held)
+        with remote as pulled, self._held(self.path):  # (a remote run: pulled first, then held)
+            self._same_on_every_node(pulled)
             yield
+
+    def _same_on_every_node(self, pulled: str | None) -> None:
+        """Every node pulled the same checkpoint of a remote run (each pull takes the newest
+        that verifies there: a download damaged on one node would fall back alone), else one
+        line in every process, before any of them resumes from its node's copy."""
+        if self.remote is None or not self.world.several_nodes:
+            return
+        puller = self.world.local_rank == 0
+        step = int(pulled.rsplit("-", 1)[-1]) if pulled and pulled[-1].isdigit() else 0
+        newest = all_reduce(torch.tensor([step if puller else -1]), "max").item()
+        oldest = all_reduce(torch.tensor([step if puller else 1 << 62]), "min").item()
+        if newest != oldest:
+            raise CheckpointError(
+                f"checkpoint: the nodes pulled different checkpoints of {self.shown} (steps "
+                f"{oldest} to {newest}: one node fell back past a checkpoint that did not "
+                "verify there; see its lines); nothing was trained: run the job again"
+            )
 
     @contextlib.contextmanager
     def _held(self, run_dir: Path) -> Iterator[None]:

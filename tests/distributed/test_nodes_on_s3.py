@@ -1,0 +1,122 @@
+"""Two nodes, one run on object storage: two torchrun "nodes" on 127.0.0.1 (c10d rendezvous,
+each with a cache of its own as two machines' disks) train into one ``s3://`` run on a real S3
+server on 127.0.0.1. Node 1 is killed with SIGKILL mid-run (node 0 then fails at its next
+collective), both are started again with ``--resume``, and the final weights and every epoch
+row equal the uninterrupted two-node run's, bit for bit; the same two processes on one node
+give the same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from s3_server import local_s3
+
+pytestmark = pytest.mark.xdist_group("test_nodes_on_s3")
+
+SMALL = [
+    "--set", "data.name=synthetic", "--set", "data.num_samples=320", "--set", "data.batch_size=8",
+    "--set", "data.num_features=8", "--set", "model.hidden=[16]", "--set", "train.epochs=2",
+    "--set", "checkpoint.every_n_steps=3", "--set", "train.progress=none",
+    "--set", "train.dist_timeout_s=5",
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def nodes(tmp: Path, env: dict[str, str], url: str, *extra: str, kill_node_1: int = 0) -> list[int]:
+    """Both nodes' torchrun, started together; their exit codes (node 0's, node 1's)."""
+    port, job = free_port(), f"job-{free_port()}"
+    started = []
+    for node in (0, 1):
+        kill = ["--kill-at-step", str(kill_node_1)] if node == 1 and kill_node_1 else []
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+            "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", job,
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
+            "-m", "glassloop", "train", *SMALL, "--run-dir", url, *extra, *kill,
+        ]  # fmt: skip
+        cache = {"GLASSLOOP_CACHE_DIR": str(tmp / f"node{node}-cache")}
+        log = open(tmp / f"node{node}.log", "ab")  # noqa: SIM115 (closed below)
+        started.append((subprocess.Popen(command, cwd=tmp, env={**env, **cache}, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True), log))  # fmt: skip
+    codes = []
+    for process, log in started:
+        try:
+            codes.append(process.wait(timeout=120))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            codes.append(process.wait())
+        log.close()
+    return codes
+
+
+def s3_bytes(path: str) -> bytes:
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    fs.invalidate_cache()
+    return bytes(fs.cat_file(path))
+
+
+def epoch_rows(path: str) -> list[dict[str, object]]:
+    rows = [json.loads(line) for line in s3_bytes(path).decode().splitlines()]
+    timing = ("seconds", "samples_per_s", "checkpoint_s")
+    return [{k: v for k, v in r.items() if k not in timing} for r in rows if r["kind"] == "epoch"]
+
+
+def test_two_nodes_train_one_run_on_s3_and_resume_it_bitwise(tmp_path: Path) -> None:
+    with local_s3("bucket") as env:
+        env = {**env, "OMP_NUM_THREADS": "1"}
+        assert nodes(tmp_path, env, "s3://bucket/straight") == [0, 0], (
+            tmp_path / "node0.log"
+        ).read_text()[-3000:]
+        codes = nodes(tmp_path, env, "s3://bucket/killed", kill_node_1=7)
+        assert codes[0] != 0 and codes[1] != 0, codes  # (node 1 killed; node 0 left alone)
+        resumed = nodes(tmp_path, env, "s3://bucket/killed", "--resume")
+        said = (tmp_path / "node0.log").read_text()
+        assert resumed == [0, 0], said[-3000:]
+        assert "resumed from 's3://bucket/killed/checkpoints/step-00000006' at step 6" in said
+        # node 1 read it from its own disk: its first process pulled it there
+        pulled = list((tmp_path / "node1-cache").glob("remote-runs/*/run/checkpoints/step-*"))
+        assert [path.name for path in pulled] == ["step-00000006"], pulled
+        straight = s3_bytes("bucket/straight/model.safetensors")
+        assert s3_bytes("bucket/killed/model.safetensors") == straight
+        assert epoch_rows("bucket/killed/metrics.jsonl") == epoch_rows(
+            "bucket/straight/metrics.jsonl"
+        )
+        # the same two processes on one node: the same weights
+        one_node = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "2", "-m", "glassloop", "train", *SMALL, "--run-dir", "s3://bucket/one-node",
+        ]  # fmt: skip
+        done = subprocess.run(one_node, cwd=tmp_path, env=env, capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert s3_bytes("bucket/one-node/model.safetensors") == straight
+
+
+def test_fsdp_on_several_nodes_keeps_its_run_on_a_shared_filesystem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FSDP writes each node's shards on that node; a run on object storage uploads one
+    node's local copy, so that pair is one line (DDP on several nodes is not)."""
+    from glassloop.distributed.world import World
+    from glassloop.errors import GlassloopError
+    from glassloop.run_dir.run import RunDir
+
+    monkeypatch.setenv("GLASSLOOP_CACHE_DIR", str(tmp_path))
+    two_nodes = World(rank=0, size=4, local_rank=0, local_size=2)
+    RunDir("memory://bucket/ddp", two_nodes).mirror(3, print, sharded=False)
+    with pytest.raises(GlassloopError, match="'fsdp' on several nodes writes each node's shards"):
+        RunDir("memory://bucket/fsdp", two_nodes).mirror(3, print, sharded=True)
+    RunDir("memory://bucket/fsdp", World(0, 2, 0, 2)).mirror(3, print, sharded=True)  # one node
