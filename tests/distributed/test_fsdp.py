@@ -142,6 +142,62 @@ def test_kill_and_resume_with_the_same_processes_is_bitwise(workdir: Path) -> No
         assert all(torch.equal(x[k], y[k]) for k in x)  # weights and optimizer state
 
 
+# torchrun's worker: rank 0 SIGKILLed once (a marker file) after every process's shards of
+# step 24 are written by the background save and before its commit: the moment between.
+KILL_BEFORE_COMMIT = """
+import os, signal, sys
+from pathlib import Path
+import glassloop.checkpoint.background as background
+from glassloop.cli.main import main
+
+real = background.BackgroundSave._commit_after_shards
+
+def commit_after_shards(self, commit, snap):
+    self._written()
+    if snap.step == 24 and not Path("killed-once").exists():
+        Path("killed-once").touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self, commit, snap)
+
+background.BackgroundSave._commit_after_shards = commit_after_shards
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_background_saves_of_shards_commit_after_every_process_and_resume_bitwise(
+    workdir: Path,
+) -> None:
+    """checkpoint.async_save with FSDP: each process's shards are copied and written in the
+    background (DCP's async_save over the checkpoints' own gloo group) and rank 0 commits only
+    once all are written. Rank 0 killed between the shards and the commit of step 24: the
+    newest checkpoint is still step 20, torchrun's restart resumes from it, and the weights
+    and every shard end bitwise those of the synchronous run."""
+    common = ("--set", "model.target=killable.py:KillableMLP",
+              "--set", "checkpoint.every_n_steps=4")  # fmt: skip
+    if not (workdir / "ref" / "model.safetensors").is_file():  # (the sync test's reference)
+        assert train(workdir, "--run-dir", "ref", *common, nproc=2).returncode == 0
+    (workdir / "kill_before_commit.py").write_text(KILL_BEFORE_COMMIT)
+    resumed = run_group(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "--max-restarts=3", "kill_before_commit.py", "train", "cfg.toml", "--run-dir", "bg",
+         *common, "--set", "checkpoint.async_save=true"],
+        cwd=workdir, capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (workdir / "killed-once").exists()
+    assert "resumed from 'bg/checkpoints/step-00000020' at step 20" in resumed.stdout
+    a, b = (
+        load_file(workdir / "ref" / "model.safetensors"),
+        load_file(workdir / "bg" / "model.safetensors"),
+    )
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for name in ("shard-00001-model-00001-of-00001.safetensors",
+                 "shard-00002-model-00001-of-00001.safetensors"):  # fmt: skip
+        shard = Path("checkpoints/step-00000040/shards") / name
+        x, y = load_file(workdir / "ref" / shard), load_file(workdir / "bg" / shard)
+        assert all(torch.equal(x[k], y[k]) for k in x)  # weights and optimizer state
+
+
 def test_a_checkpoint_reshards_from_two_processes_to_one_and_back(workdir: Path, two: Path) -> None:
     """Epoch 2 of the two-process run continued by one process, and a one-process run by
     two, each with the config it started with: the run keeps its global batch (32)."""

@@ -5,6 +5,11 @@ that takes long), so host memory holds one copy of the state, never a queue of t
 
 Why a thread and not a process: the write is file I/O and SHA-256, which release the GIL
 (``glassloop.storage.atomic.write_digested``), and a thread shares the copy without pickling it.
+
+An FSDP run's shards are written by every process, with DCP's ``async_save`` (its host copy,
+then its own thread); rank 0's commit waits for them, so a checkpoint is complete, its
+manifest covering every process's shards, only once all are written: a kill before that
+leaves the previous checkpoint the newest.
 """
 
 from __future__ import annotations
@@ -13,15 +18,20 @@ import functools
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from glassloop.errors import ConfigError
+from glassloop.distributed.world import new_gloo_group
+from glassloop.errors import CheckpointWriteError
 from glassloop.state import SaveTimes
 from glassloop.storage.snapshot import HostCopy, Snapshot, snapshot
+
+if TYPE_CHECKING:
+    from glassloop.distributed.fsdp import ShardedState
 
 # A wait for the previous save longer than this is said on the console: saves are then
 # more frequent than the disk can take, and the step waits for the disk after all.
@@ -34,17 +44,43 @@ class BackgroundSave:
     def __init__(
         self, times: SaveTimes, say: Callable[[str], None] = print, *, sharded: bool = False
     ) -> None:
-        if sharded:
-            raise ConfigError(
-                "config: checkpoint.async_save is not available with train.strategy = "
-                "'fsdp' yet (its shards are written by every process); set it to false"
-            )
         self.copy = HostCopy()
         self.say = say
         self.times = times
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._step = 0
+        # An FSDP run's shards: DCP's write in flight (waited for by the commit), over a
+        # process group of the checkpoints' own (made now, by every process alike), so the
+        # writer's collectives never interleave with training's on the default group.
+        self._shards: Future[Any] | None = None
+        self.group = new_gloo_group() if sharded else None
+
+    def write_shards(self, sharded: ShardedState, directory: Path, *, commits: bool) -> None:
+        """Start an FSDP save: this process's shards copied to host memory now and written
+        into ``directory`` in the background. The process that ``commits`` waits for them in
+        its commit (:meth:`submit`: the checkpoint is complete only once every process's
+        shards are written); any other one waits in a thread of its own, its failure raised
+        as a commit's would be."""
+        self.wait()  # one at a time: DCP's collectives of one save, then the next's
+        self.raise_failure()
+        started = time.perf_counter()
+        self._shards = sharded.save_async(directory, self.group)
+        if not commits:
+            self.start(self._written, self._step, time.perf_counter() - started, 0)
+
+    def _written(self) -> Path:
+        """Wait for the shards in flight; DCP's failure (any process's) as a write failure."""
+        shards, self._shards = self._shards, None
+        if shards is not None:
+            try:
+                shards.result()
+            except Exception as err:
+                raise CheckpointWriteError(
+                    f"checkpoint: could not write the shards: {str(err).splitlines()[0][:300]}; "
+                    "the previous checkpoint is the newest"
+                ) from err
+        return Path()
 
     @property
     def busy(self) -> bool:
@@ -67,7 +103,7 @@ class BackgroundSave:
 
     def submit(
         self,
-        model: nn.Module | dict[str, torch.Tensor],
+        model: nn.Module | dict[str, torch.Tensor] | None,
         state: dict[str, Any],
         meta: dict[str, Any],
         commit: Callable[[Snapshot], Path],
@@ -76,14 +112,18 @@ class BackgroundSave:
         """Copy ``model``'s weights and ``state`` to host memory (what the step waits for),
         then ``commit`` the copy in the background, after the save before it; the
         previous save's failure is raised here instead."""
-        self.wait()  # one at a time: its buffers are the copy's
-        self.raise_failure()
+        if self._shards is None:  # (an FSDP save waited in write_shards)
+            self.wait()  # one at a time: its buffers are the copy's
+            self.raise_failure()
         self.copy.begin()
         snap = snapshot(model, state, meta, self.copy)
         self.copy.finish()
-        self.start(
-            functools.partial(commit, snap), snap.step, time.perf_counter() - started, snap.nbytes
-        )
+        write = functools.partial(self._commit_after_shards, commit, snap)
+        self.start(write, snap.step, time.perf_counter() - started, snap.nbytes)
+
+    def _commit_after_shards(self, commit: Callable[[Snapshot], Path], snap: Snapshot) -> Path:
+        self._written()  # (every process's shards on disk before the manifest covers them)
+        return commit(snap)
 
     def start(self, write: Callable[[], Path], step: int, blocking: float, nbytes: int) -> None:
         """Run ``write`` (a commit of a snapshot already copied) in the background; the

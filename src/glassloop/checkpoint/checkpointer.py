@@ -220,8 +220,7 @@ class Checkpointer:
                 if weights is not None:
                     refuse_not_finite(self.run_dir, weights, step)
                 if self.background is not None:  # copied now, committed in the background
-                    assert weights is not None  # (no background save of shards)
-                    commit = functools.partial(self._commit, best=best, staged=None)
+                    commit = functools.partial(self._commit, best=best, staged=staged)
                     self.background.submit(weights, state, meta, commit, started)
                 else:
                     snap = snapshot(weights, state, meta)
@@ -360,6 +359,9 @@ class Checkpointer:
             except GlassloopError as err:  # a link in its place: refused
                 failure = err
         self._agree(failure, target)
+        if self.background is not None:  # (copied now, written in the background)
+            self.background.write_shards(shards, staged / SHARDS, commits=self.world.is_main)
+            return staged
         try:
             shards.save(staged / SHARDS)  # a collective: each process writes its own file
         except Exception as err:  # DCP reports any process's failure in every process

@@ -31,6 +31,7 @@ import contextlib
 import sys
 import warnings
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, cast
 
@@ -260,6 +261,22 @@ class ShardedState:
         writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
         with quiet_single_process():
             dcp_save(flat, storage_writer=writer, no_dist=not distributed_job())
+
+    def save_async(self, directory: Path, group: Any) -> Future[Any]:
+        """:meth:`save` in the background: this process's shards copied to host memory now
+        (what the step waits for), written into ``directory`` by DCP's own thread and
+        coordinated over ``group`` (the checkpoints' process group: its collectives never meet
+        training's); the future of the write (all processes)."""
+        from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+        from torch.distributed.checkpoint.state_dict_saver import async_save
+
+        flat, _, _ = self._tensors()
+        writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
+        with quiet_single_process():
+            written = async_save(
+                flat, storage_writer=writer, process_group=group, no_dist=not distributed_job()
+            )
+        return cast("Future[Any]", written)
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader

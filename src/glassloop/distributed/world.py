@@ -168,6 +168,14 @@ def distributed_job() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def new_gloo_group() -> Any:
+    """A process group of every process over gloo (the default group in one process: none);
+    made by every process alike, as any collective."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.new_group(backend="gloo")
+    return None
+
+
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """The sum (or max/min) of ``tensor`` across processes, as a new tensor; ``tensor`` itself
     is never changed (``.cpu()``/``.float()``/``reshape`` of a CPU tensor share its storage:
