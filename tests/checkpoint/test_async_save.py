@@ -117,15 +117,6 @@ def test_a_failed_background_save_stops_the_run_and_loses_nothing(tmp_path: Path
     assert resumed.state.step == 8
 
 
-def test_async_fsdp_is_refused_in_one_line() -> None:
-    from glassloop.checkpoint.background import BackgroundSave
-    from glassloop.errors import ConfigError
-    from glassloop.state import SaveTimes
-
-    with pytest.raises(ConfigError, match=r"async_save is not available with train\.strategy"):
-        BackgroundSave(SaveTimes(), sharded=True)
-
-
 SMALL = [
     "--set", "data.name=synthetic", "--set", "data.num_samples=320", "--set", "data.batch_size=32",
     "--set", "data.num_features=8", "--set", "model.hidden=[16]", "--set", "train.epochs=1",
