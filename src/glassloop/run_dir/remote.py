@@ -101,7 +101,7 @@ class RemoteRun:
     run (the local copy locked and pulled), :meth:`push_checkpoint` after each commit,
     :meth:`push_run_files` and :meth:`close` at the end."""
 
-    def __init__(self, url: str, local: Path | None = None) -> None:
+    def __init__(self, url: str, local: Path | None = None, *, copies: Path | None = None) -> None:
         try:
             import fsspec  # (the optional extra: glassloop[cloud])
         except ImportError as err:
@@ -135,7 +135,8 @@ class RemoteRun:
         digest = hashlib.sha256(self.url.encode("utf-8")).hexdigest()[:16]
         # The local copy: RUN inside a folder of glassloop's that holds the lock, so a pull
         # can fill RUN while no other process on this machine uses it.
-        self.container = local if local is not None else local_copy_root() / digest
+        # (``copies``: where they are kept, glassloop's cache by default: local_copy_root())
+        self.container = local if local is not None else (copies or local_copy_root()) / digest
         self.local = self.container / "run"
         # Its checkpoints (glassloop.run_dir.store's guarantees), read into the local copy.
         self.store = FsspecStore(

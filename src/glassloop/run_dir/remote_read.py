@@ -13,7 +13,6 @@ and the command says where. Its lines name the run by its URL, not by the local 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,8 +34,7 @@ def remote_reads_root() -> Path:
 
 
 def _opened(url: str) -> RemoteRun:
-    digest = hashlib.sha256(url.rstrip("/").encode("utf-8")).hexdigest()[:16]
-    return RemoteRun(url, local=remote_reads_root() / digest)
+    return RemoteRun(url, copies=remote_reads_root())
 
 
 @contextlib.contextmanager
