@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import forkserver
 import pytest
 from cli_runner import run_glassloop
 from safetensors.torch import load_file
@@ -60,17 +61,12 @@ def rows(run: Path) -> list[dict[str, object]]:
 
 
 def stopped_once(workdir: Path, resume: bool, in_validation: bool, delay: float) -> str:
-    """Start ``glassloop train`` (``--resume`` after the first), SIGTERM it ``delay`` s after
-    its header (``in_validation``: after a validation has begun), SIGKILL it GRACE_S later if
-    it is still there; its stderr."""
+    """Start ``glassloop train`` in a new process (``--resume`` after the first; forked, see
+    tests/forkserver.py), SIGTERM it ``delay`` s after its header (``in_validation``: after a
+    validation has begun), SIGKILL it GRACE_S later if it is still there; its stderr."""
     command = [sys.executable, "-m", "glassloop", "train", "cfg.toml", "--run-dir", "cut"]
-    proc = subprocess.Popen(
-        [*command, *(["--resume"] if resume else [])],
-        cwd=workdir,
-        env={**os.environ, **PAUSES},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = forkserver.Popen(
+        [*command, *(["--resume"] if resume else [])], cwd=workdir, env={**os.environ, **PAUSES}
     )
     assert proc.stdout is not None and proc.stderr is not None
     errors: list[str] = []

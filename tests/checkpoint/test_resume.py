@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -51,15 +52,14 @@ FINAL = "checkpoints/step-00000045"
 def glassloop(
     workdir: Path, run: str, *extra: str, kill_at: int = 0
 ) -> subprocess.CompletedProcess[str]:
+    """``glassloop train cfg.toml --run-dir RUN ...`` in a new process (forked: torch is not
+    imported again), SIGKILLed in training forward ``kill_at`` when that is set."""
     env = {**os.environ, "KILL_AT_FORWARD": str(kill_at)}
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, "-m", "glassloop", "train", "cfg.toml", "--run-dir", run, *extra],
         cwd=workdir,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=300,
-        check=False,
     )
 
 
@@ -144,12 +144,9 @@ def test_a_stop_signal_to_the_process_group_with_workers_checkpoints_and_resumes
     signal, and resumes to the reference."""
     stop = signal.SIGUSR1
     workers = ("--set", "data.num_workers=2")
-    proc = subprocess.Popen(
+    proc = forkserver.Popen(
         [sys.executable, "-m", "glassloop", "train", "cfg.toml", "--run-dir", "term", *workers],
         cwd=workdir,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
         start_new_session=True,  # its own process group, like a job under a scheduler
     )
     assert proc.stdout is not None
@@ -168,10 +165,9 @@ def test_a_stop_signal_to_the_process_group_with_workers_checkpoints_and_resumes
     # own config.json (data.num_workers=2 included); cfg.toml is not named.
     hint = "; continue with: glassloop train --run-dir term --resume\n"
     assert err.endswith(hint), err
-    resumed = subprocess.run(
-        [sys.executable, "-m", *shlex.split(hint.split(": ")[1])],
-        cwd=workdir, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    resumed = forkserver.run(
+        [sys.executable, "-m", *shlex.split(hint.split(": ")[1])], cwd=workdir, timeout=300
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming with the run's own config: term/config.json" in resumed.stdout
     # Workers do not change the data order: the result equals the num_workers=0 reference.

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import forkserver
 
 from glassloop.run_dir.checkpoints import read_checkpoint
 
@@ -51,19 +52,14 @@ sys.exit(main(sys.argv[1:]))
 def run(
     cwd: Path, *args: str, env: dict[str, str] | None = None, limit: int | None = None
 ) -> subprocess.CompletedProcess[str]:
-    def set_limit() -> None:
-        if limit is not None:  # a full disk, as the kernel reports it: EFBIG on write
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return subprocess.run(
+    """``python ARGS`` in a new process (forked: torch is not imported again); ``limit``: the
+    largest file it may write (a full disk, as the kernel reports it: EFBIG on write)."""
+    return forkserver.run(
         [sys.executable, *args],
         cwd=cwd,
-        capture_output=True,
-        text=True,
         timeout=300,
-        check=False,
         env={**os.environ, **(env or {})},
-        preexec_fn=set_limit,
+        fsize_limit=limit,
     )
 
 
