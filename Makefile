@@ -43,8 +43,8 @@ demo: venv
 test: dev lint typecheck unit
 
 lint: dev
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks docs/*.py
+	$(BIN)/ruff format --check src tests benchmarks docs/*.py
 
 typecheck: dev
 	$(BIN)/mypy src/glassloop
