@@ -107,9 +107,11 @@ while True:
 """
 
 
-# Read by an interpreter or torch as they start (Python's flags, torch's threads): a child has
-# its server's, so a command given other values needs a real process (ValueError says so).
-AT_START = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH", "CUDA")
+# Read as an interpreter starts (Python's flags) or as torch loads its libraries (OpenMP's
+# threads): a child has its server's, so a command given other values needs a real process
+# (ValueError says so). Others (what a library set in this process, say) reach the child as
+# they would a new interpreter: its os.environ is the one given.
+AT_START = ("PYTHON", "OMP_", "MKL_", "LD_")
 
 
 class Server:

@@ -4,9 +4,11 @@ another objective)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
-from cli_runner import run_python
+import forkserver
 
 SCRIPT = """
 import sys
@@ -34,6 +36,12 @@ import torch.nn.functional as F
 def loss(out, target):
     return F.cross_entropy(out, target, label_smoothing={smoothing})
 """
+
+
+def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``code`` as a script in a new process (forked: tests/forkserver.py) in ``cwd``."""
+    (cwd / "example.py").write_text(code, encoding="utf-8")
+    return forkserver.run([sys.executable, "example.py"], cwd=cwd, timeout=600)
 
 
 def test_a_loss_edited_between_runs_is_one_line_on_resume(tmp_path: Path) -> None:

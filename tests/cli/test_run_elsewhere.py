@@ -6,10 +6,10 @@ path and both folders (exit 2), and the run's files stay as they were."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import numpy as np
 import pytest
 from cli_runner import run_glassloop, sets
@@ -34,18 +34,19 @@ OPTIONS = [
 
 @pytest.fixture
 def folders(tmp_path: Path) -> tuple[Path, Path]:
-    """A run trained in a real process in ``a/`` (its model and data named relative to
-    ``a/``), and another folder ``b/``."""
+    """A run trained in a new process in ``a/`` (its model and data named relative to ``a/``;
+    forked: tests/forkserver.py), and another folder ``b/``."""
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
     (a / "net.py").write_text(NET, encoding="utf-8")
     rng = np.random.default_rng(0)
     np.savez(a / "digits.npz", x=rng.random((96, 8, 8), dtype=np.float32), y=np.arange(96) % 10)
-    trained = subprocess.run(
+    trained = forkserver.run(
         [sys.executable, "-m", "glassloop", "train", *sets(OPTIONS), "--run-dir", "runs/x"],
-        cwd=a, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        cwd=a,
+        timeout=300,
+    )
     assert trained.returncode == 0, trained.stderr
     return a, b
 
@@ -75,10 +76,10 @@ def test_eval_report_predict_and_resume_work_from_another_folder(
             glassloop.load_model("nope.safetensors")
     # A resume in a new process, from b/: the same config (no "config changed"), and its
     # run.json still names a/, where the paths point.
-    resumed = subprocess.run(
+    resumed = forkserver.run(
         [sys.executable, "-m", "glassloop", "train", str(run / "config.json"), "--run-dir",
          str(run), "--resume", "--set", "train.epochs=2"],
-        cwd=b, capture_output=True, text=True, timeout=300, check=False,
+        cwd=b, timeout=300,
     )  # fmt: skip
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr
     assert json.loads((run / "run.json").read_text())["cwd"] == str(a.resolve())

@@ -22,10 +22,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import numpy as np
 import pytest
 import torch
-from cli_runner import run_group
 from matrix_runs import (
     BATCH,
     EPOCHS,
@@ -63,13 +63,12 @@ CASES = FULL if os.environ.get("GLASSLOOP_MATRIX") == "full" else DIAGONAL
 
 
 def run_script(run: Path, task: str, kind: str, procs: int, *extra: str) -> int:
-    """One glassloop run in a new process (torchrun for two); its exit code."""
+    """One glassloop run in a new process (torchrun for two, its workers new interpreters;
+    forked: tests/forkserver.py); its exit code."""
     args = [str(SCRIPT), task, kind, str(run), *extra]
     if procs > 1:
         args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", *args]
-    done = run_group(
-        [sys.executable, *args], capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    done = forkserver.run([sys.executable, *args], timeout=300)
     if done.returncode not in (0, -9) and "--kill-at" not in extra:
         raise AssertionError(done.stderr[-3000:])
     return done.returncode

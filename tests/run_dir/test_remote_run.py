@@ -23,9 +23,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import torch
-from cli_runner import run_glassloop, run_group
+from cli_runner import run_glassloop
 from s3_server import SECRET, local_s3
 from safetensors.torch import load
 from torch import nn
@@ -56,8 +57,9 @@ SMALL = [
 
 
 def train(cwd: Path, env: dict[str, str], url: str, *extra: str) -> Any:
+    """``glassloop train`` in a new process (forked: tests/forkserver.py), with ``env``."""
     cache = {"GLASSLOOP_CACHE_DIR": str(cwd / "cache")}
-    return run_group(
+    return forkserver.run(
         [sys.executable, "-m", "glassloop", "train", *SMALL, "--run-dir", url, *extra],
         cwd=cwd, env={**env, **cache}, timeout=300,
     )  # fmt: skip
@@ -117,7 +119,7 @@ def test_a_killed_s3_run_resumes_bitwise(tmp_path: Path, s3: dict[str, str]) -> 
         done = run_glassloop("train", *SMALL, "--run-dir", "s3://bucket/straight", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     (tmp_path / "kill.py").write_text(KILL_MID_UPLOAD)
-    killed = run_group(
+    killed = forkserver.run(
         [sys.executable, "kill.py", "train", *SMALL, "--run-dir", "s3://bucket/killed"],
         cwd=tmp_path, env={**s3, "GLASSLOOP_CACHE_DIR": str(tmp_path / "cache")}, timeout=300,
     )  # fmt: skip
@@ -514,7 +516,7 @@ def test_two_processes_keep_a_run_in_a_bucket_and_resume_it(tmp_path: Path) -> N
     bucket = tmp_path / "bucket"
 
     def launch(*extra: str) -> Any:
-        return run_group(
+        return forkserver.run(  # (the launcher forked; torchrun and its workers started)
             [sys.executable, "-m", "glassloop", "train", *SMALL, "--nproc", "2",
              "--run-dir", f"local://{bucket}", *extra],
             cwd=tmp_path, env={**os.environ, "GLASSLOOP_CACHE_DIR": str(tmp_path / "cache")},

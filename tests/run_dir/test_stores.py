@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import fsspec
 import pytest
 import torch
@@ -139,7 +138,7 @@ WRITER = """
 import sys, torch
 from pathlib import Path
 from torch import nn
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {helpers!r}]
 from test_stores import make_store, staged
 from glassloop.run_dir.checkpoints import step_dir_name
 store, tmp = make_store({kind!r}, Path({root!r})), Path({root!r})
@@ -156,16 +155,18 @@ def test_a_kill_at_any_moment_of_a_write_leaves_every_complete_checkpoint_whole(
     """A writer in a process of its own, killed with SIGKILL at three moments of its writes
     (2 MB of weights each): what the store then calls complete reads back verified, and the
     checkpoint the writer finished last before the kill is among them."""
-    script = WRITER.format(tests=str(Path(__file__).parent), kind=kind, root=str(tmp_path))
+    here = Path(__file__).parent
+    script = WRITER.format(tests=str(here), helpers=str(here.parent), kind=kind, root=str(tmp_path))
+    (tmp_path / "writer.py").write_text(script)
     for delay in (0.0, 0.013, 0.029):
-        writer = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True
-        )
+        # (a new process, forked: tests/forkserver.py)
+        writer = forkserver.Popen([sys.executable, str(tmp_path / "writer.py")])
         assert writer.stdout is not None
         finished = [int(writer.stdout.readline()) for _ in range(2)][-1]
         time.sleep(delay)
         os.kill(writer.pid, signal.SIGKILL)
-        writer.wait()
+        writer.communicate()
+        assert writer.returncode == -signal.SIGKILL
         store = make_store(kind, tmp_path)
         names = store.complete()
         assert step_dir_name(finished) in names or any(n > step_dir_name(finished) for n in names)

@@ -211,9 +211,9 @@ def test_after_a_kill_9_and_a_resume_each_tracked_step_ends_with_the_resumed_val
     """A run killed at step 7 (checkpoint at 4) logged steps 5..7 to MLflow; the resumed run
     logs them again. MLflow keeps both; the last of each step equals metrics.jsonl, as
     ``glassloop runs --tracking`` checks through MLflow's own client."""
-    import subprocess
     import sys
 
+    import forkserver
     from cli_runner import run_glassloop, sets
 
     uri = f"sqlite:///{tmp_path / 'kill.db'}"
@@ -221,9 +221,9 @@ def test_after_a_kill_9_and_a_resume_each_tracked_step_ends_with_the_resumed_val
                   "train.epochs=2", "train.progress=none", "train.log_every=1",
                   "checkpoint.every_n_steps=4", "tracking.backend=mlflow", f"tracking.uri={uri}"])  # fmt: skip
     run = tmp_path / "runs" / "killed"
-    killed = subprocess.run(
+    killed = forkserver.run(  # (a new process, forked: tests/forkserver.py)
         [sys.executable, "-m", "glassloop", "train", "--run-dir", str(run), *given,
-         "--kill-at-step", "7"], capture_output=True, text=True, timeout=300, check=False,
+         "--kill-at-step", "7"], timeout=300,
     )  # fmt: skip
     assert killed.returncode == -9, killed.stderr
     resumed = run_glassloop("train", "--run-dir", str(run), "--resume", *given)
