@@ -11,9 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
-from cli_runner import run_glassloop, run_group
+from cli_runner import run_glassloop
 from safetensors.torch import load_file
 
 from glassloop.step.throughput import TIMING
@@ -43,14 +44,13 @@ dist_timeout_s = 30
 def train(
     cwd: Path, *args: str, nproc: int = 0, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
+    """``glassloop train cfg.toml ARGS`` in a new process (forked: tests/forkserver.py), which
+    starts torchrun and its ``nproc`` workers, each a new interpreter."""
     launch = ["--nproc", str(nproc)] if nproc else []
-    return run_group(
+    return forkserver.run(
         [sys.executable, "-m", "glassloop", "train", "cfg.toml", *launch, *args],
         cwd=cwd,
-        capture_output=True,
-        text=True,
         timeout=180,
-        check=False,
         # PYTHONFAULTHANDLER: a worker that aborts in C++ (gloo) prints every thread's
         # Python stack, so a failure here says where it happened.
         env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})},
@@ -179,11 +179,10 @@ def test_a_worker_killed_under_torchrun_restarts_and_resumes_by_itself_bitwise(
     )
     reference = train(workdir, "--run-dir", "ref", *common, nproc=2)
     assert reference.returncode == 0, reference.stderr
-    elastic = run_group(
+    elastic = forkserver.run(  # (torchrun forked; its workers new interpreters)
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          "--max-restarts=3", "-m", "glassloop", "train", "cfg.toml", "--run-dir", "cut", *common],
-        cwd=workdir, capture_output=True, text=True, timeout=180, check=False,
-        env={**os.environ, "KILL_RANK": "0", "KILL_AT_FORWARD": "27"},
+        cwd=workdir, timeout=180, env={**os.environ, "KILL_RANK": "0", "KILL_AT_FORWARD": "27"},
     )  # fmt: skip
     assert elastic.returncode == 0, elastic.stderr
     assert (
@@ -212,10 +211,10 @@ def test_a_stop_signal_to_the_launcher_checkpoints_one_consistent_step(workdir: 
     (SIGTERM itself takes the same path, unchanged)."""
     import signal
 
-    proc = subprocess.Popen(
+    proc = forkserver.Popen(
         [sys.executable, "-m", "glassloop", "train", "cfg.toml", "--nproc", "2", "--run-dir", "term",
          "--set", "train.log_every=1", "--set", "train.progress=lines"],
-        cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=workdir,
     )  # fmt: skip
     assert proc.stdout is not None
     lines = 0
@@ -242,11 +241,11 @@ def test_kill_9_of_the_launcher_takes_torchrun_and_the_workers_with_it(workdir: 
     finishing the run alone, racing a scheduler's restart of the command."""
     import signal
 
-    proc = subprocess.Popen(
+    proc = forkserver.Popen(
         [sys.executable, "-m", "glassloop", "train", "cfg.toml", "--nproc", "2", "--run-dir",
          "orphans", "--set", "train.log_every=1", "--set", "train.progress=lines",
          "--set", "train.epochs=50"],
-        cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        cwd=workdir, stderr=subprocess.DEVNULL,
         start_new_session=True,  # its own process group: whatever is left of it is found below
     )  # fmt: skip
     assert proc.stdout is not None

@@ -16,8 +16,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
-from cli_runner import run_group
 from safetensors.torch import load_file
 
 from glassloop.step.throughput import TIMING
@@ -31,10 +31,9 @@ def launch(root: Path, name: str, processes: int, *stops: str) -> str:
     runner = [sys.executable]
     if processes > 1:
         runner += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
-    result = run_group(
+    result = forkserver.run(  # (forked: tests/forkserver.py; torchrun's workers new interpreters)
         [*runner, str(SCRIPT), str(root), name, *stops],
-        capture_output=True, text=True, timeout=240, check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"},
+        timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

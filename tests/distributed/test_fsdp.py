@@ -11,6 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from cli_runner import run_glassloop, run_group
@@ -50,12 +51,18 @@ def two(workdir: Path) -> Path:
     return workdir / "two"
 
 
-def test_two_sharded_processes_equal_one_process(workdir: Path, two: Path) -> None:
-    one = train_here(workdir, "--run-dir", "one", "--set", "data.batch_size=32",
-                     "--set", "train.strategy=auto")  # fmt: skip
-    assert one.returncode == 0, one.stderr
-    close(workdir / "one" / "model.safetensors", two / "model.safetensors")
-    ra, rb = last_epoch(workdir / "one"), last_epoch(two)
+@pytest.fixture(scope="module")
+def one(workdir: Path) -> Path:
+    """The same run in one process (in this one), unsharded, with the global batch (32)."""
+    done = train_here(workdir, "--run-dir", "one", "--set", "data.batch_size=32",
+                      "--set", "train.strategy=auto")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return workdir / "one"
+
+
+def test_two_sharded_processes_equal_one_process(one: Path, two: Path) -> None:
+    close(one / "model.safetensors", two / "model.safetensors")
+    ra, rb = last_epoch(one), last_epoch(two)
     assert ra["val_accuracy"] == rb["val_accuracy"]  # every validation sample once
     assert ra["val_loss"] == pytest.approx(rb["val_loss"], abs=1e-6)
 
@@ -104,15 +111,12 @@ def test_export_gathers_the_shards_into_the_final_weights(workdir: Path, two: Pa
     assert isinstance(load_model(out), torch.nn.Module)  # it describes its model
 
 
-def test_accumulation_with_fsdp_equals_one_process(workdir: Path) -> None:
+def test_accumulation_with_fsdp_equals_one_process(workdir: Path, one: Path) -> None:
     # 2 processes x batch 8 x 2 micro-batches (gradients reduced on the second only)
     two = train(workdir, "--run-dir", "two-accum", "--set", "data.batch_size=8",
                 "--set", "train.grad_accum_steps=2", nproc=2)  # fmt: skip
     assert two.returncode == 0, two.stderr
-    one = workdir / "one" / "model.safetensors"  # batch 32, one process
-    if not one.exists():
-        pytest.skip("needs test_two_sharded_processes_equal_one_process")
-    close(one, workdir / "two-accum" / "model.safetensors")
+    close(one / "model.safetensors", workdir / "two-accum" / "model.safetensors")
 
 
 def test_kill_and_resume_with_the_same_processes_is_bitwise(workdir: Path) -> None:
@@ -122,11 +126,10 @@ def test_kill_and_resume_with_the_same_processes_is_bitwise(workdir: Path) -> No
     assert reference.returncode == 0, reference.stderr
     # Rank 1 killed in step 27 (its first attempt only); torchrun's elastic restart goes on
     # from the newest checkpoint by itself (one launch: the kill and the resume).
-    resumed = run_group(
+    resumed = forkserver.run(  # (torchrun forked; its workers new interpreters)
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          "--max-restarts=3", "-m", "glassloop", "train", "cfg.toml", "--run-dir", "cut", *common],
-        cwd=workdir, capture_output=True, text=True, timeout=180, check=False,
-        env={**os.environ, "KILL_RANK": "1", "KILL_AT_FORWARD": "27"},
+        cwd=workdir, timeout=180, env={**os.environ, "KILL_RANK": "1", "KILL_AT_FORWARD": "27"},
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from 'cut/checkpoints/step-00000024' at step 24" in resumed.stdout
@@ -284,11 +287,10 @@ def test_each_process_predicts_and_evaluates_its_own_data_with_a_sharded_model(
     tmp_path: Path,
 ) -> None:
     (tmp_path / "predict.py").write_text(PREDICT)
-    done = run_group(
+    done = forkserver.run(  # (torchrun forked; its workers new interpreters)
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "predict.py", "run"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False,
-        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+        cwd=tmp_path, timeout=180, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     weights = load_file(tmp_path / "run" / "model.safetensors")
@@ -313,8 +315,7 @@ def plotted_samples(cwd: Path, sets: list[str], *args: str) -> str:
     if "--nproc" not in args:  # one process: in this one (a process of its own costs ~6 s)
         done = run_glassloop(*command, cwd=cwd)
     else:
-        done = run_group([sys.executable, "-m", "glassloop", *command], cwd=cwd,
-                         capture_output=True, text=True, timeout=180, check=False)  # fmt: skip
+        done = forkserver.run([sys.executable, "-m", "glassloop", *command], cwd=cwd, timeout=180)
     assert done.returncode == 0, done.stderr
     page = (cwd / run / "report" / "index.html").read_text()
     return page.split("predicted vs true, ")[1].split(" validation points")[0]
