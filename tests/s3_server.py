@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +24,11 @@ def local_s3(*buckets: str) -> Iterator[dict[str, str]]:
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
+    # moto keeps its buckets per process, not per server: an earlier test's server in this
+    # process (one xdist worker runs many files) left its own, and making ``bucket`` again
+    # failed (FileExistsError). Each server starts empty.
+    reset = urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")
+    urllib.request.urlopen(reset, timeout=30).close()
     env = {
         "AWS_ENDPOINT_URL": f"http://{host}:{port}",
         "AWS_ACCESS_KEY_ID": "glassloop-test-key",
