@@ -42,7 +42,7 @@ try:
     import matplotlib.figure, matplotlib.backends.backend_agg
 except ImportError:
     pass
-import faulthandler, gc, json, resource, runpy, time
+import faulthandler, gc, json, resource, runpy, tempfile, time
 gc.freeze()  # the imports' objects: no collection walks them again (a child's exit: 0.9 -> 0.1 s)
 wake_r, wake_w = os.pipe()
 os.set_blocking(wake_w, False)
@@ -70,6 +70,7 @@ def run(request, fds):
     os.environ.update(request["env"])
     if os.environ.get("PYTHONFAULTHANDLER"):
         faulthandler.enable()
+    tempfile.tempdir = None  # (found again from this environment's TMPDIR when first asked)
     numpy.random.seed()  # (the legacy global RNG from fresh entropy, as a new interpreter)
     glassloop.tracking.launched.LAUNCHED = time.perf_counter()  # ("since launch": from here)
     args = request["args"]
@@ -107,11 +108,12 @@ while True:
 """
 
 
-# Read as an interpreter starts (Python's flags) or as torch loads its libraries (OpenMP's
-# threads): a child has its server's, so a command given other values needs a real process
-# (ValueError says so). Others (what a library set in this process, say) reach the child as
-# they would a new interpreter: its os.environ is the one given.
-AT_START = ("PYTHON", "OMP_", "MKL_", "LD_")
+# Read as an interpreter starts (Python's flags, its locale) or as torch loads its libraries
+# (OpenMP's threads): a child has its server's, so a command given other values needs a real
+# process (ValueError says so). Others (what a library set in this process, say) reach the
+# child as they would a new interpreter: its os.environ is the one given, and TMPDIR is read
+# again (tempfile keeps the folder it found first).
+AT_START = ("PYTHON", "OMP_", "MKL_", "LD_", "LANG", "LC_")
 
 
 class Server:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import subprocess
 import sys
 import textwrap
 import warnings
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from torch import nn
@@ -153,8 +153,10 @@ CHANGED = {
 def attempt(
     first: Path, attempts: dict[str, dict[str, object]], epochs: int
 ) -> dict[str, str | None]:
-    command = [sys.executable, "-c", SCRIPT, str(first), json.dumps(attempts), str(epochs)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    script = first.parent / "attempts.py"  # (run in a new process, forked: tests/forkserver.py)
+    script.write_text(SCRIPT)
+    command = [sys.executable, str(script), str(first), json.dumps(attempts), str(epochs)]
+    done = forkserver.run(command, timeout=300)
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return {row["name"]: row["error"] for row in rows}

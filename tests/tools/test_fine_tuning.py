@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from cli_runner import run_glassloop
@@ -25,9 +26,9 @@ SCRIPT = Path(__file__).with_name("lora_run.py")
 
 
 def script(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, check=False)  # fmt: skip
-    return done
+    """lora_run.py in a new process (forked: tests/forkserver.py; transformers and peft are
+    imported there, by it)."""
+    return forkserver.run([sys.executable, str(SCRIPT), *args], cwd=cwd, timeout=300)
 
 
 def test_lora_checkpoints_resume_bitwise_and_export_to_hugging_face(tmp_path: Path) -> None:

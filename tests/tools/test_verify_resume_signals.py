@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import forkserver
 import pytest
 from cli_runner import sets
 
@@ -43,14 +43,12 @@ def until(condition: object, what: str, limit: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def start(tmp: Path) -> tuple[subprocess.Popen[str], int, Path]:
+def start(tmp: Path) -> tuple[forkserver.Popen, int, Path]:
     """verify-resume with TMPDIR=tmp, once its first training run has written its run dir:
     the process, its training child's pid and the temporary folder."""
     env = {**os.environ, "TMPDIR": str(tmp)}
     command = [sys.executable, "-m", "glassloop", "verify-resume", *sets(LONG), "--kill-at", "5"]
-    proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    proc = forkserver.Popen(command, env=env)  # (a new process, forked: tests/forkserver.py)
     until(lambda: list(tmp.glob("glassloop-v*/straight/run.json")), "the straight run to start")
     until(lambda: children_of(proc.pid), "the training child")
     (folder,) = tmp.glob("glassloop-v*")
