@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 from typing import IO, Any
 
 # The server: imports, then one fork per request. A child leaves the loop by running the
@@ -82,6 +83,7 @@ def run(request, fds):
         runpy.run_path(args[0], run_name="__main__")
     sys.exit(0)
 
+running = {}  # pid: in a session of its own
 while True:
     ready, _, _ = select.select([channel, wake_r], [], [])
     if wake_r in ready:
@@ -93,15 +95,22 @@ while True:
                 break
             if pid == 0:
                 break
+            running.pop(pid, None)
             send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
     if channel in ready:
         message, fds, _, _ = socket.recv_fds(channel, 1 << 20, 3)
-        if not message:
-            break  # the test process is gone
+        if not message:  # the test process is gone: nothing it started keeps running
+            for pid, session in running.items():
+                try:
+                    (os.killpg if session else os.kill)(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            break
         request = json.loads(message)
         pid = os.fork()
         if pid == 0:
             run(request, fds)
+        running[pid] = request["new_session"]
         for fd in fds:
             os.close(fd)
         send({"pid": pid})
@@ -313,3 +322,19 @@ def run(
         proc.communicate()
         raise
     return subprocess.CompletedProcess(args, proc.returncode or 0, out, err)
+
+
+def start_children_here(monkeypatch: Any, module: ModuleType) -> None:
+    """The ``python -m glassloop ...`` children that ``module`` starts with
+    ``subprocess.Popen`` (verify-resume's three training runs) forked here instead: for tests
+    of what such a command finds, not of how it starts its children (tests/tools/
+    test_verify_resume*.py start real ones). ``preexec_fn`` (a parent-death signal) is left
+    out: a forked child's parent is its server."""
+
+    def popen(args: list[str], *, stdout: int, stderr: int, text: bool, **_: Any) -> Popen:
+        return Popen(list(args), stdout=stdout, stderr=stderr, text=text)
+
+    started = SimpleNamespace(
+        Popen=popen, PIPE=subprocess.PIPE, CompletedProcess=subprocess.CompletedProcess
+    )
+    monkeypatch.setattr(module, "subprocess", started)

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import torch
 from cli_runner import run_glassloop
@@ -22,6 +23,7 @@ from glassloop.options import CheckpointConfig
 from glassloop.run_dir.checkpoints import latest_pointer, read_checkpoint
 from glassloop.state import TrainState
 from glassloop.storage.atomic import ForeignPathError
+from glassloop.tools import verify_resume
 
 
 def test_the_copy_is_the_state_at_the_save(tmp_path: Path) -> None:
@@ -125,9 +127,12 @@ SMALL = [
 ]  # fmt: skip
 
 
-def test_verify_resume_is_exact_with_background_saves(tmp_path: Path) -> None:
+def test_verify_resume_is_exact_with_background_saves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """kill -9 after step 5 (a save may be in flight), resume in a new process: every digest
     identical to the straight run's."""
+    forkserver.start_children_here(monkeypatch, verify_resume)  # (its runs forked)
     done = run_glassloop("verify-resume", *SMALL, "--kill-at", "5", "--keep", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "resume is exact" in done.stdout

@@ -37,6 +37,7 @@ from glassloop.errors import CheckpointWriteError
 from glassloop.options import CheckpointConfig
 from glassloop.run_dir.lease import RunLeased
 from glassloop.step.throughput import TIMING
+from glassloop.tools import verify_resume
 
 # Its tests share module fixtures: one worker of `make test` runs them all, in order.
 pytestmark = pytest.mark.xdist_group("test_remote_run")
@@ -718,6 +719,7 @@ def test_every_command_reads_a_run_from_its_url(
     listed = run_glassloop("runs", "s3://bucket/reads", cwd=tmp_path)
     assert listed.returncode == 0, listed.stderr
     assert re.search(rf"^{url} +finished +8 +1 ", listed.stdout, re.MULTILINE), listed.stdout
+    forkserver.start_children_here(monkeypatch, verify_resume)  # (its runs forked)
     proved = run_glassloop("verify-resume", url, "--kill-at", "4", cwd=tmp_path)
     assert proved.returncode == 0, proved.stdout + proved.stderr
     assert "resume is exact" in proved.stdout
