@@ -58,7 +58,7 @@ docs: dev
 
 # Two workers; a file whose tests share module fixtures (marked xdist_group: one FSDP test
 # reads another's run) goes whole to one worker, every other test to whichever is free (whole
-# files left one worker idle behind the longest): about 12 minutes on 2 cores.
+# files left one worker idle behind the longest): pytest about 7.5 minutes on 2 cores.
 # Re-resolves pyproject.toml from the index (the only target that does) and rewrites the lock;
 # tests/test_lock.py fails until the lock matches pyproject.toml again. Needs only a pip.
 lock:
