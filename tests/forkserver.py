@@ -7,10 +7,11 @@ exit status, the ``cwd`` and environment it is given, and nothing of an earlier 
 memory (the server never trains). What it shares with its siblings is the imports; so that
 the ones a test compares (a run, then its resume) do not share a hash seed either, two
 servers with different ``PYTHONHASHSEED`` take turns. A subprocess costs ~4 s of CPU, ~3.5 s
-of it imports (torch ~1.7 s, ``torch._dynamo`` ~1.2 s, matplotlib for the report); a fork
-costs ~0.05 s. Tests that need what a fresh interpreter does before it runs anything (the
-first line a terminal sees before torch is imported, an import's side effects, torchrun's
-workers) still start a real one.
+of it imports (torch ~1.5 s, ``torch._dynamo`` ~1.2 s, matplotlib for the report) and ~0.9 s
+of its exit a collection over them; a forked command ~0.3 s in all. Tests that need what a
+fresh interpreter does before it runs anything (the first line a terminal sees before torch
+is imported, an import's side effects, a process's exit with its loader workers) and
+torchrun's workers still start real ones.
 
     done = run([sys.executable, "-m", "glassloop", "train", "cfg.toml"], cwd=tmp, timeout=300)
     proc = Popen([sys.executable, "kill.py", "train", ...], cwd=tmp, env=env)
