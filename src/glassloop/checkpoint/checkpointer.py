@@ -349,6 +349,8 @@ class Checkpointer:
         assert self.run_dir is not None
         if not fsdp.all_finite(shards.model):  # decided alike in every process
             raise not_finite(step, last_good(self.run_dir))
+        if self.background is not None:  # (the save in flight may commit this same folder)
+            self.background.wait()
         staged = staging_dir(target, gather_objects(os.getpid())[0])
         failure: Exception | None = None
         if self.world.is_main:
