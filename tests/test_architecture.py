@@ -257,7 +257,7 @@ FILE_BUDGETS = {
     "storage/weights.py": 257,
     "storage/atomic.py": 155,
 }
-CLASS_BUDGETS = {("loop.py", "Trainer"): 643, ("checkpoint/checkpointer.py", "Checkpointer"): 479}
+CLASS_BUDGETS = {("loop.py", "Trainer"): 642, ("checkpoint/checkpointer.py", "Checkpointer"): 437}
 LOOP_PROPER = ("fit", "_stop_if_signalled", 362)
 TRAIN_STEP = 55
 INIT = 100

@@ -3,9 +3,10 @@
 Hooks are called at fit start, after every optimizer step (with the step and its loss),
 around every validation (with its metrics), after every epoch (with the epoch's row of
 metrics, before it is written: keys a callback adds reach history, the console, metrics.csv,
-metrics.jsonl, TensorBoard and ``checkpoint.monitor``) and at fit end. To stop training, set
-``trainer.should_stop = True``; the loop finishes the epoch's bookkeeping and returns. A
-callback with ``state_dict()``/``load_state_dict()`` is saved in checkpoints and resumed.
+metrics.jsonl, TensorBoard and ``checkpoint.monitor``), after every checkpoint and at fit
+end. To stop training, set ``trainer.should_stop = True``; the loop finishes the epoch's
+bookkeeping and returns. A callback with ``state_dict()``/``load_state_dict()`` is saved in
+checkpoints and resumed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 from glassloop.best import improves, monitor_mode
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
 # (Each hook's ``trainer`` is the glassloop.Trainer that runs the loop, typed Any here: the
@@ -50,6 +53,13 @@ class Callback:
     def on_epoch_end(self, trainer: AnyTrainer, row: dict[str, Any]) -> None:
         """Called after each epoch's training and validation, with the epoch's metrics;
         keys added to ``row`` are written with it."""
+
+    def on_checkpoint(self, trainer: AnyTrainer, path: Path) -> None:
+        """Called in every process after each checkpoint's save (``path``: its folder; not
+        after ``best/``), once every process knows it succeeded. A background save
+        (``async_save``) may still be writing it: ``trainer.checkpointer.wait()`` first to
+        read it (what :class:`glassloop.distributed.ray_train.RayReport` does to hand it to
+        Ray Train)."""
 
     def on_fit_end(self, trainer: AnyTrainer) -> None:
         """Called once after the last epoch, also when a callback stopped the run early."""

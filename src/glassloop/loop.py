@@ -650,7 +650,7 @@ class Trainer:
 
     def _attached(self) -> Checkpointer:
         """The checkpointer, handed what a save holds (what ``fit`` does first)."""
-        self.checkpointer.attach(self.stateful(), loader=self._train_loader)
+        self.checkpointer.attach(self.stateful(), loader=self._train_loader, trainer=self)
         return self.checkpointer
 
     @property

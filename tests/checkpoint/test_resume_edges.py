@@ -385,21 +385,21 @@ def test_a_compiled_run_resumes_bitwise_in_a_fresh_process(tmp_path: Path) -> No
 def test_settings_added_by_a_newer_version_warn_instead_of_blocking_a_resume() -> None:
     from types import SimpleNamespace
 
-    from glassloop.checkpoint.checkpointer import Checkpointer
+    from glassloop.checkpoint.resume import check_compatible
 
     old = SimpleNamespace(
         path=Path("ck"), sharded=False, meta={"world_size": 1, "config": {"optim": {"lr": 0.1}}}
     )
     current = {"optim": {"lr": 0.1}, "loss": {"name": "cross_entropy"}, "task": "auto"}
     said: list[str] = []
-    Checkpointer(None).check_compatible(old, current, False, said.append)  # type: ignore[arg-type]
+    check_compatible(old, current, False, said.append)  # type: ignore[arg-type]
     assert said == [
         "warning: 'ck' was written before these settings existed, so they are not compared: "
         "loss.name: <unset> -> cross_entropy; task: <unset> -> auto"
     ]
     changed = {**current, "optim": {"lr": 0.2}}
     with pytest.raises(ConfigError, match=r"optim.lr: 0.1 -> 0.2"):
-        Checkpointer(None).check_compatible(old, changed, False, said.append)  # type: ignore[arg-type]
+        check_compatible(old, changed, False, said.append)  # type: ignore[arg-type]
 
 
 def test_a_resumed_epochs_progress_starts_where_it_stopped(tmp_path: Path) -> None:

@@ -50,6 +50,8 @@ NOT_RUN = {
     ("docs/distributed.md", "kubectl apply"): "needs a Kubernetes cluster",
     ("docs/distributed.md", "--max-restarts 3"): "eight processes: test_distributed.py "
     "runs torchrun's restarts with two",
+    ("docs/distributed.md", "TorchTrainer("): "tests/distributed/test_ray_train.py runs it "
+    "on the Ray cluster it starts",
     ("docs/recipes.md", "recipes/NAME.toml"): "a template: test_recipes.py trains the recipes",
     ("docs/datasets.md", "from glassloop.data import make_loader, pad_collate"): "an API "
     "sketch over your own data; test_loaders.py checks each call",

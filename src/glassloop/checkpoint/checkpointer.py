@@ -29,8 +29,8 @@ from torch import nn
 import glassloop.distributed.fsdp as fsdp
 from glassloop.best import improves, is_number, monitor_mode
 from glassloop.checkpoint.background import BackgroundSave
-from glassloop.checkpoint.resume import check_training_state, config_differences
-from glassloop.data.position import global_batch, replay_caveat, resized_note
+from glassloop.checkpoint.resume import check_compatible, check_training_state, config_differences
+from glassloop.data.position import global_batch, replay_caveat
 from glassloop.distributed.fsdp import ShardedState
 from glassloop.distributed.world import World, all_reduce, gather_objects, unwrap_model
 from glassloop.errors import (
@@ -125,6 +125,7 @@ class Checkpointer:
         self.device = device if device is not None else torch.device("cpu")
         self.parts: dict[str, Any] = {"loop": TrainState()}
         self.loader: Any = None
+        self.trainer: Any = None  # (the Trainer, for on_checkpoint: attach())
         self.global_batch: int | None = None  # meta.json's (per micro-batch, every process)
         self.run.mirror(self.policy.keep_last, say, sharded=shards is not None)
         # A fine-tuned model's frozen tensors stay out of its checkpoints; their digests go
@@ -138,10 +139,11 @@ class Checkpointer:
             else None
         )
 
-    def attach(self, parts: dict[str, Any], *, loader: Any = None) -> None:
+    def attach(self, parts: dict[str, Any], *, loader: Any = None, trainer: Any = None) -> None:
         """Hand it the stateful parts, once per ``fit``: the objects by name (``None``: not
-        part of this run; the loop's :class:`~glassloop.state.TrainState` as ``"loop"``) and
-        the training ``loader`` (its generators join the RNG state). One without both
+        part of this run; the loop's :class:`~glassloop.state.TrainState` as ``"loop"``), the
+        training ``loader`` (its generators join the RNG state) and the ``trainer`` the
+        callbacks' ``on_checkpoint`` is handed. One without both
         ``state_dict()`` and ``load_state_dict()`` is refused here, not at the first save."""
         for name, part in parts.items():
             if part is not None and not (
@@ -151,7 +153,7 @@ class Checkpointer:
                     f"stateful()[{name!r}] is a {type(part).__name__}, which has no "
                     "state_dict()/load_state_dict(); give it both, or leave it out"
                 )
-        self.parts, self.loader = parts, loader
+        self.parts, self.loader, self.trainer = parts, loader, trainer
         self.global_batch = global_batch(loader, self.world)  # (None: not known)
 
     @property
@@ -234,6 +236,9 @@ class Checkpointer:
             self.wait()
         self.times.held_s += time.perf_counter() - started  # (the epoch row's checkpoint_s)
         self._say_grace()
+        for callback in () if best else self.callbacks:  # (every process, the save agreed)
+            if hasattr(callback, "on_checkpoint"):
+                callback.on_checkpoint(self.trainer, target)
         return target
 
     def final_base(self, model: nn.Module) -> FrozenBase | None:
@@ -414,8 +419,8 @@ class Checkpointer:
         warn: Callable[[str], None] | None = None,
     ) -> Checkpoint | None:
         """Resume (``resume``: ``"auto"``, the newest valid checkpoint, or a path): find the
-        checkpoint (:meth:`find`), check it fits (:meth:`check_compatible`), load the
-        weights into the model (an FSDP run: its shards read them from the checkpoint's
+        checkpoint (:meth:`find`), check it fits (:mod:`glassloop.checkpoint.resume`), load
+        the weights into the model (an FSDP run: its shards read them from the checkpoint's
         shards/ when the optimizer state loads), then the rest (:meth:`load_state_dict`),
         and say where the run goes on when it has ``epochs`` left. Without ``resume``, make
         sure a fresh run overwrites none. The checkpoint, or ``None``."""
@@ -430,7 +435,15 @@ class Checkpointer:
             return None
         sharded = self.shards is not None
         config = self.info.config
-        self.check_compatible(checkpoint, config, allow_config_change, warn, sharded=sharded)
+        check_compatible(
+            checkpoint,
+            config,
+            allow_config_change,
+            warn,
+            world=self.world,
+            loader=self.loader,
+            sharded=sharded,
+        )
         if self.shards is not None:  # weights and optimizer come from shards/ with the state
             self.shards.source = checkpoint.path / SHARDS
         else:
@@ -491,7 +504,7 @@ class Checkpointer:
         one, as over a damaged one) when its weights (each key's ``shapes`` and dtype, from
         the file's header) do not fit the model (a fine-tuned run's base left out), though
         the config says it is the model they were saved from (a changed model or data
-        section is :meth:`check_compatible`'s to say)."""
+        section is :mod:`glassloop.checkpoint.resume`'s to say)."""
         changes = config_differences(meta.get("config"), self.info.config)
         if self.shards is not None or any(c.startswith(("model.", "data.")) for c in changes):
             return
@@ -505,58 +518,3 @@ class Checkpointer:
         takes the newest such one (:class:`glassloop.run_dir.remote.RemoteRun`), as a local resume
         does."""
         read_checkpoint(path, check_training_state, self.fits)
-
-    def check_compatible(
-        self,
-        checkpoint: Checkpoint,
-        config: Any,
-        allow_config_change: bool,
-        warn: Callable[[str], None] = print,
-        *,
-        sharded: bool = False,
-    ) -> None:
-        """The same config, but for keys that do not change the result; another number of
-        processes is said in one line (what it keeps and what changes: :func:`glassloop.data.
-        position.resized_note`). Keys the checkpoint's
-        config does not have (settings added by a newer glassloop) cannot be compared: they
-        are named in a warning instead, so an upgrade never blocks a resume.
-
-        ``sharded`` (an FSDP run): the checkpoint must be sharded too, and may come from
-        another number of processes (DCP reshards it), with a warning saying what changes."""
-        if checkpoint.sharded != sharded:
-            raise ConfigError(
-                f"config: '{checkpoint.path}' was written by an FSDP run; resume it with "
-                "train.strategy = 'fsdp' (any number of processes)"
-                if checkpoint.sharded
-                else f"config: '{checkpoint.path}' was written without FSDP; train.strategy "
-                "= 'fsdp' resumes only FSDP checkpoints: resume with the strategy it was "
-                "written with (its weights start an FSDP run: glassloop.load_weights)"
-            )
-        saved_world = checkpoint.meta.get("world_size", 1)  # checked to be an int >= 1
-        saved_batch = checkpoint.meta.get("global_batch")
-        if saved_world != self.world.size and saved_batch is None and not sharded:
-            raise ConfigError(
-                f"config: '{checkpoint.path}' was written by {saved_world} process(es), this "
-                f"job has {self.world.size}, and by a glassloop that did not record its "
-                f"global batch; resume with the same number (--nproc {saved_world})"
-            )
-        if saved_world != self.world.size:
-            data = checkpoint.state.get("data")
-            note = resized_note(self.loader, self.world, saved_batch, data, sharded=sharded)
-            warn(f"resuming '{checkpoint.path}' (written by {saved_world} process(es)) {note}")
-        changes = config_differences(checkpoint.meta.get("config"), config)
-        newer = [change for change in changes if ": <unset> -> " in change]
-        if newer:
-            warn(
-                f"warning: '{checkpoint.path}' was written before these settings existed, so "
-                f"they are not compared: {'; '.join(newer)}"
-            )
-            changes = [change for change in changes if change not in newer]
-        if changes and not allow_config_change:
-            raise ConfigError(
-                f"config: the run in '{checkpoint.path}' was made with a different config: "
-                f"{'; '.join(changes)}. Resuming would not continue the same run: resume "
-                "with the config it was made with (glassloop train --run-dir DIR --resume "
-                "reads the run's own config.json), or change it on purpose with "
-                "--allow-config-change (allow_config_change=True)"
-            )

@@ -1,16 +1,24 @@
 """The resume's checks: which config keys a resumed run may change (and which change what it
-computes), and a training state's numbers that cannot be right, refused before any is used.
+computes), whether a checkpoint fits the run resuming it, and a training state's numbers
+that cannot be right, refused before any is used.
 :class:`~glassloop.checkpoint.checkpointer.Checkpointer` calls them when it resumes."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from glassloop.data.options import DataConfig
+from glassloop.data.position import resized_note
+from glassloop.distributed.world import SINGLE, World
+from glassloop.errors import ConfigError
 from glassloop.options import TrainConfig, resume_safe
 from glassloop.rng import check_rng_state
 from glassloop.storage.serialization import dotted, stable_repr
+
+if TYPE_CHECKING:
+    from glassloop.run_dir.checkpoints import Checkpoint
 
 # Keys a resumed run may change without changing what it computes: the options marked so
 # (glassloop.options), by their config key and, for a run built in Python, by their name.
@@ -94,3 +102,60 @@ def check_training_state(meta: Any, state: Any) -> None:
         raise MalformedState("data position is not a table")
     if not isinstance(state.get("history", []), list):
         raise MalformedState("history is not a list")
+
+
+def check_compatible(
+    checkpoint: Checkpoint,
+    config: Any,
+    allow_config_change: bool,
+    warn: Callable[[str], None] = print,
+    *,
+    world: World = SINGLE,
+    loader: Any = None,
+    sharded: bool = False,
+) -> None:
+    """The same config, but for keys that do not change the result; another number of
+    processes is said in one line (what it keeps and what changes: :func:`glassloop.data.
+    position.resized_note`). Keys the checkpoint's
+    config does not have (settings added by a newer glassloop) cannot be compared: they
+    are named in a warning instead, so an upgrade never blocks a resume.
+
+    ``sharded`` (an FSDP run): the checkpoint must be sharded too, and may come from
+    another number of processes (DCP reshards it), with a warning saying what changes."""
+    if checkpoint.sharded != sharded:
+        raise ConfigError(
+            f"config: '{checkpoint.path}' was written by an FSDP run; resume it with "
+            "train.strategy = 'fsdp' (any number of processes)"
+            if checkpoint.sharded
+            else f"config: '{checkpoint.path}' was written without FSDP; train.strategy "
+            "= 'fsdp' resumes only FSDP checkpoints: resume with the strategy it was "
+            "written with (its weights start an FSDP run: glassloop.load_weights)"
+        )
+    saved_world = checkpoint.meta.get("world_size", 1)  # checked to be an int >= 1
+    saved_batch = checkpoint.meta.get("global_batch")
+    if saved_world != world.size and saved_batch is None and not sharded:
+        raise ConfigError(
+            f"config: '{checkpoint.path}' was written by {saved_world} process(es), this "
+            f"job has {world.size}, and by a glassloop that did not record its "
+            f"global batch; resume with the same number (--nproc {saved_world})"
+        )
+    if saved_world != world.size:
+        data = checkpoint.state.get("data")
+        note = resized_note(loader, world, saved_batch, data, sharded=sharded)
+        warn(f"resuming '{checkpoint.path}' (written by {saved_world} process(es)) {note}")
+    changes = config_differences(checkpoint.meta.get("config"), config)
+    newer = [change for change in changes if ": <unset> -> " in change]
+    if newer:
+        warn(
+            f"warning: '{checkpoint.path}' was written before these settings existed, so "
+            f"they are not compared: {'; '.join(newer)}"
+        )
+        changes = [change for change in changes if change not in newer]
+    if changes and not allow_config_change:
+        raise ConfigError(
+            f"config: the run in '{checkpoint.path}' was made with a different config: "
+            f"{'; '.join(changes)}. Resuming would not continue the same run: resume "
+            "with the config it was made with (glassloop train --run-dir DIR --resume "
+            "reads the run's own config.json), or change it on purpose with "
+            "--allow-config-change (allow_config_change=True)"
+        )
