@@ -21,18 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
-import ray.cloudpickle
 from cli_runner import run_glassloop
-from ray.train import FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
 
 from glassloop.tools.ray_config import train_loop_per_worker
 
 pytestmark = pytest.mark.xdist_group("test_ray_train")
-# Ray pickles the training functions below by reference unless told: its workers cannot
-# import this test module.
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 # 256 training samples, 8 a process: 16 steps an epoch; a checkpoint every 6 steps (Ray is
 # handed each), a validation every 9 (its row reported), 3 epochs.
@@ -47,16 +40,34 @@ TIMING = ("seconds", "samples_per_s", "checkpoint_s")
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
+    """A local Ray cluster for this module; what Ray changes in this process (its imports
+    and ``ray.init`` set environment variables and a SIGTERM handler, and keep them after
+    ``ray.shutdown()``) is put back, for the tests this worker runs next."""
+    environment, sigterm = dict(os.environ), signal.getsignal(signal.SIGTERM)
+    import ray
+    import ray.cloudpickle
+
+    # Ray pickles the training functions below by reference unless told: its workers cannot
+    # import this test module.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     os.environ["OMP_NUM_THREADS"] = "1"  # (the workers inherit it: one thread each)
     # Ray's controller takes a report every 2 s by default (a worker's next report waits for
     # it): these runs report every few steps.
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.05"
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20)
-    yield
-    ray.shutdown()
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        os.environ.clear()
+        os.environ.update(environment)
+        signal.signal(signal.SIGTERM, sigterm)
 
 
 def fit(function: Any, config: dict[str, Any], storage: Path, failures: int = 0) -> Any:
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
     trainer = TorchTrainer(
         function,
         train_loop_config=config,
@@ -156,6 +167,8 @@ def test_a_worker_killed_mid_epoch_is_restarted_by_ray_and_the_run_ends_bitwise(
 
 def ray_logs() -> str:
     """What the workers of this Ray session printed."""
+    import ray
+
     session = Path(ray._private.worker._global_node.get_session_dir_path())
     return "".join(path.read_text(errors="replace") for path in session.glob("logs/worker-*.out"))
 
