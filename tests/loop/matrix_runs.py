@@ -1,9 +1,14 @@
 """The runs of tests/loop/test_every_number.py: one task's data, model and loss, and a
 script that trains them with glassloop in a process of its own (under torchrun for two
-processes), checkpointing every step, optionally killing itself with SIGKILL at a step, and
-writing every number glassloop reports into ``RUN_DIR/numbers.json``.
+processes, on one node or two), checkpointing every step, optionally killing itself with
+SIGKILL at a step, and writing every number glassloop reports into ``RUN_DIR/numbers.json``.
 
-    python matrix_runs.py TASK LOADER RUN_DIR [--kill-at STEP] [--resume]
+    python matrix_runs.py TASK LOADER RUN_DIR [--kill-at STEP] [--resume] [--async-save]
+    python matrix_runs.py TASK LOADER RUN_DIR --ray [--kill-at STEP] [--async-save]
+
+With ``--ray`` the script is the driver of a Ray Train job on a local Ray cluster: two
+workers train (``RayReport``), the one killed is restarted by Ray (``FailureConfig``), and
+the run resumes from Ray's checkpoint (``resume_from_ray``) in the same job.
 
 The test imports the same definitions for its hand-written reference loop, so both sides
 train the same model on the same data; the numbers are computed independently.
@@ -117,16 +122,19 @@ def accumulation(task: str) -> int:
 
 def main(argv: list[str]) -> None:
     import glassloop
+    from glassloop.distributed.ray_train import RayReport, resume_from_ray
     from glassloop.options import CheckpointConfig
 
     task, kind, run = argv[0], argv[1], Path(argv[2])
     kill_at = int(argv[argv.index("--kill-at") + 1]) if "--kill-at" in argv else 0
     rank = int(os.environ.get("RANK", "0"))
+    killed = run.parent / f"{run.name}.killed"  # (a job Ray restarts is killed once)
 
     class KillAt(glassloop.Callback):
         def on_step_end(self, trainer: Any, step: int, loss: Any) -> None:
-            if step == kill_at and rank == 0:  # kill -9, before this step's checkpoint
-                os.kill(os.getpid(), signal.SIGKILL)
+            if step == kill_at and rank == 0 and not killed.exists():
+                killed.touch()
+                os.kill(os.getpid(), signal.SIGKILL)  # kill -9, before this step's checkpoint
 
     model, loss = model_and_loss(task)
     trainer = glassloop.Trainer(
@@ -140,10 +148,14 @@ def main(argv: list[str]) -> None:
         run_dir=run, checkpoint=CheckpointConfig(
             every_n_steps=1, keep_last=2, async_save="--async-save" in argv
         ),
-        callbacks=[KillAt()],
+        callbacks=[KillAt(), *([RayReport()] if "--ray" in argv else [])],
     )  # fmt: skip
     train, val = loaders(task, kind, trainer.world)
-    trainer.fit(train, val, epochs=EPOCHS, resume="auto" if "--resume" in argv else None)
+    if "--ray" in argv:  # (after a restart: from Ray's newest checkpoint)
+        with resume_from_ray(default=None) as resume:
+            trainer.fit(train, val, epochs=EPOCHS, resume=resume)
+    else:
+        trainer.fit(train, val, epochs=EPOCHS, resume="auto" if "--resume" in argv else None)
     result = trainer.evaluate(val)
     predicted = trainer.predict(data(task)[2])
     if trainer.world.is_main:
@@ -155,5 +167,36 @@ def main(argv: list[str]) -> None:
         (run / "numbers.json").write_text(json.dumps(numbers))
 
 
+def ray_worker(config: dict[str, Any]) -> None:
+    main(config["argv"])
+
+
+def ray_driver(argv: list[str]) -> None:
+    """Two Ray Train workers run :func:`main`; a worker killed is restarted once."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    # Ray's controller takes a report every 2 s by default (a worker's next report waits for
+    # it): these runs checkpoint, and so report, every step.
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.05"
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20)
+    run = Path(argv[2])
+    trainer = TorchTrainer(
+        ray_worker,
+        train_loop_config={"argv": argv},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(
+            storage_path=str(run.parent / f"{run.name}.ray"),
+            name="matrix",
+            failure_config=FailureConfig(max_failures=1),
+        ),
+    )
+    result = trainer.fit()
+    ray.shutdown()
+    if result.error is not None:
+        raise result.error
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    (ray_driver if "--ray" in sys.argv else main)(sys.argv[1:])

@@ -1,15 +1,22 @@
 """Every number glassloop reports is right, not only the weights: for each task
 (classification, its running train_accuracy too; BCELoss on probabilities; multilabel; regression far from zero; a language
 model with its own shifted loss; a loss that sums over its batch, accumulated) x {1 process,
-2 processes} x {uninterrupted; killed with SIGKILL mid-epoch or at an epoch boundary and
+2 processes under torchrun, 2 Ray Train workers, 2 torchrun nodes of one process} x
+{uninterrupted; killed with SIGKILL mid-epoch or at an epoch boundary and
 resumed in a new process} x {glassloop's loader, a shuffling DataLoader, a DataLoader with its
 own generator} x {checkpoints written as the step waits, in the background (async_save: a kill
 may come while one is in flight)}, every epoch row, every step row, "best", ``evaluate`` and ``predict`` equal an
 independent computation in plain PyTorch and scikit-learn written here, and the final weights
 equal the hand-written loop's (bitwise in one process).
 
-By default a diagonal of the matrix runs (every value of every axis at least once, ~1 min);
-the whole matrix (~10 min): ``GLASSLOOP_MATRIX=full .venv/bin/pytest tests/loop/test_every_number.py``.
+Under Ray the killed worker is restarted by Ray and resumes from Ray's checkpoint in the same
+job; on two nodes (c10d rendezvous on 127.0.0.1, one run directory: a shared filesystem) both
+are started again with ``--resume``. Ray and two nodes run with glassloop's loader (the one
+that shards), in the full matrix for two tasks (they change how processes start and resume,
+not what a task computes).
+
+By default a diagonal of the matrix runs (every value of every axis at least once, ~2 min);
+the whole matrix (~25 min): ``GLASSLOOP_MATRIX=full .venv/bin/pytest tests/loop/test_every_number.py``.
 """
 
 from __future__ import annotations
@@ -18,6 +25,9 @@ import itertools
 import json
 import math
 import os
+import signal
+import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,8 +56,12 @@ SCRIPT = Path(__file__).with_name("matrix_runs.py")
 # 88 training samples in global batches of 16: 6 steps per epoch (3 with 2 micro-batches).
 KILLS = {"none": None, "mid-epoch": (4, 5), "epoch-boundary": (7, 4)}  # (accum 1, accum 2)
 SAVES = ("sync", "async")
-DIAGONAL = [
+# How the processes start: one; two under torchrun; two Ray Train workers; two torchrun nodes.
+LAUNCHERS: tuple[int | str, ...] = (1, 2, "ray", "nodes")
+DIAGONAL: list[tuple[str, str, str, int | str, str]] = [
     ("classification", "glassloop", "mid-epoch", 2, "async"),  # (a mid-epoch DDP resume)
+    ("lm", "glassloop", "mid-epoch", "ray", "async"),
+    ("multilabel", "glassloop", "epoch-boundary", "nodes", "sync"),
     ("bce", "dataloader", "none", 1, "sync"),
     ("multilabel", "glassloop", "epoch-boundary", 1, "async"),
     ("regression", "generator", "mid-epoch", 1, "async"),
@@ -58,20 +72,58 @@ FULL = [
     (task, kind, kill, procs, save)
     for task, kill, save in itertools.product(TASKS, KILLS, SAVES)
     for kind, procs in [*((k, 1) for k in LOADERS), ("glassloop", 2)]
+] + [
+    (task, "glassloop", kill, procs, save)
+    for task, kill, save, procs in itertools.product(
+        ("classification", "lm"), KILLS, SAVES, ("ray", "nodes")
+    )
 ]
 CASES = FULL if os.environ.get("GLASSLOOP_MATRIX") == "full" else DIAGONAL
 
 
-def run_script(run: Path, task: str, kind: str, procs: int, *extra: str) -> int:
+def run_script(run: Path, task: str, kind: str, procs: int | str, *extra: str) -> int:
     """One glassloop run in a new process (torchrun for two, its workers new interpreters;
-    forked: tests/forkserver.py); its exit code."""
-    args = [str(SCRIPT), task, kind, str(run), *extra]
-    if procs > 1:
+    the driver of a Ray Train job; forked: tests/forkserver.py), or two torchrun nodes; its
+    exit code."""
+    args = [str(SCRIPT), task, kind, str(run), *extra, *(["--ray"] if procs == "ray" else [])]
+    if procs == "nodes":
+        return two_nodes(args, killing="--kill-at" in extra)
+    if procs == 2:
         args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", *args]
     done = forkserver.run([sys.executable, *args], timeout=300)
     if done.returncode not in (0, -9) and "--kill-at" not in extra:
         raise AssertionError(done.stderr[-3000:])
     return done.returncode
+
+
+def two_nodes(args: list[str], *, killing: bool) -> int:
+    """``args`` on two torchrun nodes of one process each (c10d rendezvous on 127.0.0.1),
+    started together; the first non-zero exit code of the two, or 0."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    launch = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+        f"matrix-{port}", "--max-restarts", "0", *args,
+    ]  # fmt: skip
+    nodes = [
+        subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+        for _ in range(2)
+    ]  # fmt: skip
+    codes, said = [], []
+    for node in nodes:
+        try:
+            out, _ = node.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(node.pid, signal.SIGKILL)
+            out, _ = node.communicate()
+        codes.append(node.returncode)
+        said.append(out)
+    if any(codes) and not killing:
+        raise AssertionError("\n".join(text[-2000:] for text in said))
+    return next((code for code in codes if code), 0)
 
 
 # ------------------------------------------------------------------ the independent reference
@@ -195,12 +247,16 @@ def close(a: Any, b: Any, rel: float) -> bool:
 
 @pytest.mark.parametrize(("task", "kind", "kill", "procs", "save"), CASES)
 def test_every_reported_number(
-    tmp_path: Path, task: str, kind: str, kill: str, procs: int, save: str
+    tmp_path: Path, task: str, kind: str, kill: str, procs: int | str, save: str
 ) -> None:
     run = tmp_path / "run"
     at = KILLS[kill]
     saves = ("--async-save",) if save == "async" else ()
-    if at is not None:
+    if at is not None and procs == "ray":  # Ray restarts the killed worker in the same job
+        step = at[0] if accumulation(task) == 1 else at[1]
+        assert run_script(run, task, kind, procs, "--kill-at", str(step), *saves) == 0
+        assert (tmp_path / "run.killed").exists(), "the run was not killed"
+    elif at is not None:
         step = at[0] if accumulation(task) == 1 else at[1]
         code = run_script(run, task, kind, procs, "--kill-at", str(step), *saves)
         assert code != 0, "the run was not killed"
@@ -255,6 +311,6 @@ def test_every_reported_number(
 
 
 def test_the_diagonal_covers_every_value_of_every_axis() -> None:
-    for axis, values in enumerate((TASKS, LOADERS, tuple(KILLS), (1, 2), SAVES)):
+    for axis, values in enumerate((TASKS, LOADERS, tuple(KILLS), LAUNCHERS, SAVES)):
         assert {case[axis] for case in DIAGONAL} == set(values), axis
     assert BATCH % 2 == 0  # two processes split the global batch evenly

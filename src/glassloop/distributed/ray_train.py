@@ -109,10 +109,11 @@ def resume_from_ray(default: str | None = "auto") -> Iterator[str | None]:
     time of the block (Ray downloads one kept on object storage and removes it after); when
     Ray has none, ``default``: ``"auto"``, the run directory's newest checkpoint, or a fresh
     run when it has none (what ``--resume`` does: a restart before Ray had a checkpoint goes
-    on from the run directory's); ``None`` without a run directory.
+    on from the run directory's); ``None`` without a run directory. In the training
+    function::
 
-    >>> with resume_from_ray() as resume:  # doctest: +SKIP
-    ...     trainer.fit(train_loader, val_loader, epochs=5, resume=resume)
+        with resume_from_ray() as resume:
+            trainer.fit(train_loader, val_loader, epochs=5, resume=resume)
     """
     import ray.train
 
