@@ -3,7 +3,8 @@ each with a cache of its own as two machines' disks) train into one ``s3://`` ru
 server on 127.0.0.1. Node 1 is killed with SIGKILL mid-run (node 0 then fails at its next
 collective), both are started again with ``--resume``, and the final weights and every epoch
 row equal the uninterrupted two-node run's, bit for bit; the same two processes on one node
-give the same weights."""
+give the same weights. A SIGTERM to node 1 alone stops both nodes after the same step, with
+one complete checkpoint of it in the bucket, and the resumed run ends bitwise the same."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,10 +37,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def nodes(tmp: Path, env: dict[str, str], url: str, *extra: str, kill_node_1: int = 0) -> list[int]:
-    """Both nodes' torchrun, started together; their exit codes (node 0's, node 1's)."""
+def nodes(
+    tmp: Path, env: dict[str, str], url: str, *extra: str, kill_node_1: int = 0, term: int = 0
+) -> list[int]:
+    """Both nodes' torchrun, started together; their exit codes (node 0's, node 1's).
+    ``kill_node_1``: node 1's process SIGKILLs itself after that step; ``term``: node 1's
+    torchrun gets a SIGTERM (a scheduler's stop, on that node only) once that many step rows
+    are in the logs."""
     port, job = free_port(), f"job-{free_port()}"
     started = []
+    sizes = [(tmp / f"node{node}.log").stat().st_size if (tmp / f"node{node}.log").exists() else 0
+             for node in (0, 1)]  # fmt: skip
     for node in (0, 1):
         kill = ["--kill-at-step", str(kill_node_1)] if node == 1 and kill_node_1 else []
         command = [
@@ -51,6 +60,14 @@ def nodes(tmp: Path, env: dict[str, str], url: str, *extra: str, kill_node_1: in
         log = open(tmp / f"node{node}.log", "ab")  # noqa: SIM115 (closed below)
         started.append((subprocess.Popen(command, cwd=tmp, env={**env, **cache}, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True), log))  # fmt: skip
+    if term:
+        logs = [(tmp / f"node{node}.log", before) for node, before in enumerate(sizes)]
+        while started[1][0].poll() is None:
+            said = [path.read_bytes()[before:].count(b"loss:") for path, before in logs]
+            if sum(said) >= term:
+                started[1][0].send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.005)
     codes = []
     for process, log in started:
         try:
@@ -96,6 +113,21 @@ def test_two_nodes_train_one_run_on_s3_and_resume_it_bitwise(tmp_path: Path) -> 
         straight = s3_bytes("nodes/straight/model.safetensors")
         assert s3_bytes("nodes/killed/model.safetensors") == straight
         assert epoch_rows("nodes/killed/metrics.jsonl") == epoch_rows(
+            "nodes/straight/metrics.jsonl"
+        )
+        # a SIGTERM to node 1 only: both stop after one step, its checkpoint in the bucket
+        rows = ["--set", "train.log_every=1", "--set", "train.progress=lines"]
+        codes = nodes(tmp_path, env, "s3://nodes/stopped", *rows, term=6)
+        assert codes[0] != 0 and codes[1] != 0, codes
+        latest = s3_bytes("nodes/stopped/checkpoints/latest").decode().strip()
+        meta = json.loads(s3_bytes(f"nodes/stopped/checkpoints/{latest}/meta.json"))
+        assert meta["world_size"] == 2 and 6 <= meta["step"] < 32, meta
+        resumed = nodes(tmp_path, env, "s3://nodes/stopped", *rows, "--resume")
+        said = (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
+        assert resumed == [0, 0], said[-3000:]
+        assert f"resumed from 's3://nodes/stopped/checkpoints/{latest}' at" in said
+        assert s3_bytes("nodes/stopped/model.safetensors") == straight
+        assert epoch_rows("nodes/stopped/metrics.jsonl") == epoch_rows(
             "nodes/straight/metrics.jsonl"
         )
         # the same two processes on one node: the same weights
