@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -93,51 +94,66 @@ def epoch_rows(path: str) -> list[dict[str, object]]:
     return [{k: v for k, v in r.items() if k not in timing} for r in rows if r["kind"] == "epoch"]
 
 
-def test_two_nodes_train_one_run_on_s3_and_resume_it_bitwise(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def bucket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """The S3 server, and the uninterrupted two-node run in it (``s3://nodes/straight``);
+    the environment that points at it."""
+    tmp = tmp_path_factory.mktemp("straight")
     with local_s3("nodes") as env:  # (a bucket of its own: moto keeps a process's buckets)
         env = {**env, "OMP_NUM_THREADS": "1"}
-        assert nodes(tmp_path, env, "s3://nodes/straight") == [0, 0], (
-            tmp_path / "node0.log"
-        ).read_text()[-3000:]
-        codes = nodes(tmp_path, env, "s3://nodes/killed", kill_node_1=7)
-        assert codes[0] != 0 and codes[1] != 0, codes  # (node 1 killed; node 0 left alone)
-        resumed = nodes(tmp_path, env, "s3://nodes/killed", "--resume")
-        said = (tmp_path / "node0.log").read_text()
-        assert resumed == [0, 0], said[-3000:]
-        # from a checkpoint before the kill (step 6, or 3 when uploads lagged under load)
-        found = re.search(r"resumed from 's3://nodes/killed/checkpoints/(step-0+([36]))' at", said)
-        assert found, said[-3000:]
-        # node 1 read it from its own disk: its first process pulled it there
-        pulled = list((tmp_path / "node1-cache").glob("remote-runs/*/run/checkpoints/step-*"))
-        assert [path.name for path in pulled] == [found.group(1)], pulled
-        straight = s3_bytes("nodes/straight/model.safetensors")
-        assert s3_bytes("nodes/killed/model.safetensors") == straight
-        assert epoch_rows("nodes/killed/metrics.jsonl") == epoch_rows(
-            "nodes/straight/metrics.jsonl"
-        )
-        # a SIGTERM to node 1 only: both stop after one step, its checkpoint in the bucket
-        rows = ["--set", "train.log_every=1", "--set", "train.progress=lines"]
-        codes = nodes(tmp_path, env, "s3://nodes/stopped", *rows, term=6)
-        assert codes[0] != 0 and codes[1] != 0, codes
-        latest = s3_bytes("nodes/stopped/checkpoints/latest").decode().strip()
-        meta = json.loads(s3_bytes(f"nodes/stopped/checkpoints/{latest}/meta.json"))
-        assert meta["world_size"] == 2 and 6 <= meta["step"] < 32, meta
-        resumed = nodes(tmp_path, env, "s3://nodes/stopped", *rows, "--resume")
-        said = (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
-        assert resumed == [0, 0], said[-3000:]
-        assert f"resumed from 's3://nodes/stopped/checkpoints/{latest}' at" in said
-        assert s3_bytes("nodes/stopped/model.safetensors") == straight
-        assert epoch_rows("nodes/stopped/metrics.jsonl") == epoch_rows(
-            "nodes/straight/metrics.jsonl"
-        )
-        # the same two processes on one node: the same weights
-        one_node = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            "2", "-m", "glassloop", "train", *SMALL, "--run-dir", "s3://nodes/one-node",
-        ]  # fmt: skip
-        done = subprocess.run(one_node, cwd=tmp_path, env=env, capture_output=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert s3_bytes("nodes/one-node/model.safetensors") == straight
+        done = nodes(tmp, env, "s3://nodes/straight")
+        assert done == [0, 0], (tmp / "node0.log").read_text()[-3000:]
+        yield env
+
+
+def test_two_nodes_train_one_run_on_s3_and_resume_it_bitwise(
+    bucket: dict[str, str], tmp_path: Path
+) -> None:
+    env = bucket
+    codes = nodes(tmp_path, env, "s3://nodes/killed", kill_node_1=7)
+    assert codes[0] != 0 and codes[1] != 0, codes  # (node 1 killed; node 0 left alone)
+    resumed = nodes(tmp_path, env, "s3://nodes/killed", "--resume")
+    said = (tmp_path / "node0.log").read_text()
+    assert resumed == [0, 0], said[-3000:]
+    # from a checkpoint before the kill (step 6, or 3 when uploads lagged under load)
+    found = re.search(r"resumed from 's3://nodes/killed/checkpoints/(step-0+([36]))' at", said)
+    assert found, said[-3000:]
+    # node 1 read it from its own disk: its first process pulled it there
+    pulled = list((tmp_path / "node1-cache").glob("remote-runs/*/run/checkpoints/step-*"))
+    assert [path.name for path in pulled] == [found.group(1)], pulled
+    straight = s3_bytes("nodes/straight/model.safetensors")
+    assert s3_bytes("nodes/killed/model.safetensors") == straight
+    assert epoch_rows("nodes/killed/metrics.jsonl") == epoch_rows("nodes/straight/metrics.jsonl")
+    # the same two processes on one node: the same weights
+    one_node = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+        "2", "-m", "glassloop", "train", *SMALL, "--run-dir", "s3://nodes/one-node",
+    ]  # fmt: skip
+    done = subprocess.run(one_node, cwd=tmp_path, env=env, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert s3_bytes("nodes/one-node/model.safetensors") == straight
+
+
+def test_a_stop_signal_to_one_node_lands_one_checkpoint_in_the_bucket(
+    bucket: dict[str, str], tmp_path: Path
+) -> None:
+    """SIGTERM to node 1's torchrun alone (a scheduler's stop on one machine): both nodes stop
+    after the same step, its checkpoint complete in the bucket, and the resumed run ends
+    bitwise the uninterrupted one."""
+    rows = ["--set", "train.log_every=1", "--set", "train.progress=lines"]
+    codes = nodes(tmp_path, bucket, "s3://nodes/stopped", *rows, term=6)
+    assert codes[0] != 0 and codes[1] != 0, codes
+    latest = s3_bytes("nodes/stopped/checkpoints/latest").decode().strip()
+    meta = json.loads(s3_bytes(f"nodes/stopped/checkpoints/{latest}/meta.json"))
+    assert meta["world_size"] == 2 and 6 <= meta["step"] < 32, meta
+    resumed = nodes(tmp_path, bucket, "s3://nodes/stopped", *rows, "--resume")
+    said = (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
+    assert resumed == [0, 0], said[-3000:]
+    assert f"resumed from 's3://nodes/stopped/checkpoints/{latest}' at" in said
+    assert s3_bytes("nodes/stopped/model.safetensors") == s3_bytes(
+        "nodes/straight/model.safetensors"
+    )
+    assert epoch_rows("nodes/stopped/metrics.jsonl") == epoch_rows("nodes/straight/metrics.jsonl")
 
 
 def test_fsdp_on_several_nodes_keeps_its_run_on_a_shared_filesystem(
