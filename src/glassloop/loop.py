@@ -48,6 +48,7 @@ from glassloop.step.window import StepLoss, Window, Windows
 from glassloop.storage.redaction import redacted
 from glassloop.tasks import model_loss
 from glassloop.tracking.console import ProgressReporter
+from glassloop.tracking.notebook import Evaluation, History, trainer_html
 from glassloop.tracking.provenance import environment
 from glassloop.tracking.run_log import RunLog, python_config
 from glassloop.tracking.summary import end_summary, samples_in, shown_path, start_header
@@ -248,7 +249,7 @@ class Trainer:
         epochs: int,
         resume: str | Path | None = None,
         allow_config_change: bool = False,
-    ) -> list[dict[str, Any]]:
+    ) -> History:
         """Train until ``epochs`` epochs are done; return the history, one dict per epoch.
 
         ``train_loader``: any iterable of batches, iterated exactly as given; ``val_loader``:
@@ -407,7 +408,7 @@ class Trainer:
         # (micro_batch_size: split; several processes: the stop signal any of them got)
         window, signum = self.windows.make(self.micro_batches.split(micro), self._signals.received)
         if self.micro_batches.trying:  # "auto", a first step: out of memory halves, retried
-            loss, window, signum = self._step_that_fits(micro, window, signum)
+            loss, window, signum = self.micro_batches.first_step(self, micro, window, signum)
         elif self.throughput.counting:  # a fit's first step: its FLOPs, for MFU (GPU only)
             loss = self.throughput.count(self.train_step, window, local, micro)
         else:
@@ -439,20 +440,6 @@ class Trainer:
             if self.checkpointer.due_after_step(state.step):
                 self.checkpointer.save()
         self._stop_if_signalled(signum)
-
-    def _step_that_fits(
-        self, micro: list[tuple[Inputs, Any]], window: Window, signum: int | None
-    ) -> tuple[StepLoss, Window, int | None]:
-        """``micro_batch_size="auto"``, a first step: retried from the same state with half as
-        many rows after an out-of-memory error (:mod:`glassloop.step.micro_batches`)."""
-        plan = self.micro_batches
-        while not (tried := plan.attempt(self, window)).fits:  # (undone: RNG, buffers, grads)
-            plan.halve(micro)
-            self._correct = None  # (what the failed try counted)
-            window, signum = self.windows.make(plan.split(micro), self._signals.received)
-        if (line := plan.settled(micro)) is not None:
-            self.console.message(line)
-        return tried.loss, window, signum
 
     def train_step(self, window: Window) -> StepLoss:
         """One optimizer step over ``window`` (``grad_accum_steps`` micro-batches, fewer at the
@@ -665,9 +652,12 @@ class Trainer:
         return self.validator.last
 
     @property
-    def history(self) -> list[dict[str, Any]]:
-        """One dict per finished epoch (what ``fit`` returns)."""
-        return self.record.history
+    def history(self) -> History:
+        """One dict per finished epoch (what ``fit`` returns; a table in a notebook)."""
+        return History(self.record.history)
+
+    def _repr_html_(self) -> str:  # (a Trainer as a notebook shows it)
+        return trainer_html(self)
 
     # ------------------------------------------------------------------ evaluate, predict
     @property
@@ -680,7 +670,7 @@ class Trainer:
         plus ``metrics``. Override it to add your own: returned numbers become ``val_*``.
         In a multi-process FSDP job every process calls it with its shard (a loader with a
         ``len()``: shards may differ by a batch)."""
-        return evaluation.evaluate_with(self, loader)
+        return Evaluation(evaluation.evaluate_with(self, loader))  # (tables in a notebook)
 
     def predict(
         self,

@@ -173,8 +173,9 @@ def test_every_test_file_the_docs_name_exists() -> None:
 def test_every_page_with_code_has_its_blocks_run() -> None:
     """A new page's blocks run from the day it is added: every docs page with a bash, python
     or toml block is in FILES, or in the test that runs it (tasks.md: test_doc_examples.py;
-    the generated config.md: test_reference.py)."""
-    own_tests = {"docs/tasks.md", "docs/config.md"}
+    the generated config.md: test_reference.py; notebooks.md, the quick-start notebook's
+    cells: test_notebook.py)."""
+    own_tests = {"docs/tasks.md", "docs/config.md", "docs/notebooks.md"}
     for page in sorted((ROOT / "docs").glob("*.md")):
         name = f"docs/{page.name}"
         if any(language in ("bash", "python", "toml") for language, _ in blocks(name)):

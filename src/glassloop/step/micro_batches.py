@@ -156,6 +156,20 @@ class MicroBatches:
             attempt.undo()
         return Tried(fits, loss)
 
+    def first_step(
+        self, trainer: Stepping, micro: list[Micro], window: Window, signum: int | None
+    ) -> tuple[Any, Window, int | None]:
+        """A first step of ``"auto"``: retried from the same state with half as many rows
+        after an out-of-memory error (:meth:`attempt`), until it fits; its loss, and the
+        window and stop signal of the try that fit."""
+        while not (tried := self.attempt(trainer, window)).fits:  # (undone: RNG, buffers, grads)
+            self.halve(micro)
+            trainer._correct = None  # (what the failed try counted)
+            window, signum = trainer.windows.make(self.split(micro), trainer._signals.received)
+        if (line := self.settled(micro)) is not None:
+            trainer.console.message(line)
+        return tried.loss, window, signum
+
     def note(self, task: str, loss_weighting: str) -> str | None:
         """A line for the header when split batches would not add up to the whole one: a
         language model's loss is a mean over tokens, and ``loss_weighting="samples"``
@@ -179,12 +193,17 @@ class MicroBatches:
 
 
 class Stepping(Protocol):
-    """What :meth:`MicroBatches.attempt` needs of a trainer."""
+    """What :meth:`MicroBatches.attempt` and :meth:`MicroBatches.first_step` need of a
+    trainer."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     distributed: bool
     scaler: torch.amp.GradScaler
+    windows: Any  # (glassloop.step.window.Windows)
+    console: Any  # (its message(): a line for the user)
+    _signals: Any  # (its received: the stop signal this process got)
+    _correct: torch.Tensor | None  # (train_accuracy's count of the try)
 
     def train_step(self, window: Window) -> Any: ...
     def forward_backward(self, window: Window, zero_grad: bool = False) -> torch.Tensor: ...

@@ -12,6 +12,7 @@ from typing import IO, TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from glassloop.best import is_number, shown
+from glassloop.tracking.notebook import bar_class, in_notebook
 
 if TYPE_CHECKING:  # (torch: this module is imported before it)
     from glassloop.state import EpochRecord
@@ -23,11 +24,15 @@ def resolve_progress(
     """``(bar, lines)``: whether to draw a progress bar (on stderr) and whether to print the
     tutorial's step lines (on stdout). ``"auto"`` draws the bar when stderr is a terminal and
     prints the lines when stdout is not one, so ``glassloop train > train.log`` shows the bar
-    on the terminal and writes every line to the file; CI logs get the lines."""
+    on the terminal and writes every line to the file; CI logs get the lines; a Jupyter
+    notebook gets its bar (:func:`glassloop.tracking.notebook.bar_class`) and no step
+    lines."""
     if mode not in ("auto", "bar", "lines", "none"):
         raise ValueError(f"progress must be 'auto', 'bar', 'lines' or 'none', got {mode!r}")
     if mode != "auto":
         return mode == "bar", mode == "lines"
+    if in_notebook():  # a kernel's streams are no terminals: its own bar, no step lines
+        return True, False
     bar_stream = bar_stream if bar_stream is not None else sys.stderr
     line_stream = line_stream if line_stream is not None else sys.stdout
     return bar_stream.isatty(), not line_stream.isatty()
@@ -58,6 +63,7 @@ class ProgressReporter:
         self.silent = silent
         self.mode = "none" if silent else mode
         self.bar, self.lines = (False, False) if silent else resolve_progress(mode)
+        self._tqdm = bar_class() if self.bar and in_notebook() else tqdm  # (a widget there)
         self._bar: Any = None
         self._val_bar: Any = None
         self._shown: dict[str, str] = {}  # the last mid-epoch validation's, in the bar
@@ -82,7 +88,7 @@ class ProgressReporter:
             if self._epoch_seconds:  # the run's time left, from the epochs so far
                 left = sum(self._epoch_seconds) / len(self._epoch_seconds)
                 desc += f" (run: ~{format_duration(left * (num_epochs - epoch + 1))} left)"
-            self._bar = tqdm(
+            self._bar = self._tqdm(
                 total=total_samples,
                 initial=done,
                 desc=desc,
@@ -114,7 +120,9 @@ class ProgressReporter:
         :meth:`live_validation`)."""
         if not self.bar:
             return loader
-        self._val_bar = tqdm(loader, desc="validate", unit="batch", leave=False, dynamic_ncols=True)
+        self._val_bar = self._tqdm(
+            loader, desc="validate", unit="batch", leave=False, dynamic_ncols=True
+        )
         self._val_refreshed = 0.0  # (its numbers from its first batch on)
         bar: Iterable[Any] = self._val_bar
         return bar

@@ -1,0 +1,144 @@
+"""Jupyter notebooks: whether a kernel runs this, the progress bar it shows, and what a fit gives
+back shown as HTML tables (a ``Trainer``, its ``history``). IPython and ipywidgets are imported
+only inside a notebook, where they are loaded already.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib
+import importlib.util
+import sys
+from dataclasses import MISSING, fields
+from typing import Any
+
+from glassloop.best import shown
+
+
+def in_notebook() -> bool:
+    """A Jupyter kernel runs this (JupyterLab, Notebook, VS Code, Colab: ipykernel's shell),
+    found without importing IPython: a process that has not imported it is no notebook."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and any(
+        kind.__name__ == "ZMQInteractiveShell" for kind in type(shell).__mro__
+    )
+
+
+def bar_class() -> Any:
+    """The notebook's bar: tqdm's widget (``tqdm.notebook``) with ipywidgets installed; without
+    them tqdm's text bar on stderr, which Jupyter redraws in place (``\\r``). (``tqdm.auto``
+    chooses the same, but warns without ipywidgets.)"""
+    if importlib.util.find_spec("ipywidgets") is None:  # (tqdm.notebook's widgets)
+        from tqdm import tqdm
+
+        return tqdm
+    from tqdm.notebook import tqdm as notebook_tqdm
+
+    return notebook_tqdm
+
+
+class History(list[dict[str, Any]]):
+    """A fit's history: its rows (one dict per epoch), as ``fit`` returns them and
+    ``trainer.history`` holds them; a table in a notebook, and :meth:`frame` for pandas."""
+
+    def frame(self) -> Any:
+        """The rows as a pandas ``DataFrame`` (pandas is not a dependency: installed by you)."""
+        return importlib.import_module("pandas").DataFrame(list(self))
+
+    def _repr_html_(self) -> str:
+        return rows_table(self)
+
+
+def cell(key: str, value: Any) -> str:
+    """A value as the console shows it: accuracies in percent, 4 significant digits."""
+    if isinstance(value, float):
+        text = f"{value:.2e}" if key == "lr" else f"{value:.1f}" if key == "seconds" else None
+        return html.escape(text or shown(key, value))
+    return html.escape("" if value is None else str(value))
+
+
+def rows_table(rows: list[dict[str, Any]], title: str = "") -> str:
+    """An HTML table of ``rows``: a column per key, in the order the rows first have them."""
+    keys: dict[str, None] = {}
+    for row in rows:
+        keys.update(dict.fromkeys(k for k in row if k != "kind"))
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{cell(k, row.get(k))}</td>" for k in keys) + "</tr>" for row in rows
+    )
+    caption = f"<caption>{html.escape(title)}</caption>" if title else ""
+    return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def changed_options(trainer: Any) -> dict[str, Any]:
+    """The Trainer's options that differ from their defaults (:class:`glassloop.TrainOptions`)."""
+    from glassloop.options import TrainOptions
+
+    defaults = {f.name: f.default for f in fields(TrainOptions) if f.default is not MISSING}
+    return {
+        name: value
+        for name, value in trainer.options.items()
+        if name in defaults and value != defaults[name] and name != "callbacks"
+    }
+
+
+def trainer_html(trainer: Any) -> str:
+    """A ``Trainer`` in a notebook: its model and optimizer, the options set, where the run is
+    and how far it went, and its history."""
+    from glassloop.distributed.world import unwrap_model
+    from glassloop.tracking.summary import counts, described_optimizer
+
+    model = unwrap_model(trainer.model)
+    state = trainer.state
+    facts = {
+        "model": f"{type(model).__name__}, {counts(model)}",
+        "optimizer": described_optimizer(trainer.optimizer),
+        "task": trainer.task,
+        "device": str(trainer.device),
+        "run directory": str(trainer.run_dir) if trainer.run_dir else "none (nothing written)",
+        "state": f"epoch {state.epoch}, step {state.step}, {state.samples_seen:,} samples",
+    }
+    facts.update({f"option {k}": repr(v) for k, v in changed_options(trainer).items()})
+    lines = "".join(
+        f"<tr><th style='text-align:left'>{html.escape(k)}</th><td style='text-align:left'>"
+        f"{html.escape(v)}</td></tr>"
+        for k, v in facts.items()
+    )
+    history = rows_table(trainer.history, "history") if trainer.history else ""
+    return f"<div><strong>glassloop.Trainer</strong><table>{lines}</table>{history}</div>"
+
+
+class Evaluation(dict[str, Any]):
+    """What ``trainer.evaluate`` returns: its numbers by name (a dict, as always); in a
+    notebook its numbers, a classifier's report per class and its confusion matrix (rows:
+    true class, columns: predicted; shaded by each row's share) as tables."""
+
+    def _repr_html_(self) -> str:
+        numbers = {k: v for k, v in self.items() if isinstance(v, (int, float))}
+        parts = [rows_table([numbers], "evaluation")]
+        report = self.get("report")
+        if isinstance(report, dict):
+            per_class = {k: v for k, v in report.items() if isinstance(v, dict)}
+            rows = [{"class": name, **values} for name, values in per_class.items()]
+            parts.append(rows_table(rows, "per class"))
+        confusion = self.get("confusion")
+        if isinstance(confusion, list) and confusion:
+            parts.append(confusion_table(confusion))
+        return "<div>" + "".join(parts) + "</div>"
+
+
+def confusion_table(confusion: list[list[int]]) -> str:
+    """A confusion matrix as a heat map: each cell shaded by its share of its row (the true
+    class's samples), the count written in it."""
+    head = "".join(f"<th>{i}</th>" for i in range(len(confusion[0])))
+    body = []
+    for i, row in enumerate(confusion):
+        total = sum(row) or 1
+        cells = "".join(
+            f"<td style='background:rgba(31,119,180,{count / total:.2f})'>{count}</td>"
+            for count in row
+        )
+        body.append(f"<tr><th>{i}</th>{cells}</tr>")
+    caption = "<caption>confusion (rows: true class, columns: predicted)</caption>"
+    return f"<table>{caption}<thead><tr><th></th>{head}</tr></thead>{''.join(body)}</table>"

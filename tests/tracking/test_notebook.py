@@ -1,0 +1,174 @@
+"""Notebooks (issue 50), in a real Jupyter kernel (nbclient + ipykernel), as a user runs them:
+
+* docs/quick-start.ipynb runs: ``fit`` shows tqdm's widget bar and one line per epoch, no step
+  lines; the history, the trainer and an evaluation come back as HTML tables; every number
+  and the weights equal the same code run as a script.
+* "Interrupt kernel" mid-run checkpoints the last step; running the same cell again (the same trainer
+  object) resumes and ends with the uninterrupted run's weights and rows, bit for bit; once
+  more after the end, it says in one line that the run is finished.
+* Outside a notebook nothing of this is imported (IPython, ipywidgets, tqdm's notebook bar).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+pytestmark = pytest.mark.xdist_group("test_notebook")
+NOTEBOOK = Path(__file__).parents[2] / "docs" / "quick-start.ipynb"
+TIMING = ("seconds", "samples_per_s", "checkpoint_s")
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+def code_cells(notebook: Any) -> list[str]:
+    return [cell.source for cell in notebook.cells if cell.cell_type == "code"]
+
+
+def as_script(notebook: Any, folder: Path) -> Path:
+    """The notebook's code, run as a script in ``folder`` (a fresh interpreter)."""
+    folder.mkdir()
+    script = folder / "script.py"
+    script.write_text("\n\n".join(code_cells(notebook)) + "\n", encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script)], cwd=folder, capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder
+
+
+def rows(run: Path) -> list[dict[str, Any]]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
+
+
+def texts(cell: Any) -> str:
+    """What a cell printed (streams) and the plain text of what it displayed."""
+    out = []
+    for output in cell.get("outputs", []):
+        out.append(output.get("text", ""))
+        out.append(output.get("data", {}).get("text/plain", ""))
+        out.extend(output.get("traceback", []))
+    return "\n".join(out)
+
+
+def test_the_docs_page_shows_the_notebooks_code() -> None:
+    """docs/notebooks.md (the site's view of the notebook) holds its code cells, in order."""
+    page = (NOTEBOOK.parent / "notebooks.md").read_text(encoding="utf-8")
+    shown = re.findall(r"^```python\n(.*?)\n^```", page, re.DOTALL | re.MULTILINE)
+    assert shown == code_cells(nbformat.read(NOTEBOOK, as_version=4))
+
+
+def test_the_quick_start_notebook_shows_a_live_bar_and_tables(tmp_path: Path) -> None:
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    (tmp_path / "kernel").mkdir()
+    NotebookClient(notebook, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path / "kernel")}}).execute()  # fmt: skip
+    _, fit, history, trainer, evaluation = (c for c in notebook.cells if c.cell_type == "code")
+    # the bar: tqdm's widget (epoch bars and validation bars), one line per epoch, no step line
+    shown = [o for o in fit.outputs if o.output_type == "display_data"]
+    assert shown and all(WIDGET in o.data for o in shown)
+    assert {o.data["text/plain"].split(":")[0].split(" (")[0] for o in shown} == {
+        *(f"epoch {e}/5" for e in range(1, 6)),
+        "validate",
+    }
+    printed = "".join(o.text for o in fit.outputs if o.output_type == "stream")
+    assert "loss:" not in printed
+    assert [line.split("  ")[0] for line in printed.splitlines() if line.startswith("epoch ")] == [
+        f"epoch {e}/5" for e in range(1, 6)
+    ]
+    # tables
+    [table] = [o.data["text/html"] for o in history.outputs if "text/html" in o.get("data", {})]
+    assert table.count("<tr>") == 1 + 5 and "val_accuracy" in table
+    [card] = [o.data["text/html"] for o in trainer.outputs if "text/html" in o.get("data", {})]
+    assert "glassloop.Trainer" in card and "runs/notebook" in card and "epoch 5, step" in card
+    [report] = [o.data["text/html"] for o in evaluation.outputs if "text/html" in o.get("data", {})]
+    assert "confusion" in report and "per class" in report and "f1-score" in report
+    # every number and the weights: the script's
+    script = as_script(notebook, tmp_path / "script")
+    run, again = tmp_path / "kernel" / "runs" / "notebook", script / "runs" / "notebook"
+    assert rows(run) == rows(again)
+    assert (run / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+    assert f"'accuracy': {rows(run)[-1]['val_accuracy']}" in texts(evaluation)
+
+
+def test_interrupting_the_kernel_mid_run_and_running_the_cell_again_resumes_bitwise(
+    tmp_path: Path,
+) -> None:
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    setup, fit = [c for c in notebook.cells if c.cell_type == "code"][:2]
+    # long enough to be interrupted in the middle: 120 epochs of 23 steps (~4.5 s)
+    fit.source = fit.source.replace("epochs=5", "epochs=120")
+    notebook.cells = [setup, fit]
+    (tmp_path / "kernel").mkdir()
+    client = NotebookClient(notebook, timeout=300, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(tmp_path / "kernel")}})  # fmt: skip
+    with client.setup_kernel():
+        client.execute_cell(setup, 0)
+        client.timeout, client.interrupt_on_timeout = 2, True  # Kernel -> Interrupt after 2 s
+        client.execute_cell(fit, 1)
+        stopped = texts(fit)
+        assert "Preempted" in stopped and "SIGINT" in stopped, stopped[-2000:]
+        client.timeout, client.interrupt_on_timeout = 300, False
+        client.execute_cell(fit, 1)  # the same cell, the same trainer
+        resumed = texts(fit)
+        client.execute_cell(fit, 1)  # and once more: finished
+        finished = texts(fit)
+    run = tmp_path / "kernel" / "runs" / "notebook"
+    assert "resumed from" in resumed and "Error" not in resumed, resumed[-2000:]
+    meta = [json.loads(p.read_text()) for p in run.glob("checkpoints/*/meta.json")]
+    assert meta and all(m["world_size"] == 1 for m in meta)
+    assert "run already finished at step 2760 (epoch 120/120); nothing to do" in finished
+    script = as_script(notebook, tmp_path / "script")
+    again = script / "runs" / "notebook"
+    assert rows(run) == rows(again)
+    assert (run / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+
+
+def test_outside_a_notebook_nothing_of_it_is_imported(tmp_path: Path) -> None:
+    probe = (
+        "import sys, torch\n"
+        "from torch import nn\n"
+        "import glassloop\n"
+        "model = nn.Linear(2, 2)\n"
+        "t = glassloop.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "
+        "nn.CrossEntropyLoss(), progress='auto')\n"
+        "t.fit([(torch.randn(4, 2), torch.tensor([0, 1, 0, 1]))], epochs=1)\n"
+        "print(sorted(m for m in ('IPython', 'ipywidgets', 'tqdm.notebook', 'ipykernel') "
+        "if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "[]"
+
+
+def test_what_a_fit_gives_back_is_still_a_list_and_a_dict() -> None:
+    """The views change how a notebook shows them, not what they are: code that reads a
+    history or an evaluation goes on as before; ``history.frame()`` is pandas'."""
+    import torch
+    from torch import nn
+
+    import glassloop
+
+    glassloop.seed_everything(0)
+    model = nn.Linear(3, 2)
+    trainer = glassloop.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                nn.CrossEntropyLoss(), progress="none")  # fmt: skip
+    data = [(torch.randn(8, 3), torch.randint(0, 2, (8,))) for _ in range(3)]
+    history = trainer.fit(data, data, epochs=2)
+    assert isinstance(history, list) and history == trainer.history == trainer.record.history
+    frame = history.frame()
+    assert list(frame["epoch"]) == [1, 2] and list(frame["val_loss"]) == [
+        row["val_loss"] for row in history
+    ]
+    result = trainer.evaluate(data)
+    assert isinstance(result, dict) and result["loss"] == history[-1]["val_loss"]
+    assert json.loads(json.dumps(result)) == dict(result)
+    assert "<table>" in result._repr_html_() and "confusion" in result._repr_html_()
