@@ -6,6 +6,8 @@
 * "Interrupt kernel" mid-run checkpoints the last step; running the same cell again (the same trainer
   object) resumes and ends with the uninterrupted run's weights and rows, bit for bit; once
   more after the end, it says in one line that the run is finished.
+* "Interrupt kernel" during a validation (sent once the cell says it validates): the
+  validation is owed in the checkpoint; a new trainer in a new cell resumes, bitwise.
 * Outside a notebook nothing of this is imported (IPython, ipywidgets, tqdm's notebook bar).
 """
 
@@ -172,3 +174,98 @@ def test_what_a_fit_gives_back_is_still_a_list_and_a_dict() -> None:
     assert isinstance(result, dict) and result["loss"] == history[-1]["val_loss"]
     assert json.loads(json.dumps(result)) == dict(result)
     assert "<table>" in result._repr_html_() and "confusion" in result._repr_html_()
+
+
+SLOW_VALIDATION = """
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import glassloop
+from glassloop.config import DataConfig
+from glassloop.data import load_splits, make_loader
+
+data = load_splits(DataConfig(name="digits"))
+
+
+class Said(glassloop.Callback):
+    def on_validation_start(self, trainer):
+        print(f"validating after step {trainer.state.step}", flush=True)
+
+
+class Slow:  # a validation that takes a while: 45 batches of 30 ms
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        for batch in self.loader:
+            time.sleep(0.03)
+            yield batch
+
+
+def make():
+    glassloop.seed_everything(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.1),
+                          nn.Linear(128, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return glassloop.Trainer(model, optimizer, nn.CrossEntropyLoss(), run_dir="runs/slow",
+                             callbacks=[Said()])
+
+
+train = make_loader((data.x_train, data.y_train), batch_size=64, shuffle=True, seed=0)
+val = Slow(DataLoader(TensorDataset(data.x_val, data.y_val), batch_size=8))
+trainer = make()
+"""
+FIT = 'history = trainer.fit(train, val, epochs=3, resume="auto")'
+
+
+def run_cell(client: Any, code: str, interrupt: Any = None, *, at: str = "") -> str:
+    """``code`` in the kernel; what it printed (and its traceback). ``interrupt``: the kernel
+    manager's, called once the cell has printed ``at`` (Kernel -> Interrupt)."""
+    msg_id, said = client.execute(code), []
+    while True:
+        msg = client.get_iopub_msg(timeout=120)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        content = msg["content"]
+        said.append(content.get("text", "") + "\n".join(content.get("traceback", [])))
+        if interrupt is not None and at in "".join(said):
+            interrupt()
+            interrupt = None
+        if msg["msg_type"] == "status" and content["execution_state"] == "idle":
+            return "".join(said)
+
+
+def test_interrupting_a_validation_then_a_new_trainer_in_a_new_cell_resumes_bitwise(
+    tmp_path: Path,
+) -> None:
+    """Kernel -> Interrupt while epoch 1's validation runs: the checkpoint is of epoch 1's
+    last step with its validation still owed; a new cell with a new trainer resumes from it,
+    validates first, and ends bitwise the uninterrupted script's run."""
+    from jupyter_client.manager import start_new_kernel
+
+    (tmp_path / "kernel").mkdir()
+    manager, client = start_new_kernel(kernel_name="python3", cwd=str(tmp_path / "kernel"))
+    try:
+        assert "Error" not in run_cell(client, SLOW_VALIDATION)
+        stopped = run_cell(client, FIT, manager.interrupt_kernel, at="validating after step 23")
+        assert "Preempted" in stopped and "SIGINT" in stopped, stopped[-2000:]
+        checkpoint = tmp_path / "kernel" / "runs" / "slow" / "checkpoints" / "step-00000023"
+        state = json.loads((checkpoint / "state.json").read_text())
+        assert state["loop"]["validation_due"] == "epoch", state["loop"]
+        resumed = run_cell(client, f"trainer = make()\n{FIT}")  # a new cell, a new trainer
+        assert "resumed from" in resumed and "Error" not in resumed, resumed[-2000:]
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    folder = tmp_path / "script"
+    folder.mkdir()
+    (folder / "script.py").write_text(f"{SLOW_VALIDATION}\n{FIT}\n", encoding="utf-8")
+    done = subprocess.run([sys.executable, "script.py"], cwd=folder, capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    run, again = tmp_path / "kernel" / "runs" / "slow", folder / "runs" / "slow"
+    assert rows(run) == rows(again)
+    assert (run / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
