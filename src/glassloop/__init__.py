@@ -50,6 +50,7 @@ _EXPORTS = {
     "export_run_hf": "glassloop.tools.export",
     "format_report": "glassloop.evaluation.metrics",
     "load_config": "glassloop.config.schema",
+    "load_run": "glassloop.tracking.runs",
     "load_model": "glassloop.tools.export",
     "load_weights": "glassloop.storage.weights",
     "lr_find": "glassloop.tools.lr_finder",
@@ -90,6 +91,7 @@ __all__ = [
     "format_report",
     "load_config",
     "load_model",
+    "load_run",
     "load_weights",
     "lr_find",
     "predict",
@@ -132,3 +134,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from glassloop.tools.lr_finder import lr_find
     from glassloop.tools.prediction import Predictor
     from glassloop.tools.run_evaluation import RunEvaluation, evaluate_run, report_run
+    from glassloop.tracking.runs import load_run

@@ -1,8 +1,9 @@
 """Notebooks (issue 50), in a real Jupyter kernel (nbclient + ipykernel), as a user runs them:
 
 * docs/quick-start.ipynb runs: ``fit`` shows tqdm's widget bar and one line per epoch, no step
-  lines; the history, the trainer and an evaluation come back as HTML tables; every number
-  and the weights equal the same code run as a script.
+  lines; the history, the trainer and an evaluation come back as HTML tables, the run read
+  back with its report's curves; every number and the weights equal the same code run as a
+  script.
 * "Interrupt kernel" mid-run checkpoints the last step; running the same cell again (the same trainer
   object) resumes and ends with the uninterrupted run's weights and rows, bit for bit; once
   more after the end, it says in one line that the run is finished.
@@ -72,7 +73,8 @@ def test_the_quick_start_notebook_shows_a_live_bar_and_tables(tmp_path: Path) ->
     (tmp_path / "kernel").mkdir()
     NotebookClient(notebook, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path / "kernel")}}).execute()  # fmt: skip
-    _, fit, history, trainer, evaluation = (c for c in notebook.cells if c.cell_type == "code")
+    code = [c for c in notebook.cells if c.cell_type == "code"]
+    _, fit, history, trainer, evaluation, read_back = code
     # the bar: tqdm's widget (epoch bars and validation bars), one line per epoch, no step line
     shown = [o for o in fit.outputs if o.output_type == "display_data"]
     assert shown and all(WIDGET in o.data for o in shown)
@@ -98,6 +100,9 @@ def test_the_quick_start_notebook_shows_a_live_bar_and_tables(tmp_path: Path) ->
     assert rows(run) == rows(again)
     assert (run / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
     assert f"'accuracy': {rows(run)[-1]['val_accuracy']}" in texts(evaluation)
+    # the run read back: its summary, and its report's curves inline
+    [view] = [o.data["text/html"] for o in read_back.outputs if "text/html" in o.get("data", {})]
+    assert view.count("<img") >= 4 and "finished" in view
 
 
 def test_interrupting_the_kernel_mid_run_and_running_the_cell_again_resumes_bitwise(
@@ -269,3 +274,32 @@ def test_interrupting_a_validation_then_a_new_trainer_in_a_new_cell_resumes_bitw
     run, again = tmp_path / "kernel" / "runs" / "slow", folder / "runs" / "slow"
     assert rows(run) == rows(again)
     assert (run / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+
+
+def test_a_run_read_back_shows_its_curves_and_never_reads_through_a_link(tmp_path: Path) -> None:
+    import glassloop
+    from glassloop.errors import GlassloopError
+
+    run = tmp_path / "run"
+    (run / "report").mkdir(parents=True)
+    (run / "run.json").write_text('{"status": "finished", "step": 4, "epoch": 2}')
+    (run / "metrics.jsonl").write_text(
+        '{"kind": "epoch", "epoch": 1, "step": 2, "val_loss": 0.5}\n'
+        '{"kind": "epoch", "epoch": 2, "step": 4, "val_loss": 0.25}\n'
+    )
+    (run / "report" / "loss.png").write_bytes(b"\x89PNG own")
+    outside = tmp_path / "secret.png"
+    outside.write_bytes(b"\x89PNG not the run's")
+    (run / "report" / "lr.png").symlink_to(outside)
+    view = glassloop.load_run(run)
+    assert [p.name for p in view.pictures] == ["loss.png"]
+    shown = view._repr_html_()
+    assert shown.count("<img") == 1 and "finished" in shown and shown.count("<tr>") >= 2 + 7
+    assert "val_loss 0.25 (epoch 2)" in repr(view)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "run.json").write_text('{"status": "finished"}')
+    (tmp_path / "linked" / "report").symlink_to(run / "report")
+    assert glassloop.load_run(tmp_path / "linked").pictures == []
+    with pytest.raises(GlassloopError, match="is not a run directory"):
+        glassloop.load_run(tmp_path / "elsewhere")

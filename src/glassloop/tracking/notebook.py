@@ -1,18 +1,22 @@
 """Jupyter notebooks: whether a kernel runs this, the progress bar it shows, and what a fit gives
-back shown as HTML tables (a ``Trainer``, its ``history``). IPython and ipywidgets are imported
-only inside a notebook, where they are loaded already.
+back shown as HTML (a ``Trainer``, its ``history``, an evaluation, a run read back with its
+report's curves). IPython and ipywidgets are imported only inside a notebook, where they are
+loaded already.
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import importlib
 import importlib.util
 import sys
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from glassloop.best import shown
+from glassloop.run_dir import layout
 
 
 def in_notebook() -> bool:
@@ -142,3 +146,44 @@ def confusion_table(confusion: list[list[int]]) -> str:
         body.append(f"<tr><th>{i}</th>{cells}</tr>")
     caption = "<caption>confusion (rows: true class, columns: predicted)</caption>"
     return f"<table>{caption}<thead><tr><th></th>{head}</tr></thead>{''.join(body)}</table>"
+
+
+@dataclass(repr=False)
+class RunView:
+    """A run directory read back (:func:`glassloop.load_run`): its summary (what ``glassloop
+    runs`` prints of it), its epoch rows, and its report's pictures; in a notebook all three,
+    the curves inline."""
+
+    summary: Any  # glassloop.tracking.runs.RunSummary
+    rows: list[dict[str, Any]]  # metrics.jsonl's epoch rows
+    line: str  # what ``glassloop runs`` prints of it (its repr)
+
+    def __repr__(self) -> str:
+        return self.line
+
+    @property
+    def pictures(self) -> list[Path]:
+        """The report's PNG files (links passed over: never read through one)."""
+        folder = self.summary.path / layout.REPORT
+        if folder.is_symlink() or not folder.is_dir():
+            return []
+        return [p for p in sorted(folder.glob("*.png")) if p.is_file() and not p.is_symlink()]
+
+    def _repr_html_(self) -> str:
+        s = self.summary
+        facts = {"run": str(s.path), "status": s.status, "step": str(s.step)}
+        facts.update({"epoch": str(s.epoch), "time": s.duration, "final": s.final})
+        facts.update({"best": s.best, **({"error": s.error} if s.error else {})})
+        table = "".join(
+            f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
+            f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
+            for k, v in facts.items()
+        )
+        images = "".join(
+            f"<figure style='display:inline-block'><img alt='{html.escape(p.stem)}' "
+            f"src='data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}' "
+            "style='max-width:420px'/></figure>"
+            for p in self.pictures
+        )
+        history = rows_table(self.rows, "history") if self.rows else ""
+        return f"<div><table>{table}</table>{history}<div>{images}</div></div>"

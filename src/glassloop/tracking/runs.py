@@ -1,4 +1,5 @@
-"""``glassloop runs``: what the run directories under a folder hold, at a glance."""
+"""``glassloop runs``: what the run directories under a folder hold, at a glance; one read back
+(:func:`load_run`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from glassloop.best import best_epoch, shown
+from glassloop.errors import GlassloopError
 from glassloop.run_dir import layout
 from glassloop.tracking.console import format_duration
+from glassloop.tracking.notebook import RunView
 
 
 @dataclass
@@ -57,6 +60,18 @@ def summarise(run_dir: Path) -> RunSummary | None:
         final_of(rows),
         error,
     )
+
+
+def load_run(run_dir: str | Path) -> RunView:
+    """A run directory read back: its summary, its epoch rows and its report's pictures; in a
+    notebook a table with the curves inline, elsewhere the line ``glassloop runs`` prints.
+
+    A folder that is not a run (no run.json) is a :class:`~glassloop.errors.GlassloopError`."""
+    path = Path(run_dir)
+    summary = summarise(path)
+    if summary is None:
+        raise GlassloopError(f"'{path}' is not a run directory (it has no {layout.STATUS})")
+    return RunView(summary, read_epochs(path), format_runs([summary]))
 
 
 def _duration(started: Any, ended: Any, train_s: Any = None) -> str:
