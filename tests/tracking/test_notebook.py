@@ -7,8 +7,9 @@
 * "Interrupt kernel" mid-run checkpoints the last step; running the same cell again (the same trainer
   object) resumes and ends with the uninterrupted run's weights and rows, bit for bit; once
   more after the end, it says in one line that the run is finished.
-* "Interrupt kernel" during a validation (sent once the cell says it validates): the
-  validation is owed in the checkpoint; a new trainer in a new cell resumes, bitwise.
+* "Interrupt kernel" during the first step, then during a validation (each sent once the cell
+  says it got there): the step is checkpointed, then the validation owed; a new trainer in a
+  new cell resumes, bitwise.
 * Outside a notebook nothing of this is imported (IPython, ipywidgets, tqdm's notebook bar).
 """
 
@@ -200,6 +201,21 @@ class Said(glassloop.Callback):
         print(f"validating after step {trainer.state.step}", flush=True)
 
 
+class SlowStart(nn.Module):  # its first forward takes a second (as a compile or a big model's)
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.1),
+                                 nn.Linear(128, 10))
+        self.started = False
+
+    def forward(self, x):
+        if not self.started:
+            self.started = True
+            print("first forward", flush=True)
+            time.sleep(1)
+        return self.net(x)
+
+
 class Slow:  # a validation that takes a while: 45 batches of 30 ms
     def __init__(self, loader):
         self.loader = loader
@@ -212,8 +228,7 @@ class Slow:  # a validation that takes a while: 45 batches of 30 ms
 
 def make():
     glassloop.seed_everything(0)
-    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.1),
-                          nn.Linear(128, 10))
+    model = SlowStart()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return glassloop.Trainer(model, optimizer, nn.CrossEntropyLoss(), run_dir="runs/slow",
                              callbacks=[Said()])
@@ -243,21 +258,27 @@ def run_cell(client: Any, code: str, interrupt: Any = None, *, at: str = "") -> 
             return "".join(said)
 
 
-def test_interrupting_a_validation_then_a_new_trainer_in_a_new_cell_resumes_bitwise(
+def test_interrupting_the_first_step_then_a_validation_then_resuming_in_a_new_cell_is_bitwise(
     tmp_path: Path,
 ) -> None:
-    """Kernel -> Interrupt while epoch 1's validation runs: the checkpoint is of epoch 1's
-    last step with its validation still owed; a new cell with a new trainer resumes from it,
-    validates first, and ends bitwise the uninterrupted script's run."""
+    """Kernel -> Interrupt during the first step: it ends, and is checkpointed; the same cell
+    again resumes, and is interrupted while epoch 1's validation runs: the checkpoint is of
+    epoch 1's last step with its validation still owed; a new cell with a new trainer resumes
+    from it, validates first, and ends bitwise the uninterrupted script's run."""
     from jupyter_client.manager import start_new_kernel
 
     (tmp_path / "kernel").mkdir()
     manager, client = start_new_kernel(kernel_name="python3", cwd=str(tmp_path / "kernel"))
     try:
         assert "Error" not in run_cell(client, SLOW_VALIDATION)
+        first = run_cell(client, FIT, manager.interrupt_kernel, at="first forward")
+        assert "Preempted" in first and "after step 1" in first, first[-2000:]
+        checkpoints = tmp_path / "kernel" / "runs" / "slow" / "checkpoints"
+        assert json.loads((checkpoints / "step-00000001" / "meta.json").read_text())["step"] == 1
         stopped = run_cell(client, FIT, manager.interrupt_kernel, at="validating after step 23")
+        assert "resumed from" in stopped and "at step 1 " in stopped, stopped[-2000:]
         assert "Preempted" in stopped and "SIGINT" in stopped, stopped[-2000:]
-        checkpoint = tmp_path / "kernel" / "runs" / "slow" / "checkpoints" / "step-00000023"
+        checkpoint = checkpoints / "step-00000023"
         state = json.loads((checkpoint / "state.json").read_text())
         assert state["loop"]["validation_due"] == "epoch", state["loop"]
         resumed = run_cell(client, f"trainer = make()\n{FIT}")  # a new cell, a new trainer
