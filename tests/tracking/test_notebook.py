@@ -324,3 +324,40 @@ def test_a_run_read_back_shows_its_curves_and_never_reads_through_a_link(tmp_pat
     assert glassloop.load_run(tmp_path / "linked").pictures == []
     with pytest.raises(GlassloopError, match="is not a run directory"):
         glassloop.load_run(tmp_path / "elsewhere")
+
+
+def test_without_ipywidgets_the_bar_is_html_redrawn_in_place(tmp_path: Path) -> None:
+    """A kernel where ipywidgets cannot be imported: each bar is one HTML output, updated in
+    place through its display id (nbclient applies the updates), emptied when it closes."""
+    code = (
+        "import sys\n"
+        "sys.modules['ipywidgets'] = None  # (not installed)\n"
+        "import torch\n"
+        "from torch import nn\n"
+        "import glassloop\n"
+        "glassloop.seed_everything(0)\n"
+        "model = nn.Linear(4, 2)\n"
+        "trainer = glassloop.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),\n"
+        "                            nn.CrossEntropyLoss())\n"
+        "data = [(torch.randn(8, 4), torch.randint(0, 2, (8,))) for _ in range(5)]\n"
+        "history = trainer.fit(data, data, epochs=2)\n"
+    )
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
+    updates: list[str] = []
+
+    class Watching(NotebookClient):  # type: ignore[misc]
+        def process_message(self, msg: Any, cell: Any, cell_index: int) -> Any:
+            if msg["msg_type"] == "update_display_data":
+                updates.append(msg["content"]["data"]["text/html"])
+            return super().process_message(msg, cell, cell_index)
+
+    Watching(notebook, timeout=120, kernel_name="python3",
+             resources={"metadata": {"path": str(tmp_path)}}).execute()  # fmt: skip
+    outputs = notebook.cells[0].outputs
+    bars = [o for o in outputs if o.output_type == "display_data"]
+    assert len(bars) == 4 and all(WIDGET not in o.data for o in bars)  # 2 epochs, 2 validations
+    assert all(o.data["text/html"] == "" for o in bars)  # (closed, not left)
+    assert any("<progress value='0' max='5'></progress> <code>validate:" in h for h in updates)
+    assert any("<code>epoch 2/2" in h for h in updates), updates
+    printed = "".join(o.text for o in outputs if o.output_type == "stream")
+    assert "loss:" not in printed and printed.count("epoch 1/2  train_loss") == 1

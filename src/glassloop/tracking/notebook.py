@@ -9,11 +9,13 @@ from __future__ import annotations
 import base64
 import html
 import importlib
-import importlib.util
+import io
 import sys
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from glassloop.best import shown
 from glassloop.run_dir import layout
@@ -30,16 +32,35 @@ def in_notebook() -> bool:
 
 
 def bar_class() -> Any:
-    """The notebook's bar: tqdm's widget (``tqdm.notebook``) with ipywidgets installed; without
-    them tqdm's text bar on stderr, which Jupyter redraws in place (``\\r``). (``tqdm.auto``
-    chooses the same, but warns without ipywidgets.)"""
-    if importlib.util.find_spec("ipywidgets") is None:  # (tqdm.notebook's widgets)
-        from tqdm import tqdm
+    """The notebook's bar: tqdm's widget (``tqdm.notebook``) with ipywidgets installed, else
+    :class:`HtmlBar` (``tqdm.auto`` would fall back to a text bar, with a warning)."""
+    try:
+        importlib.import_module("ipywidgets")  # (tqdm.notebook's widgets)
+    except ImportError:
+        return HtmlBar
+    return importlib.import_module("tqdm.notebook").tqdm
 
-        return tqdm
-    from tqdm.notebook import tqdm as notebook_tqdm
 
-    return notebook_tqdm
+class HtmlBar(tqdm):  # type: ignore[misc]
+    """tqdm's bar as HTML in the cell's output, redrawn in place through a display handle
+    (IPython's ``display_id``): a notebook without ipywidgets. Its text is tqdm's own; a bar
+    closed with ``leave=False`` leaves nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        shown = importlib.import_module("IPython.display")
+        self.html = shown.HTML
+        self.handle = shown.display(shown.HTML(""), display_id=True)
+        super().__init__(*args, file=io.StringIO(), **kwargs)  # (no text stream: HTML only)
+
+    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+        if msg == "":  # closed, not left
+            self.handle.update(self.html(""))
+            return True
+        done, total = self.format_dict["n"], self.format_dict["total"]
+        meter = f"<progress value='{done}' max='{total}'></progress> " if total else ""
+        text = html.escape(str(self) if msg is None else msg)
+        self.handle.update(self.html(f"<div>{meter}<code>{text}</code></div>"))
+        return True
 
 
 class History(list[dict[str, Any]]):
