@@ -42,14 +42,13 @@ def bar_class() -> Any:
 
 
 class HtmlBar(tqdm):  # type: ignore[misc]
-    """tqdm's bar as HTML in the cell's output, redrawn in place through a display handle
-    (IPython's ``display_id``): a notebook without ipywidgets. Its text is tqdm's own; a bar
-    closed with ``leave=False`` leaves nothing."""
+    """tqdm's bar as HTML, redrawn in place through IPython's ``display_id``: a notebook
+    without ipywidgets. Its text is tqdm's own; closed with ``leave=False``, it leaves none."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        shown = importlib.import_module("IPython.display")
-        self.html = shown.HTML
-        self.handle = shown.display(shown.HTML(""), display_id=True)
+        ipython = importlib.import_module("IPython.display")
+        self.html = ipython.HTML
+        self.handle = ipython.display(ipython.HTML(""), display_id=True)
         super().__init__(*args, file=io.StringIO(), **kwargs)  # (no text stream: HTML only)
 
     def display(self, msg: str | None = None, pos: int | None = None) -> bool:
@@ -96,22 +95,21 @@ def rows_table(rows: list[dict[str, Any]], title: str = "") -> str:
     return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def changed_options(trainer: Any) -> dict[str, Any]:
-    """The Trainer's options that differ from their defaults (:class:`glassloop.TrainOptions`)."""
-    from glassloop.options import TrainOptions
-
-    defaults = {f.name: f.default for f in fields(TrainOptions) if f.default is not MISSING}
-    return {
-        name: value
-        for name, value in trainer.options.items()
-        if name in defaults and value != defaults[name] and name != "callbacks"
-    }
+def facts_table(facts: dict[str, str]) -> str:
+    """A two-column HTML table: each fact's name and its value."""
+    rows = "".join(
+        f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
+        f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
+        for k, v in facts.items()
+    )
+    return f"<table>{rows}</table>"
 
 
 def trainer_html(trainer: Any) -> str:
     """A ``Trainer`` in a notebook: its model and optimizer, the options set, where the run is
     and how far it went, and its history."""
     from glassloop.distributed.world import unwrap_model
+    from glassloop.options import TrainOptions
     from glassloop.tracking.summary import counts, described_optimizer
 
     model = unwrap_model(trainer.model)
@@ -124,14 +122,12 @@ def trainer_html(trainer: Any) -> str:
         "run directory": str(trainer.run_dir) if trainer.run_dir else "none (nothing written)",
         "state": f"epoch {state.epoch}, step {state.step}, {state.samples_seen:,} samples",
     }
-    facts.update({f"option {k}": repr(v) for k, v in changed_options(trainer).items()})
-    lines = "".join(
-        f"<tr><th style='text-align:left'>{html.escape(k)}</th><td style='text-align:left'>"
-        f"{html.escape(v)}</td></tr>"
-        for k, v in facts.items()
-    )
+    # the options that differ from their defaults (glassloop.TrainOptions)
+    defaults = {f.name: f.default for f in fields(TrainOptions) if f.default is not MISSING}
+    changed = {k: v for k, v in trainer.options.items() if k in defaults and v != defaults[k]}
+    facts.update({f"option {k}": repr(v) for k, v in changed.items() if k != "callbacks"})
     history = rows_table(trainer.history, "history") if trainer.history else ""
-    return f"<div><strong>glassloop.Trainer</strong><table>{lines}</table>{history}</div>"
+    return f"<div><strong>glassloop.Trainer</strong>{facts_table(facts)}{history}</div>"
 
 
 class Evaluation(dict[str, Any]):
@@ -159,10 +155,10 @@ def confusion_table(confusion: list[list[int]]) -> str:
     head = "".join(f"<th>{i}</th>" for i in range(len(confusion[0])))
     body = []
     for i, row in enumerate(confusion):
-        total = sum(row) or 1
+        shares = [(count, count / (sum(row) or 1)) for count in row]
         cells = "".join(
-            f"<td style='background:rgba(31,119,180,{count / total:.2f})'>{count}</td>"
-            for count in row
+            f"<td style='background:rgba(31,119,180,{share:.2f})'>{count}</td>"
+            for count, share in shares
         )
         body.append(f"<tr><th>{i}</th>{cells}</tr>")
     caption = "<caption>confusion (rows: true class, columns: predicted)</caption>"
@@ -195,11 +191,6 @@ class RunView:
         facts = {"run": str(s.path), "status": s.status, "step": str(s.step)}
         facts.update({"epoch": str(s.epoch), "time": s.duration, "final": s.final})
         facts.update({"best": s.best, **({"error": s.error} if s.error else {})})
-        table = "".join(
-            f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
-            f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
-            for k, v in facts.items()
-        )
         images = "".join(
             f"<figure style='display:inline-block'><img alt='{html.escape(p.stem)}' "
             f"src='data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}' "
@@ -207,4 +198,4 @@ class RunView:
             for p in self.pictures
         )
         history = rows_table(self.rows, "history") if self.rows else ""
-        return f"<div><table>{table}</table>{history}<div>{images}</div></div>"
+        return f"<div>{facts_table(facts)}{history}<div>{images}</div></div>"
