@@ -195,3 +195,27 @@ def test_relative_paths_in_a_config_file_name_files_next_to_it(
     assert load_config(project / "exp.toml", ["data.path=table.csv"]).data.path == "table.csv"
     monkeypatch.chdir(project)  # the file in the current directory: paths as written
     assert load_config("exp.toml").data.path == "table.csv"
+
+
+def test_a_resume_sizes_its_loader_from_its_checkpoint_with_a_run_dir_given_as_text(
+    tmp_path: Path,
+) -> None:
+    """``build(run_dir="runs/a", resume=...)`` as the Python API and Ray's config entry pass it
+    (a string, not a ``Path``): the loader takes the global batch of the checkpoint the resume
+    will take, written by two processes, as with a ``Path``; a checkpoint path given outright
+    is read for it with a run in a bucket too."""
+    from glassloop.config.assemble import build
+
+    step = tmp_path / "run" / "checkpoints" / "step-00000004"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text('{"global_batch": 32, "world_size": 2}')
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step-00000004")
+    cfg = load_config(None, ["data.name=synthetic", "data.num_samples=320", "data.batch_size=8"])
+    for run_dir, resume in [
+        (str(tmp_path / "run"), "auto"),
+        (tmp_path / "run", "auto"),
+        ("memory://bucket/run", str(step)),
+    ]:
+        run = build(cfg, run_dir=run_dir, resume=resume)
+        assert run.train_loader.batch_size == 32, (run_dir, resume)  # type: ignore[attr-defined]
+    assert build(cfg, run_dir=str(tmp_path / "run")).train_loader.batch_size == 8  # type: ignore[attr-defined]

@@ -42,6 +42,7 @@ from glassloop.loop import Trainer
 from glassloop.options import OPTIONS, RunInfo
 from glassloop.rng import seed_everything
 from glassloop.step.guards import NonFinitePolicy
+from glassloop.storage.file_names import is_url
 
 
 @dataclass
@@ -410,8 +411,11 @@ def build(
     # What the run records and a resume compares: the paths as written, not as located.
     cfg = copy.deepcopy(cfg)
     train_loader, val_loader = parts.train_loader, parts.val_loader
-    if resume is not None and isinstance(run_dir, Path):  # (a bucket's run: its copy later)
-        found = latest_pointer(run_dir) if resume == "auto" else Path(resume)
+    # The checkpoint the resume will take, when it is on this disk already: a path; or the
+    # run directory's newest (a run in a bucket: its local copy is made later, by the Trainer).
+    local = run_dir is not None and not is_url(str(run_dir))
+    if resume is not None and (str(resume) != "auto" or local):
+        found = latest_pointer(Path(str(run_dir))) if str(resume) == "auto" else Path(resume)
         keep_global_batch(train_loader, world, found / layout.META if found else None)
     optimizer = build_optimizer(model, cfg.optim)
     # Optimizer steps per epoch: one per window of grad_accum_steps batches (the last may be

@@ -5,7 +5,6 @@ checkpoints (:mod:`glassloop.distributed.ray_train`). Ray is imported only when 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from glassloop.errors import ConfigError
@@ -25,7 +24,6 @@ def train_loop_per_worker(config: Mapping[str, Any]) -> None:
     from glassloop.config.assemble import build
     from glassloop.config.schema import load_config
     from glassloop.distributed.ray_train import RayReport, resume_from_ray
-    from glassloop.storage.file_names import is_url
 
     unknown = sorted(set(config) - set(ENTRY_KEYS))
     if unknown or not config.get("run_dir"):
@@ -34,8 +32,7 @@ def train_loop_per_worker(config: Mapping[str, Any]) -> None:
             f"'resume'; got {sorted(config)}"
         )
     cfg = load_config(config.get("config"), list(config.get("overrides", ())))
-    run_dir = str(config["run_dir"])
     with resume_from_ray(config.get("resume", "auto")) as resume:
-        run = build(cfg, run_dir=run_dir if is_url(run_dir) else Path(run_dir), resume=resume)
+        run = build(cfg, run_dir=str(config["run_dir"]), resume=resume)
         run.trainer.callbacks.append(RayReport())
         run.trainer.fit(run.train_loader, run.validation, epochs=cfg.train.epochs, resume=resume)
