@@ -47,41 +47,38 @@ class RayReport(Callback):
 
     def __init__(self) -> None:
         self.pending: dict[str, Any] | None = None  # a row not reported yet
-        self.validation: dict[str, Any] = {}  # a mid-epoch validation's row, set by set
-        self.sets_done = 0
+        self.validation: dict[str, Any] | None = None  # the last mid-epoch row taken
         self.reported_step = -1  # the step of the last checkpoint handed to Ray
 
-    def on_validation_end(self, trainer: AnyTrainer, metrics: dict[str, Any]) -> None:
-        state = trainer.state
-        if state.validation_due != "step":  # an epoch's: its row holds these numbers
-            return
-        if self.validation.get("step") != state.step:  # (one a stop signal cut: dropped)
-            self.validation = {"kind": "val", "epoch": state.epoch + 1, "step": state.step}
-            self.sets_done = 0
-        names = list(trainer.validator.sets)  # named as Validator.row names them
-        numbers = {k: v for k, v in metrics.items() if is_number(v)}
-        if self.sets_done == 0:
-            self.validation.update({f"val_{k}": v for k, v in numbers.items()})
-        if name := names[self.sets_done]:
-            self.validation.update({f"val_{name}_{k}": v for k, v in numbers.items()})
-        self.sets_done += 1
-        if self.sets_done == len(names):  # the row glassloop writes
-            self.pending, self.validation = self.validation, {}
+    def take_validation(self, trainer: AnyTrainer) -> None:
+        """The Validator's newest mid-epoch row (``validate_every_n_steps``), once; a row
+        still pending before it is reported first."""
+        row = trainer.validator.last_row
+        if row is not None and row is not self.validation:
+            if self.pending is not None:
+                self.report(trainer, None)
+            self.validation = self.pending = row
 
     def on_epoch_end(self, trainer: AnyTrainer, row: dict[str, Any]) -> None:
+        self.take_validation(trainer)  # (one at the epoch's last step, with no save after it)
+        if self.pending is not None:
+            self.report(trainer, None)
         self.pending = row  # (read when reported: callbacks after this one may add keys)
 
     def on_step_end(self, trainer: AnyTrainer, step: int, loss: torch.Tensor) -> None:
+        self.take_validation(trainer)  # (the last step's, which no checkpoint followed)
         if self.pending is not None:  # no checkpoint followed it
             self.report(trainer, None)
 
     def on_checkpoint(self, trainer: AnyTrainer, path: Path) -> None:
+        self.take_validation(trainer)
         if self.pending is None and trainer.state.step == self.reported_step:
             return  # (the final save of a step Ray has, with its row)
         trainer.checkpointer.wait()  # a background save: complete before Ray copies it
         self.report(trainer, path)
 
     def on_fit_end(self, trainer: AnyTrainer) -> None:
+        self.take_validation(trainer)
         if self.pending is not None and trainer.run_dir is None:  # (no final save follows)
             self.report(trainer, None)
 

@@ -72,6 +72,7 @@ class Validator:
         self.limit, self.counted, self.sinks = limit, counted, sinks
         self.every = every if self.sets else 0  # (read every step: an attribute, no call)
         self.last: dict[str, Any] | None = None  # the first set's metrics (the report's)
+        self.last_row: dict[str, Any] | None = None  # the last mid-epoch row handed out
 
     @property
     def first(self) -> Iterable[Any] | None:
@@ -115,6 +116,7 @@ class Validator:
         row: dict[str, Any] = {"kind": "val", "epoch": state.epoch + 1, "step": state.step}
         row.update(self.row(trainer))
         state.validation_due = ""
+        self.last_row = row
         for sink in self.sinks:
             sink(row)
 

@@ -96,11 +96,12 @@ def rows_table(rows: list[dict[str, Any]], title: str = "") -> str:
 
 
 def facts_table(facts: dict[str, str]) -> str:
-    """A two-column HTML table: each fact's name and its value."""
+    """A two-column HTML table: each fact's name and its value (facts without one left out)."""
     rows = "".join(
         f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
         f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
         for k, v in facts.items()
+        if v
     )
     return f"<table>{rows}</table>"
 
@@ -126,7 +127,7 @@ def trainer_html(trainer: Any) -> str:
     defaults = {f.name: f.default for f in fields(TrainOptions) if f.default is not MISSING}
     changed = {k: v for k, v in trainer.options.items() if k in defaults and v != defaults[k]}
     facts.update({f"option {k}": repr(v) for k, v in changed.items() if k != "callbacks"})
-    history = rows_table(trainer.history, "history") if trainer.history else ""
+    history = rows_table(trainer.record.history, "history") if trainer.record.history else ""
     return f"<div><strong>glassloop.Trainer</strong>{facts_table(facts)}{history}</div>"
 
 
@@ -188,9 +189,8 @@ class RunView:
 
     def _repr_html_(self) -> str:
         s = self.summary
-        facts = {"run": str(s.path), "status": s.status, "step": str(s.step)}
-        facts.update({"epoch": str(s.epoch), "time": s.duration, "final": s.final})
-        facts.update({"best": s.best, **({"error": s.error} if s.error else {})})
+        facts = {"run": str(s.path), "status": s.status, "step": str(s.step), "epoch": str(s.epoch)}
+        facts.update({"time": s.duration, "final": s.final, "best": s.best, "error": s.error})
         images = "".join(
             f"<figure style='display:inline-block'><img alt='{html.escape(p.stem)}' "
             f"src='data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}' "
