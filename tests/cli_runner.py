@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 import traceback
@@ -80,3 +81,10 @@ def cli(capsys: Any, *args: str) -> tuple[int, str, str]:
     code = main(list(args))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a server's, a rendezvous')."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

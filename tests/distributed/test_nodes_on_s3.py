@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli_runner import free_port
 from s3_server import local_s3
 
 pytestmark = pytest.mark.xdist_group("test_nodes_on_s3")
@@ -30,12 +30,6 @@ SMALL = [
     "--set", "checkpoint.every_n_steps=3", "--set", "train.progress=none",
     "--set", "train.dist_timeout_s=5",
 ]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def nodes(

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +35,7 @@ import forkserver
 import numpy as np
 import pytest
 import torch
+from cli_runner import free_port
 from matrix_runs import (
     BATCH,
     EPOCHS,
@@ -99,9 +99,7 @@ def run_script(run: Path, task: str, kind: str, procs: int | str, *extra: str) -
 def two_nodes(args: list[str], *, killing: bool) -> int:
     """``args`` on two torchrun nodes of one process each (c10d rendezvous on 127.0.0.1),
     started together; the first non-zero exit code of the two, or 0."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     launch = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -81,12 +80,6 @@ def test_a_local_store_gets_params_metrics_artifacts_and_status_and_a_resume_con
     assert client.get_run(first).info.status == "FINISHED"
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A real ``mlflow server`` on 127.0.0.1 (its own store), stopped after the test."""
@@ -98,6 +91,8 @@ def server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
 def mlflow_server(folder: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A real ``mlflow server`` on 127.0.0.1, its store in ``folder``: (its URL, its process);
     stopped when the block ends."""
+    from cli_runner import free_port
+
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
