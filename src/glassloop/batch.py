@@ -39,33 +39,30 @@ def split_batch(batch: Any, *, labels_to_model: bool = False) -> tuple[Inputs, A
     >>> args[0].shape, kwargs, y.tolist()
     (torch.Size([2, 3]), {}, [0, 1])
     """
-    (args, kwargs), target = _split(batch)
-    if labels_to_model:
-        kwargs = {**kwargs, "labels": target}
-    return (args, kwargs), target
-
-
-def _split(batch: Any) -> tuple[Inputs, Any]:
-    if isinstance(batch, (tuple, list)):
+    kind = type(batch)
+    if kind is list or kind is tuple or isinstance(batch, (tuple, list)):  # (a loader's: no call)
         if len(batch) < 2:
             raise DataError(
                 f"data: a training batch must be (inputs, target), got a {type(batch).__name__} "
                 f"of length {len(batch)}"
             )
-        return (tuple(batch[:-1]), {}), batch[-1]
-    if isinstance(batch, Mapping):
-        for key in TARGET_KEYS:
-            if key in batch:
-                kwargs = {k: v for k, v in batch.items() if k != key}
-                return ((), kwargs), batch[key]
+        args, kwargs, target = tuple(batch[:-1]), {}, batch[-1]
+    elif isinstance(batch, Mapping):
+        key = next((key for key in TARGET_KEYS if key in batch), None)
+        if key is None:
+            raise DataError(
+                f"data: a dict batch needs a target under one of {list(TARGET_KEYS)}, "
+                f"got keys {sorted(batch)}"
+            )
+        args, kwargs, target = (), {k: v for k, v in batch.items() if k != key}, batch[key]
+    else:
         raise DataError(
-            f"data: a dict batch needs a target under one of {list(TARGET_KEYS)}, "
-            f"got keys {sorted(batch)}"
+            "data: a training batch must be a tuple/list (inputs..., target) or a mapping with "
+            f"a 'labels' key, got {type(batch).__name__}"
         )
-    raise DataError(
-        "data: a training batch must be a tuple/list (inputs..., target) or a mapping with a "
-        f"'labels' key, got {type(batch).__name__}"
-    )
+    if labels_to_model:
+        kwargs = {**kwargs, "labels": target}
+    return (args, kwargs), target
 
 
 def split_inputs(batch: Any, required_inputs: int | None = None) -> Inputs:
@@ -110,7 +107,8 @@ def required_inputs(model: nn.Module) -> int | None:
 
 def batch_size_of(target: Any, inputs: Inputs) -> int:
     """Number of samples in a batch: the target's first dimension, else the first input's."""
-    if isinstance(target, torch.Tensor) and target.ndim > 0:
+    is_tensor = type(target) is torch.Tensor or isinstance(target, torch.Tensor)  # (1st: no call)
+    if is_tensor and target.ndim > 0:
         return int(target.shape[0])
     args, kwargs = inputs
     for value in (*args, *kwargs.values()):

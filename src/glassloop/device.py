@@ -57,14 +57,16 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     ('Pair', 'cpu')
     """
     kind = type(batch)
+    if kind is list or kind is tuple:  # (a tensor already there: no call per item)
+        moved = [
+            x if type(x) is torch.Tensor and x.device == device else move_to_device(x, device)
+            for x in batch
+        ]
+        return moved if kind is list else tuple(moved)
     if kind is torch.Tensor or isinstance(batch, torch.Tensor):
         if batch.device == device:
             return batch
         return batch.to(device, non_blocking=batch.is_pinned())
-    if kind is tuple:
-        return tuple(move_to_device(item, device) for item in batch)
-    if kind is list:
-        return [move_to_device(item, device) for item in batch]
     if kind is dict:
         return {key: move_to_device(value, device) for key, value in batch.items()}
     if isinstance(batch, (str, bytes, int, float, bool)) or batch is None:

@@ -23,7 +23,7 @@ import glassloop.options as options
 import glassloop.step.guards as guards
 import glassloop.step.optim as optimizers
 import glassloop.tasks as tasks
-from glassloop.batch import Inputs, batch_size_of, split_batch
+from glassloop.batch import Inputs, split_batch
 from glassloop.callbacks import Callback
 from glassloop.checkpoint.checkpointer import Checkpointer
 from glassloop.data.position import epoch_batches, waits_cut
@@ -186,29 +186,27 @@ class Trainer:
         an optimizer like LBFGS steps with, the micro-batches, the non-finite guard, the
         EMA of the weights and how each step's window is weighted."""
         self.scaler = make_scaler(self.precision, self.device)
+        self.fp16 = self.scaler.is_enabled()  # (off: the step calls none of the scaler)
+        self.autocast = autocast(self.precision, self.device)  # (reusable: entered each forward)
         # LBFGS & co.: step(closure) evaluates forward, loss and backward itself.
         clipping, processes = bool(self.clip_grad_norm or self.clip_grad_value), self.world.size
         self.closure_step = optimizers.closure_step(
             self.optimizer, self.precision, clipping, self.nonfinite.policy, processes
         )
         # each batch split into micro-batches that fit ("auto": found in the first steps)
-        sharded = self.sharded is not None
-        self.micro_batches = MicroBatches(
-            micro_batch_size, sharded=sharded, closure=self.closure_step
-        )
+        sharded, closure = self.sharded is not None, self.closure_step
+        self.micro_batches = MicroBatches(micro_batch_size, sharded=sharded, closure=closure)
         # The default: NaN/inf noticed on the device, read where the loop reads anyway (no
         # host sync per step); "strict", "skip" and fp16 (its scaler reads) check each step.
         self.watch = guards.NonFiniteWatch(spike=loss_spike)  # (and finite spikes, when asked)
-        self.deferred_check = self.nonfinite.policy == "raise" and not self.scaler.is_enabled()
+        self.deferred_check = self.nonfinite.policy == "raise" and not self.fp16
         # An exponential moving average of the weights (torch's AveragedModel): evaluated
         # and exported instead of the raw weights when enabled.
         self.ema = averaged(self.model, self.ema_decay) if self.ema_decay else None
         tokens = self.loss_weighting == "tokens" and self.loss_reduction == "mean"
-        own = self.loss_fn is None
-        how: dict[str, Any] = {"precision": self.precision, "device": self.device}
-        self.windows = Windows(
-            self.model, self.world, self.summed, tokens, self.ignore_index, own, **how
-        )
+        how = (self.summed, tokens, self.ignore_index, self.loss_fn is None)
+        where: dict[str, Any] = {"precision": self.precision, "device": self.device}
+        self.windows = Windows(self.model, self.world, *how, **where)
 
     def _run_parts(
         self,
@@ -402,17 +400,17 @@ class Trainer:
         if not self._checked_first_batch:
             self._checked_first_batch = True
             self.check_first_batch(*micro[0])
-        local = sum(batch_size_of(target, inputs) for inputs, target in micro)  # this process's
         # train_accuracy's [right, counted] labels, counted by its first forward_backward
         self._correct: torch.Tensor | None = None
         # (micro_batch_size: split; several processes: the stop signal any of them got)
         window, signum = self.windows.make(self.micro_batches.split(micro), self._signals.received)
-        if self.micro_batches.trying:  # "auto", a first step: out of memory halves, retried
+        if self.micro_batches.trials_left:  # "auto", a first step: out of memory halves, retried
             loss, window, signum = self.micro_batches.first_step(self, micro, window, signum)
         elif self.throughput.counting:  # a fit's first step: its FLOPs, for MFU (GPU only)
-            loss = self.throughput.count(self.train_step, window, local, micro)
+            loss = self.throughput.count(self.train_step, window, micro)
         else:
             loss = self.train_step(window)
+        local = window.local  # this process's samples (window.samples: every process's)
         if self.throughput.tokens:
             self.throughput.add(micro)  # a language model's tokens, for tokens/s
         state.samples_seen += window.samples
@@ -460,7 +458,7 @@ class Trainer:
             self.watch.observe(window_loss)  # (nonfinite="raise" only: the others are refused)
         else:
             window_loss = self.forward_backward(window)  # forward, loss, backward
-            if not self.step(self.optimizer, window_loss, len(window)):
+            if not self.step(self.optimizer, window_loss, len(window.batches)):
                 return None  # skipped: nothing learned
         return window_loss
 
@@ -472,14 +470,14 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         window_loss: torch.Tensor | None = None
         counting = self.train_accuracy and self._correct is None  # (once a step: LBFGS, a retry)
-        last = len(window) - 1
+        last = len(window.batches) - 1
         for i, (((args, kwargs), target), weight) in enumerate(
-            zip(window, window.weights, strict=True)
+            zip(window.batches, window.weights, strict=True)
         ):
             # Several processes: gradients are reduced across them only in the window's last
             # micro-batch's backward (DDP's no_sync, FSDP's requires_gradient_sync).
             with fsdp.gradient_sync(self.model, i == last):
-                with autocast(self.precision, self.device):
+                with self.autocast:
                     output = self.model(*args, **kwargs)  # forward
                     # The model's own loss (e.g. a Hugging Face model given labels) or ours.
                     loss = (
@@ -501,7 +499,8 @@ class Trainer:
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` as the loop does it: under fp16 the loss is scaled first, so
         small gradients stay representable (:meth:`step` unscales them)."""
-        self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]  # adds up in .grad
+        scaled = self.scaler.scale(loss) if self.fp16 else loss  # (fp32: no call)
+        scaled.backward()  # type: ignore[no-untyped-call]  # adds up in .grad
 
     def step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor, batches: int = 1) -> bool:
         """``optimizer.step()`` as the loop takes it: unscale (fp16), clip, check ``loss`` and
@@ -515,12 +514,14 @@ class Trainer:
         self.state.consecutive_nonfinite = 0
         if self.gradient_flow.pending:  # a fresh run's first steps: weights left without one
             self.gradient_flow.check(optimizer)
-        fp16 = self.scaler.is_enabled()
-        scale = self.scaler.get_scale() if fp16 else 1.0
-        self.scaler.step(optimizer)  # optimizer.step(); fp16: unless gradients overflowed
-        self.scaler.update()
+        if self.fp16:  # optimizer.step() unless the gradients overflowed; the scale adapts
+            scale = self.scaler.get_scale()
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)  # None frees memory; next backward writes
-        if fp16 and self.scaler.get_scale() < scale:  # the scale drops only on a skipped step
+        if self.fp16 and self.scaler.get_scale() < scale:  # it drops only on a skipped step
             self.state.skipped_steps += 1
             return False
         if self.ema is not None:
@@ -534,9 +535,8 @@ class Trainer:
             self.watch.observe(window_loss)  # read at the next step row, checkpoint, epoch end
             return True
         self.scaler.unscale_(optimizer)  # fp16: true gradients for clipping and the check
-        # Every parameter, frozen ones too, filtered by gradient each step: layers unfrozen
-        # after the Trainer was built are clipped and checked (the list is kept: walking the
-        # module tree each step cost ~4 us on a small model).
+        # Every parameter with a gradient, frozen ones too (one unfrozen later is clipped and
+        # checked); the list is kept (walking the module tree each step: ~4 us, small model).
         own = self._parameters if optimizer is self.optimizer else optimizer_parameters(optimizer)
         params = [p for p in own if p.grad is not None]
         if self.clip_grad_value:
@@ -552,7 +552,7 @@ class Trainer:
             return True
         # "strict", "skip", fp16: decided now, alike in every process (fp16: the scaler
         # checks the gradients itself; a clipped norm is finite exactly when they all are).
-        gradients = params if not self.clip_grad_norm and not self.scaler.is_enabled() else []
+        gradients = params if not self.clip_grad_norm and not self.fp16 else []
         return guards.all_finite(checked, gradients, self.world, sharded=self.sharded is not None)
 
     def _end_epoch(self, row: dict[str, Any], epochs: int) -> None:
@@ -614,7 +614,7 @@ class Trainer:
             # (FSDP: the weights' and optimizer's shards, glassloop.distributed.fsdp.ShardedState)
             "optimizer": self.sharded if self.sharded is not None else self.optimizer,
             "scheduler": self.scheduler,
-            "scaler": self.scaler if self.scaler.is_enabled() else None,
+            "scaler": self.scaler if self.fp16 else None,
             "ema": self.ema,
             "data": loader if hasattr(loader, "state_dict") else None,
             "micro_batches": self.micro_batches if self.micro_batches.auto else None,

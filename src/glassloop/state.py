@@ -118,8 +118,8 @@ class EpochRecord:
         ``step_samples`` over ``processes``; ``summed``: the loss is a sum over the step's
         samples. Kept on the device (no host sync per step), weighted by the step's samples
         per process. Returns the step's loss (the total of named ones), for the step row."""
-        if not isinstance(loss, torch.Tensor):  # named losses: the total first, then each
-            loss = self.stack_named(loss)  # (an isinstance on Tensor: an ABC check is ~10x dearer)
+        if type(loss) is not torch.Tensor and not isinstance(loss, torch.Tensor):  # (1st: no call)
+            loss = self.stack_named(loss)  # named losses: the total first, then each
         if summed:  # reported per sample (float64: no rounding)
             loss = loss.double() / step_samples
         self.losses.append(loss)

@@ -9,7 +9,7 @@ import itertools
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from torch.utils.data import DataLoader
 
@@ -130,10 +130,10 @@ def waits_cut(
     later = isinstance(loader, (InMemoryLoader, list, tuple)) or workers_of(loader) > 0
     rng = capture_loader_rng(loader)  # (before iter(): what an epoch's first fetch draws)
     iterator = iter(batches)
-    handed, saved = 0, None
+    handed, saved = 0, cast(tuple[int, int, int] | None, None)
     while True:
-        if position is not None and handed % window == 0:
-            saved = position.state_dict()
+        if position is not None and handed % window == 0:  # (all a fetch moves; no call)
+            saved = position.epoch, position.batches_consumed, position.sampler.offset
         try:
             signals.waiting = signals.received is None and (handed == 0 or later)
             try:
@@ -145,8 +145,8 @@ def waits_cut(
         except StopRequested:  # (also one raised as next() returned: the batch is dropped)
             if handed == 0:
                 restore_loader_rng(loader, rng)
-            if saved is not None:
-                position.load_state_dict(saved)  # type: ignore[union-attr]
+            if position is not None and saved is not None:
+                position.epoch, position.batches_consumed, position.sampler.offset = saved
             close_workers(iterator, at_once=True)
             raise
         handed += 1

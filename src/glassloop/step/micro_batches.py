@@ -87,7 +87,7 @@ class MicroBatches:
             )
         self.auto = size == "auto"
         self.rows: int | None = None if size in (None, 0, "auto") else int(size)
-        self.trials_left = TRIAL_STEPS if self.auto else 0
+        self.trials_left = TRIAL_STEPS if self.auto else 0  # (steps an out-of-memory halves)
         self.halved_from: int | None = None  # the batch rows that did not fit, to be said
 
     def split(self, micro: list[Micro]) -> list[Micro]:
@@ -95,11 +95,6 @@ class MicroBatches:
         if self.rows is None:
             return micro
         return [part for batch in micro for part in split_rows(batch, self.rows)]
-
-    @property
-    def trying(self) -> bool:
-        """Whether an out-of-memory error in this step still halves the micro-batch."""
-        return self.trials_left > 0
 
     def halve(self, micro: list[Micro]) -> None:
         """After an out-of-memory error: half as many rows per micro-batch (an error when a

@@ -72,9 +72,7 @@ class Throughput:
         """A language model's step: its targets' positions."""
         self.tokens_seen += positions(micro)
 
-    def count(
-        self, step: Callable[[Any], Any], window: Any, samples: int, micro: list[tuple[Any, Any]]
-    ) -> Any:
+    def count(self, step: Callable[[Any], Any], window: Any, micro: list[tuple[Any, Any]]) -> Any:
         """``step(window)`` (a fit's first) under the FLOP counter; its FLOPs per sample (or
         token) are what MFU multiplies by."""
         self.counting = False
@@ -83,7 +81,7 @@ class Throughput:
             # they count nothing twice, FLOPs are counted per operation)
             warnings.filterwarnings("ignore", "Using `torch.compile", UserWarning)
             result = step(window)
-        units = positions(micro) if self.tokens else samples
+        units = positions(micro) if self.tokens else window.local  # (this process's)
         if units:
             self.flops_per_unit = counter.get_total_flops() / units
         return result

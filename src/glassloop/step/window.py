@@ -52,11 +52,12 @@ class Windows:
         process: the loss as it is) and under DDP the stop signal any process ``received``,
         in one collective. Weighted by tokens (labels other than ``ignore_index``, from the
         model's shift on) or by samples; ``summed``: a loss that adds up over a batch."""
-        sizes = [batch_size_of(target, inputs) for inputs, target in micro]
-        samples = sum(sizes)
-        if len(micro) == 1 and not self.distributed:  # (alone: as is)
-            return Window(micro, [None], samples), None
-        counts = sizes
+        if len(micro) == 1 and not self.distributed:  # alone: the loss as it is (the default)
+            ((inputs, target),) = micro
+            samples = batch_size_of(target, inputs)
+            return Window(micro, [None], samples, samples), None
+        counts = [batch_size_of(target, inputs) for inputs, target in micro]
+        local = samples = sum(counts)
         if self.tokens:
             if self.shift is None and self.own_loss:  # HF causal LMs: by one
                 inputs, target = micro[0]
@@ -68,7 +69,7 @@ class Windows:
         if self.distributed:  # the counts of every process, and a stop signal of any
             total, samples, signum = agreed_counts(total, samples, received)
         weights = loss_weights(counts, total, self.world.size, summing=self.summed)
-        return Window(micro, list(weights), samples), signum
+        return Window(micro, list(weights), samples, local), signum
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Window(Sequence[tuple[Inputs, Any]]):
     batches: list[tuple[Inputs, Any]]
     weights: list[float | None]  # each micro-batch's share of the step's loss (None: as is)
     samples: int  # samples in the window, over every process
+    local: int  # this process's samples in it
 
     def __len__(self) -> int:
         return len(self.batches)
