@@ -13,7 +13,7 @@ from typing import Any, cast
 
 from torch.utils.data import DataLoader
 
-from glassloop.data.loaders import InMemoryLoader, LoaderPosition, close_workers
+from glassloop.data.loaders import LoaderPosition, close_workers
 from glassloop.distributed.preemption import StopRequested, StopSignals
 from glassloop.distributed.world import World
 from glassloop.rng import capture_rng_state, loader_generators, restore_rng_state
@@ -113,21 +113,22 @@ def waits_cut(
     once (``signals.waiting``): a slow loader (a network dataset, workers starting, a cold
     cache) must not outlast a scheduler's grace. The step being gathered (``window``
     micro-batches) is dropped whole and the checkpoint is the last completed step's, so
-    what the dropped fetch changed is put back: a glassloop loader's position (two
+    what the dropped fetch changed is put back: a glassloop loader's position (three
     integers, read at each window's start) and, in an epoch's first wait, every RNG as it
     was before ``iter()`` (a ``DataLoader`` draws its shuffle and worker seeds there).
 
-    Which waits are cut: an epoch's first, always; a later one only when the fetch leaves
-    the main process's RNGs alone (worker processes, an in-memory glassloop loader, a
-    list), as the RNGs are not captured at every step (68 us: more than a small step). Not
-    with several processes (they agree on a stop at the next step's collective), nor for a
-    loader with a ``state_dict()`` of its own that is not glassloop's (what a cut leaves
-    in it is unknown)."""
+    Which waits are cut: an epoch's first, always; a later one only when a loader's worker
+    processes fetch it (a wait that can be long, and leaves the main process's RNGs alone:
+    they are not captured at every step, 68 us, more than a small step). The later batches
+    of a loader without workers (in memory: no wait to cut) are passed on as they come
+    (``yield from``). Not with several processes (they agree on a stop at the next
+    step's collective), nor for a loader with a ``state_dict()`` of its own that is not
+    glassloop's (what a cut leaves in it is unknown)."""
     position = loader if isinstance(loader, LoaderPosition) else None
     if world.distributed or (position is None and hasattr(loader, "state_dict")):
         yield from batches
         return
-    later = isinstance(loader, (InMemoryLoader, list, tuple)) or workers_of(loader) > 0
+    later = workers_of(loader) > 0
     rng = capture_loader_rng(loader)  # (before iter(): what an epoch's first fetch draws)
     iterator = iter(batches)
     handed, saved = 0, cast(tuple[int, int, int] | None, None)
@@ -151,6 +152,9 @@ def waits_cut(
             raise
         handed += 1
         yield batch
+        if not later:  # the rest as they come
+            yield from iterator
+            return
 
 
 def workers_of(loader: Any) -> int:
