@@ -1,7 +1,7 @@
 """Checkpoint save speed at ~50M and ~200M parameters: glassloop against torch.save, DCP, the disk.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/checkpoint_speed.py --sizes 50,200 --repeats 3
-    # options: --dir /path/on/the/disk (default: here)   --resume (the resume time, largest size)
+    # options: --dir /path/on/the/disk (default: here)   --resume (a resume at each size instead)
 
 Each size is a stack of ``nn.Linear(w, w)`` (w = 2048 for 50, 4096 for 200; built with seed 0)
 after one Adam step, so the checkpoint holds the weights and Adam's two moments (about 3x the
@@ -22,10 +22,12 @@ deleted before each timed run (not timed). Medians over ``--repeats``:
    background write committed). Printed as "not available" where glassloop has no async save.
 
 GB/s is 10^9 bytes (the checkpoint's tensor bytes, the same for every row) per second.
-``--resume``: from a fresh Python process's start to ``read_checkpoint`` of the largest size's
-glassloop checkpoint returned and its weights loaded (``load_checked``) into a freshly built
-model, split into its phases. The checkpoint was just written, so it is read from the page
-cache (a cold read adds the disk's read time). Prints markdown tables for docs/benchmarks.md.
+``--resume``: instead of the saves, a resume at each size, in fresh Python processes from
+their start to their first step (imports, the model and its Adam built, the checkpoint
+loaded into both): glassloop's ``Checkpointer.resume`` against a hand ``torch.load`` of one
+``torch.save`` file and ``load_state_dict`` of the model and the optimizer, taking turns.
+Both files were just written, so they are read from the page cache (a cold read adds the
+disk's read time to both). Prints markdown tables for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -64,22 +66,36 @@ LABELS = {
     "glassloop sync": "glassloop `LocalStore.commit`",
 }
 
-# The resume, in a fresh process: what a restarted job does before its first step.
+# A resume in a fresh process, from its start to its first step: the imports, the model and its
+# Adam built (default init), the checkpoint loaded into both. "hand": torch.load of one
+# torch.save file, then model.load_state_dict and optimizer.load_state_dict; "glassloop":
+# Checkpointer.resume (every file's SHA-256 against the manifest, headers, finite weights,
+# the training state's checks, then the weights, the optimizer, the RNG and the loop state).
 RESUME = """
 import json, sys, time
 from pathlib import Path
 import torch
 from torch import nn
-from glassloop.run_dir.checkpoints import read_checkpoint
-from glassloop.storage.weights import load_checked
+how, width, layers, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+if how == "glassloop":
+    from glassloop.checkpoint.checkpointer import Checkpointer
+    from glassloop.options import CheckpointConfig
+    from glassloop.state import TrainState
 imported = time.time()
-width, layers, path = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
 model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
-built = time.time()
-checkpoint = read_checkpoint(path)
-read = time.time()
-load_checked(model, checkpoint.model_tensors, checkpoint.weights)
-print(json.dumps([imported, built, read, time.time()]))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+built, cpu = time.time(), time.process_time()
+if how == "glassloop":
+    checkpointer = Checkpointer(path.parent.parent, CheckpointConfig(), model=model)
+    checkpointer.attach({"loop": TrainState(), "optimizer": optimizer})
+    checkpointer.resume(path, epochs=2)
+    assert checkpointer.state.step == 1
+else:
+    state = torch.load(path)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+assert len(optimizer.state) == 2 * layers
+print(json.dumps([imported, built, time.time(), time.process_time() - cpu]))
 """
 
 
@@ -225,32 +241,52 @@ def measure(millions: int, root: Path, repeats: int) -> tuple[Path, int]:
     return saved[-1], nbytes
 
 
-def resume(millions: int, path: Path, repeats: int) -> None:
-    """Time a fresh process from its start to the weights of ``path`` loaded into a model."""
+def resume(millions: int, root: Path, repeats: int) -> None:
+    """Print the table of a resume from the checkpoint of ``millions`` parameters: fresh
+    processes, the hand resume and glassloop's taking turns (page cache warm: just written)."""
+    model, optimizer = build(millions)
+    run_dir = root / f"{millions}M-resume"
+    run_dir.mkdir()
+    checkpointer = Checkpointer(run_dir, CheckpointConfig(), model=model, say=lambda _: None)
+    checkpointer.attach({"loop": TrainState(step=1), "optimizer": optimizer})
+    paths = {"glassloop": checkpointer.save(), "hand": root / f"{millions}M-resume.pt"}
+    torch_save(paths["hand"], model, optimizer)
+    del model, optimizer, checkpointer  # (their memory back before the fresh processes)
     width, layers = shape(millions)
-    command = [sys.executable, "-c", RESUME, str(width), str(layers), str(path)]
-    phases: list[list[float]] = []
-    for _ in range(repeats):
-        start = time.time()  # (wall clock: the child's stamps are compared with it)
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
-        imported, built, read, loaded = json.loads(done.stdout.splitlines()[-1])
-        phases.append([imported - start, built - imported, read - built, loaded - read])
-        phases[-1].append(loaded - start)
-        print(f"  resume {millions}M: {loaded - start:.2f} s", file=sys.stderr)
-    names = (
-        "python start + imports (torch, glassloop)",
-        "build the model (default init)",
-        "`read_checkpoint` (SHA-256 of every file, read, finite check)",
-        "`load_checked` into the model",
-        "**total: process start to weights loaded**",
-    )
+    phases: dict[str, list[list[float]]] = {"hand": [], "glassloop": []}
+    for rep in range(repeats):
+        for how in phases:  # (taking turns: a slower moment of the box slows both)
+            command = [sys.executable, "-c", RESUME, how, str(width), str(layers), str(paths[how])]
+            start = time.time()  # (wall clock: the child's stamps are compared with it)
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            imported, built, loaded, cpu = json.loads(done.stdout.splitlines()[-1])
+            phases[how].append([imported - start, built - imported, loaded - built, cpu])
+            phases[how][-1].append(loaded - start)
+            print(
+                f"  resume {millions}M rep {rep + 1}: {how} {loaded - start:.2f} s", file=sys.stderr
+            )
+    median = {
+        how: [statistics.median(p[i] for p in ps) for i in range(5)] for how, ps in phases.items()
+    }
+    nbytes = sum(p.stat().st_size for p in paths["glassloop"].iterdir())
     print(
-        f"\n**Resume, {millions}M model** (fresh process, page cache warm), median of {repeats}\n"
+        f"\n**Resume, {millions}M parameters** ({layers} x `nn.Linear({width}, {width})` and Adam; "
+        f"glassloop's checkpoint {nbytes / 2**30:.3f} GiB, the `torch.save` file "
+        f"{paths['hand'].stat().st_size / 2**30:.3f} GiB), fresh processes taking turns, page "
+        f"cache warm, median of {repeats}\n"
     )
-    print("| phase | s |")
-    print("|---|---:|")
+    print("| phase | hand: s | glassloop: s | ratio |")
+    print("|---|---:|---:|---:|")
+    names = (
+        "python start + imports",
+        "build the model and Adam (default init)",
+        "load: the checkpoint into the model and Adam",
+        "load: CPU seconds (all threads)",
+        "**total: process start to the first step**",
+    )
     for i, name in enumerate(names):
-        print(f"| {name} | {statistics.median(p[i] for p in phases):.2f} |")
+        hand, ours = median["hand"][i], median["glassloop"][i]
+        print(f"| {name} | {hand:.3f} | {ours:.3f} | {ours / hand:.2f}x |")
 
 
 def filesystem(path: Path) -> str:
@@ -278,7 +314,9 @@ def main() -> None:
         "--dir", type=Path, default=Path("."), help="a folder on the disk to measure"
     )
     parser.add_argument(
-        "--resume", action="store_true", help="also time a resume of the largest size"
+        "--resume",
+        action="store_true",
+        help="time a resume at each size instead: glassloop's against torch.load + load_state_dict",
     )
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # (DCP's: no_dist)
@@ -293,9 +331,10 @@ def main() -> None:
             f"({filesystem(root)})"
         )
         for millions in sizes:
-            last, _ = measure(millions, root, args.repeats)
-            if args.resume and millions == sizes[-1]:
-                resume(millions, last, args.repeats)
+            if args.resume:
+                resume(millions, root, args.repeats)
+            else:
+                measure(millions, root, args.repeats)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

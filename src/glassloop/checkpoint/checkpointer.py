@@ -43,7 +43,6 @@ from glassloop.errors import (
 from glassloop.options import CheckpointConfig, RunInfo
 from glassloop.rng import capture_rng_state, restore_rng_state
 from glassloop.run_dir.checkpoints import (
-    FORMAT_VERSION,
     Checkpoint,
     begin_staging,
     checkpoints_dir,
@@ -60,6 +59,7 @@ from glassloop.run_dir.checkpoints import (
 )
 from glassloop.run_dir.layout import BEST, SHARDS
 from glassloop.run_dir.local_store import LocalStore
+from glassloop.run_dir.manifest import FORMAT_VERSION
 from glassloop.run_dir.run import RunDir
 from glassloop.state import EpochRecord, TrainState
 from glassloop.storage.frozen_base import FrozenBase, adapter_alone, recorded_names

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from glassloop.errors import CheckpointError
-from glassloop.run_dir.checkpoints import SAFE_NAME, mark, remove_marked, verify_files
+from glassloop.run_dir.checkpoints import mark, remove_marked
 from glassloop.run_dir.layout import BEST, CHECKPOINTS, LATEST, MANIFEST, STEP_DIR
+from glassloop.run_dir.manifest import SAFE_NAME, verify_files
 from glassloop.storage.atomic import own_dir, refuse_link, remove_tree, replace_own
 
 

@@ -24,9 +24,9 @@ from glassloop.run_dir.checkpoints import (
     remove_marked,
     stage_checkpoint,
     step_dir_name,
-    verify_files,
 )
 from glassloop.run_dir.layout import BEST, CHECKPOINTS, LATEST
+from glassloop.run_dir.manifest import verify_files
 from glassloop.storage.atomic import (
     ForeignPathError,
     atomic_path,

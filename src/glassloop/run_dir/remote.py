@@ -23,7 +23,7 @@ only after the manifest reads back byte for byte)::
 
 A resume rebuilds the local copy from the bucket (the bucket is the run; the local copy is
 glassloop's cache of it): the newest remote checkpoint whose manifest exists and whose every
-file verifies (size and SHA-256, :func:`glassloop.run_dir.checkpoints.verify_files`), then the run's
+file verifies (size and SHA-256, :func:`glassloop.run_dir.manifest.verify_files`), then the run's
 files; a checkpoint cut short by a kill (no manifest), damaged or missing an object is
 skipped, with a line; a bucket that cannot be read is an error, never a fresh start. Pruning
 keeps the newest ``keep_last`` complete checkpoints (at least two) and the one ``latest``

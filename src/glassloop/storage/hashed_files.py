@@ -1,12 +1,16 @@
-"""Files written and hashed in one pass: safetensors files and the JSON of a checkpoint, each
-fsync'd once, their SHA-256 computed while the bytes go out (a checkpoint's manifest), so a
-save costs the disk's time, not the disk's time plus a second read to hash.
+"""Files written and read in one pass, hashed on the way: safetensors files and the JSON of a
+checkpoint, each fsync'd once, their SHA-256 computed while the bytes go out (a checkpoint's
+manifest) and again while they come back in on a resume, so a save costs the disk's time, not
+the disk's time plus a second read to hash, and a resume one read, not a read to hash and
+another to load.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import mmap
 import os
 import queue
 import re
@@ -19,29 +23,49 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from glassloop.storage.atomic import fsync_file, open_own
+from glassloop.errors import CheckpointError
+from glassloop.storage.atomic import NOFOLLOW, fsync_file, open_own
 from glassloop.storage.serialization import sha256_of
 
 CHUNK = 8 << 20  # bytes per write: large enough for disk speed, small enough to overlap
 
 
+class Hasher:
+    """SHA-256 in a thread of its own, fed chunks in file order: the caller reads or writes
+    the next chunk while the last one is hashed (``hashlib`` and raw reads and writes release
+    the GIL for buffers this large, so the two run on two cores)."""
+
+    def __init__(self) -> None:
+        self.digest = hashlib.sha256()
+        self.chunks: queue.Queue[memoryview | bytes | None] = queue.Queue(maxsize=8)
+        self.thread = threading.Thread(target=self._hash, name="glassloop-sha256", daemon=True)
+        self.thread.start()
+
+    def _hash(self) -> None:
+        while (chunk := self.chunks.get()) is not None:
+            self.digest.update(chunk)
+
+    def update(self, chunk: memoryview | bytes) -> None:
+        self.chunks.put(chunk)  # (never changed afterwards: a tensor's or a file's bytes)
+
+    def hexdigest(self) -> str:
+        self.close()
+        return self.digest.hexdigest()
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.chunks.put(None)
+            self.thread.join()
+
+
 def write_digested(path: Path, pieces: Iterable[memoryview | bytes]) -> tuple[int, str]:
     """Write ``pieces`` into the new file ``path`` (never through a link), fsync it once and
-    return its size and SHA-256, hashed while it is written: a second thread hashes each
-    chunk as the first writes it (both release the GIL), so a checkpoint costs its write,
-    not its write plus a second pass to read it back (0.71 s instead of 1.06 s for 0.55 GB
-    on a 2-core box: benchmarks/checkpoint.py)."""
-    digest = hashlib.sha256()
-    chunks: queue.Queue[memoryview | bytes | None] = queue.Queue(maxsize=8)
-
-    def hash_chunks() -> None:
-        while (chunk := chunks.get()) is not None:
-            digest.update(chunk)
-
-    hasher = threading.Thread(target=hash_chunks, name="glassloop-sha256", daemon=True)
-    hasher.start()
+    return its size and SHA-256, hashed while it is written (:class:`Hasher`), so a
+    checkpoint costs its write, not its write plus a second pass to read it back (0.71 s
+    instead of 1.06 s for 0.55 GB on a 2-core box: benchmarks/checkpoint.py)."""
+    hasher = Hasher()
     size = 0
     try:
         with open_own(path, "wb", buffering=0) as handle:
@@ -49,18 +73,89 @@ def write_digested(path: Path, pieces: Iterable[memoryview | bytes]) -> tuple[in
                 view = memoryview(piece).cast("B")
                 for start in range(0, len(view), CHUNK):
                     chunk = view[start : start + CHUNK]
-                    chunks.put(chunk)
+                    hasher.update(chunk)
                     while chunk:  # (a raw write may take fewer bytes than it was given)
                         chunk = chunk[handle.write(chunk) :]
                     size += min(CHUNK, len(view) - start)
-            chunks.put(None)
-            hasher.join()
+            digest = hasher.hexdigest()
             os.fsync(handle.fileno())
     finally:
-        if hasher.is_alive():
-            chunks.put(None)
-            hasher.join()
-    return size, digest.hexdigest()
+        hasher.close()
+    return size, digest
+
+
+def read_hashed(
+    path: Path, header: dict[str, Any], *, copy: bool = True
+) -> tuple[dict[str, torch.Tensor], str]:
+    """The tensors of the safetensors file ``path`` and the SHA-256 of its bytes, in one pass
+    over them (the file mapped into memory, never through a link). ``header``: its header as
+    :func:`glassloop.storage.weights.read_safetensors_header` checked it (the offsets are
+    taken from the bytes hashed, and must agree with it). The caller compares the digest
+    before it hands a tensor to anyone.
+
+    ``copy``: each tensor in memory of its own, hashed from that copy as the next one is
+    made (:class:`Hasher`), so the tensors are exactly the bytes hashed: a state that
+    training goes on from (packed in one buffer at 4-byte offsets, a reduction sums in
+    another order: an LBFGS resumed from them took a different step). Otherwise views of the
+    mapped file, hashed as they are: weights that are copied into a model right away."""
+    dtypes = [v["dtype"] for k, v in header.items() if k != "__metadata__"]
+    if sys.byteorder != "little" or any(name not in NAMED_DTYPES for name in dtypes):
+        tensors = {k: t.clone() for k, t in load_file(path).items()}  # (safetensors' own)
+        return tensors, sha256_of(path)
+    fd = os.open(path, os.O_RDONLY | NOFOLLOW)
+    try:  # (ACCESS_COPY: writable, privately, so torch never warns of a read-only buffer)
+        data = memoryview(mmap.mmap(fd, 0, access=mmap.ACCESS_COPY))
+    finally:
+        os.close(fd)
+    start = 8 + struct.unpack_from("<Q", data)[0]
+    hasher, tensors = Hasher(), {}
+    try:
+        hasher.update(data if not copy else data[:start])
+        tensors_at = _layout(path, data[8:start], header)
+        if start + (tensors_at[-1][1][1] if tensors_at else 0) != len(data):
+            raise CheckpointError(f"checkpoint: '{path}' changed while it was read")
+        for name, (begin, end), dtype, shape in tensors_at:
+            size, at = end - begin, start + begin
+            if not size:
+                tensors[name] = torch.empty(shape, dtype=dtype)
+            elif not copy:
+                count = size // dtype.itemsize
+                tensors[name] = torch.frombuffer(data, dtype=dtype, count=count, offset=at)
+                tensors[name] = tensors[name].view(shape)
+            else:  # (torch's copy releases the GIL, as the hash does)
+                tensors[name] = torch.empty(shape, dtype=dtype)
+                own = tensors[name].reshape(-1).view(torch.uint8)
+                mapped = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=at)
+                for part in range(0, size, CHUNK):
+                    own[part : part + CHUNK].copy_(mapped[part : part + CHUNK])
+                    hasher.update(_memory(own[part : part + CHUNK]))
+        return tensors, hasher.hexdigest()
+    finally:
+        hasher.close()
+
+
+def _layout(
+    path: Path, raw: memoryview, header: dict[str, Any]
+) -> list[tuple[str, tuple[int, int], torch.dtype, list[int]]]:
+    """Each tensor's name, byte range, dtype and shape from the header's bytes, in file order,
+    as ``header`` (the same bytes, checked by safetensors) has them: one after the other,
+    each of its size."""
+    changed = CheckpointError(f"checkpoint: '{path}' changed while it was read")
+    try:
+        stored = json.loads(bytes(raw))
+        entries = sorted((v["data_offsets"], k) for k, v in stored.items() if k != "__metadata__")
+        out, offset = [], 0
+        for (begin, end), name in entries:
+            dtype, shape = NAMED_DTYPES[stored[name]["dtype"]], stored[name]["shape"]
+            size = math.prod(shape) * dtype.itemsize
+            checked = header[name]["shape"], header[name]["dtype"], begin, end - begin
+            if checked != (shape, stored[name]["dtype"], offset, size):
+                raise changed
+            out.append((name, (begin, end), dtype, shape))
+            offset = end
+    except (KeyError, TypeError, ValueError) as err:
+        raise changed from err
+    return out
 
 
 def write_safetensors(
@@ -127,6 +222,7 @@ DTYPE_NAMES = {
     torch.uint64: "U64",
 }
 DTYPE_ORDER = {dtype: rank for rank, dtype in enumerate(DTYPE_NAMES)}
+NAMED_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 def _save_file(

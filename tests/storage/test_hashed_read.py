@@ -1,0 +1,104 @@
+"""A checkpoint read in one pass: each file hashed as it is read, the tensors made from the
+bytes hashed, and a damaged file still refused by its SHA-256 before anything is loaded."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from glassloop import CheckpointError
+from glassloop.checkpoint.checkpointer import Checkpointer
+from glassloop.options import CheckpointConfig
+from glassloop.run_dir.checkpoints import read_checkpoint
+from glassloop.state import TrainState
+from glassloop.storage.hashed_files import DTYPE_NAMES, read_hashed, write_safetensors
+from glassloop.storage.weights import read_safetensors_header
+
+
+def raw(tensor: torch.Tensor) -> bytes:
+    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_the_tensors_are_safetensors_own_and_the_digest_the_files(
+    tmp_path: Path, copy: bool
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        f"{dtype}".removeprefix("torch."): (torch.rand(3, 5, generator=g) * 100).to(dtype)
+        for dtype in DTYPE_NAMES
+    }
+    tensors |= {
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(2.5),
+        "big": torch.randn(3 << 20),
+    }
+    path = tmp_path / "t.safetensors"
+    write_safetensors(tensors, path, {"format": "test"})
+    read, digest = read_hashed(path, read_safetensors_header(path), copy=copy)
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    expected = load_file(path)
+    assert set(read) == set(expected)
+    for name, tensor in read.items():
+        assert tensor.dtype == expected[name].dtype and tensor.shape == expected[name].shape
+        assert raw(tensor) == raw(expected[name]), name
+        if copy and tensor.numel():  # memory of its own (a reduction sums in the same order)
+            assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+def saved(run_dir: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A checkpoint of a model after two Adam steps, and the weights it holds."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 32)
+    optimizer = torch.optim.Adam(model.parameters())
+    for _ in range(2):
+        model(torch.randn(4, 64)).square().mean().backward()
+        optimizer.step()
+    checkpointer = Checkpointer(run_dir, CheckpointConfig(), model=model)
+    checkpointer.attach({"loop": TrainState(step=2), "optimizer": optimizer})
+    path = checkpointer.save()
+    assert path is not None
+    return path, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_read_once_gives_back_what_was_saved(tmp_path: Path) -> None:
+    path, weights = saved(tmp_path)
+    checkpoint = read_checkpoint(path)
+    assert all(torch.equal(checkpoint.model_tensors[k], v) for k, v in weights.items())
+    moments = checkpoint.state["optimizer"]["state"][0]
+    assert moments["exp_avg"].shape == (32, 64) and moments["exp_avg_sq"].min() >= 0
+
+
+@pytest.mark.parametrize("where", ["header", "middle", "last"])
+@pytest.mark.parametrize(
+    "name", ["model.safetensors", "state.safetensors", "state.json", "meta.json"]
+)
+def test_a_changed_byte_is_named_by_its_sha256_and_nothing_is_loaded(
+    tmp_path: Path, name: str, where: str
+) -> None:
+    """A byte changed anywhere (a safetensors header too, which would otherwise fail its
+    own check first) is refused as a file that fails its SHA-256 check, in one line, and the
+    model and the optimizer resuming from it are left as they were."""
+    path, _ = saved(tmp_path)
+    data = bytearray((path / name).read_bytes())
+    at = {"header": 12, "middle": len(data) // 2, "last": len(data) - 1}[where]
+    data[at] ^= 0x01
+    (path / name).write_bytes(bytes(data))
+    torch.manual_seed(1)
+    model = nn.Linear(64, 32)
+    optimizer = torch.optim.Adam(model.parameters())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(), model=model)
+    checkpointer.attach({"loop": TrainState(), "optimizer": optimizer})
+    with pytest.raises(CheckpointError) as info:
+        checkpointer.resume(path, epochs=1)
+    assert str(info.value).splitlines() == [
+        f"checkpoint: '{path}': {name} fails its SHA-256 check (corrupt or modified)"
+    ]
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert optimizer.state_dict()["state"] == {} and checkpointer.state.step == 0
