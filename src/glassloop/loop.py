@@ -200,6 +200,7 @@ class Trainer:
         # host sync per step); "strict", "skip" and fp16 (its scaler reads) check each step.
         self.watch = guards.NonFiniteWatch(spike=loss_spike)  # (and finite spikes, when asked)
         self.deferred_check = self.nonfinite.policy == "raise" and not self.fp16
+        self.watch_only = self.deferred_check and not (self.clip_grad_norm or self.clip_grad_value)
         # An exponential moving average of the weights (torch's AveragedModel): evaluated
         # and exported instead of the raw weights when enabled.
         self.ema = averaged(self.model, self.ema_decay) if self.ema_decay else None
@@ -403,7 +404,7 @@ class Trainer:
         # train_accuracy's [right, counted] labels, counted by its first forward_backward
         self._correct: torch.Tensor | None = None
         # (micro_batch_size: split; several processes: the stop signal any of them got)
-        window, signum = self.windows.make(self.micro_batches.split(micro), self._signals.received)
+        window, signum = self.windows.make(micro, self._signals.received, self.micro_batches.rows)
         if self.micro_batches.trials_left:  # "auto", a first step: out of memory halves, retried
             loss, window, signum = self.micro_batches.first_step(self, micro, window, signum)
         elif self.throughput.counting:  # a fit's first step: its FLOPs, for MFU (GPU only)
@@ -506,7 +507,9 @@ class Trainer:
         """``optimizer.step()`` as the loop takes it: unscale (fp16), clip, check ``loss`` and
         the gradients (``nonfinite``; ``batches``: named when not finite), step,
         ``zero_grad``, the EMA. ``False``: the step was skipped (nothing changed)."""
-        if not self._clip_and_check(loss, optimizer):  # a NaN/inf loss or gradient: no step
+        if self.watch_only:  # the default: the loss checked later, on the device
+            self.watch.observe(loss)  # (read at the next step row, checkpoint or epoch end)
+        elif not self._clip_and_check(loss, optimizer):  # a NaN/inf loss or gradient: no step
             self.nonfinite(self.model, loss, self.state, batches)
             self.scaler.update()  # closes this step's unscale_() (fp16: lowers the scale)
             optimizer.zero_grad(set_to_none=True)
@@ -531,9 +534,6 @@ class Trainer:
     def _clip_and_check(self, window_loss: torch.Tensor, optimizer: Any) -> bool:
         """Unscale (fp16) and clip ``optimizer``'s gradients; whether the loss and gradients
         are finite, decided alike in every process."""
-        if self.deferred_check and not (self.clip_grad_norm or self.clip_grad_value):
-            self.watch.observe(window_loss)  # read at the next step row, checkpoint, epoch end
-            return True
         self.scaler.unscale_(optimizer)  # fp16: true gradients for clipping and the check
         # Every parameter with a gradient, frozen ones too (one unfrozen later is clipped and
         # checked); the list is kept (walking the module tree each step: ~4 us, small model).

@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from glassloop import CheckpointConfig, ConfigError, Trainer
-from glassloop.step.micro_batches import split_rows
 from glassloop.step.throughput import TIMING
+from glassloop.step.window import split_rows
 
 
 class Kill(BaseException):

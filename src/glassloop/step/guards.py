@@ -27,7 +27,8 @@ from glassloop.errors import ConfigError, DataError, GlassloopError, ModelError,
 from glassloop.precision import autocast
 from glassloop.rules import AT_LEAST_1, check_range
 from glassloop.state import TrainState
-from glassloop.step.micro_batches import MicroBatches, split_rows
+from glassloop.step.micro_batches import MicroBatches
+from glassloop.step.window import split_rows
 from glassloop.tasks import LABEL_TASKS, check_same_shape, class_scores, prediction_of
 
 SPIKE_WINDOW = 20  # the steps a loss spike is measured against (their median)

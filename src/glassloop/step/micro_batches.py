@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from glassloop.batch import Inputs, batch_size_of
@@ -32,34 +31,10 @@ from glassloop.distributed.fsdp import gradient_sync
 from glassloop.distributed.world import all_reduce
 from glassloop.errors import ConfigError
 from glassloop.rng import capture_rng_state, restore_rng_state
-from glassloop.step.window import Window
+from glassloop.step.window import Window, split_rows
 
 TRIAL_STEPS = 8  # the first steps of a run (or of a resume) in which "auto" may still halve
 Micro = tuple[Inputs, Any]
-
-
-def split_rows(micro: Micro, rows: int) -> list[Micro]:
-    """``micro`` as micro-batches of at most ``rows`` rows: every tensor whose first dimension
-    is the batch's is sliced along it (views, no copy); anything else goes to each as is.
-
-    >>> x, y = torch.arange(10).view(5, 2), torch.arange(5)
-    >>> [t.tolist() for (_, _), t in split_rows((((x,), {}), y), 2)]
-    [[0, 1], [2, 3], [4]]
-    """
-    inputs, target = micro
-    size = batch_size_of(target, inputs)
-    if size <= rows:
-        return [micro]
-    return [
-        apply_to_collection(
-            micro, torch.Tensor, lambda t, a=start: t[a : a + rows] if _rows(t, size) else t
-        )
-        for start in range(0, size, rows)
-    ]
-
-
-def _rows(tensor: torch.Tensor, size: int) -> bool:
-    return tensor.ndim > 0 and tensor.shape[0] == size
 
 
 class MicroBatches:
@@ -89,12 +64,6 @@ class MicroBatches:
         self.rows: int | None = None if size in (None, 0, "auto") else int(size)
         self.trials_left = TRIAL_STEPS if self.auto else 0  # (steps an out-of-memory halves)
         self.halved_from: int | None = None  # the batch rows that did not fit, to be said
-
-    def split(self, micro: list[Micro]) -> list[Micro]:
-        """The step's micro-batches: each of ``micro`` split into at most ``rows`` rows."""
-        if self.rows is None:
-            return micro
-        return [part for batch in micro for part in split_rows(batch, self.rows)]
 
     def halve(self, micro: list[Micro]) -> None:
         """After an out-of-memory error: half as many rows per micro-batch (an error when a
@@ -160,7 +129,7 @@ class MicroBatches:
         while not (tried := self.attempt(trainer, window)).fits:  # (undone: RNG, buffers, grads)
             self.halve(micro)
             trainer._correct = None  # (what the failed try counted)
-            window, signum = trainer.windows.make(self.split(micro), trainer._signals.received)
+            window, signum = trainer.windows.make(micro, trainer._signals.received, self.rows)
         if (line := self.settled(micro)) is not None:
             trainer.console.message(line)
         return tried.loss, window, signum

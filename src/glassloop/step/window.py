@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from glassloop.batch import Inputs, batch_size_of
@@ -46,12 +47,15 @@ class Windows:
         self.distributed = world.distributed  # (read every step: an attribute, no call)
 
     def make(
-        self, micro: list[tuple[Inputs, Any]], received: int | None
+        self, micro: list[tuple[Inputs, Any]], received: int | None, rows: int | None = None
     ) -> tuple[Window, int | None]:
         """The step's :class:`Window` (each micro-batch's loss weight, ``None`` alone in one
         process: the loss as it is) and under DDP the stop signal any process ``received``,
         in one collective. Weighted by tokens (labels other than ``ignore_index``, from the
-        model's shift on) or by samples; ``summed``: a loss that adds up over a batch."""
+        model's shift on) or by samples; ``summed``: a loss that adds up over a batch;
+        ``rows``: each batch split into micro-batches of at most that many rows first."""
+        if rows is not None:  # (micro_batch_size)
+            micro = [part for batch in micro for part in split_rows(batch, rows)]
         if len(micro) == 1 and not self.distributed:  # alone: the loss as it is (the default)
             ((inputs, target),) = micro
             samples = batch_size_of(target, inputs)
@@ -70,6 +74,30 @@ class Windows:
             total, samples, signum = agreed_counts(total, samples, received)
         weights = loss_weights(counts, total, self.world.size, summing=self.summed)
         return Window(micro, list(weights), samples, local), signum
+
+
+def split_rows(micro: tuple[Inputs, Any], rows: int) -> list[tuple[Inputs, Any]]:
+    """``micro`` as micro-batches of at most ``rows`` rows: every tensor whose first dimension
+    is the batch's is sliced along it (views, no copy); anything else goes to each as is.
+
+    >>> x, y = torch.arange(10).view(5, 2), torch.arange(5)
+    >>> [t.tolist() for (_, _), t in split_rows((((x,), {}), y), 2)]
+    [[0, 1], [2, 3], [4]]
+    """
+    inputs, target = micro
+    size = batch_size_of(target, inputs)
+    if size <= rows:
+        return [micro]
+    return [
+        apply_to_collection(
+            micro, torch.Tensor, lambda t, a=start: t[a : a + rows] if _rows(t, size) else t
+        )
+        for start in range(0, size, rows)
+    ]
+
+
+def _rows(tensor: torch.Tensor, size: int) -> bool:
+    return tensor.ndim > 0 and tensor.shape[0] == size
 
 
 @dataclass
