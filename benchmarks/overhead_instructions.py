@@ -57,7 +57,8 @@ def instructions(which: str, kind: str, steps: int) -> int:
     done = subprocess.run(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
          "-c", code, which, kind, str(steps)],
-        capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"},  # (same dict probes)
     )  # fmt: skip
     found = re.search(r"Collected : (\d+)", done.stderr)
     assert found is not None, done.stderr[-2000:]

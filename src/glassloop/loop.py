@@ -353,13 +353,13 @@ class Trainer:
             batches, self.record.epoch_rng = epoch_batches(
                 train_loader, self.record.epoch_rng, state.batch_in_epoch, self.limit_batches
             )
-        # (one process: a stop signal cuts a long wait for data short, glassloop.data.position)
-        batches = waits_cut(train_loader, batches, self._signals, self.grad_accum_steps, self.world)
         batch: Any = None
         micro: list[tuple[Inputs, Any]] = []
         own = self.loss_fn is None  # the model computes its loss: it also gets labels=target
         try:
-            for batch in batches:
+            # (one process: a stop signal cuts a long wait for data short, data.position)
+            signals, window = self._signals, self.grad_accum_steps
+            for batch in waits_cut(train_loader, batches, signals, window, self.world):
                 micro.append(split_batch(move_to_device(batch, self.device), labels_to_model=own))
                 if len(micro) == self.grad_accum_steps:
                     self._step_window(micro)
@@ -411,17 +411,16 @@ class Trainer:
             loss = self.throughput.count(self.train_step, window, micro)
         else:
             loss = self.train_step(window)
-        local = window.local  # this process's samples (window.samples: every process's)
         if self.throughput.tokens:
             self.throughput.add(micro)  # a language model's tokens, for tokens/s
         state.samples_seen += window.samples
         state.batch_in_epoch += len(micro)
-        self.console.advance(local)
+        self.console.advance(window.local)  # this process's samples (.samples: every one's)
         if loss is not None:  # None: skipped, nothing learned, no step counted
             if self.scheduler is not None and self.scheduler_interval == "step":
                 self.scheduler.step()  # once per optimizer step, never for a skipped one
             total = self.record.add_step(  # (named losses: their total)
-                loss, local, window.samples, self.world.size, summed=self.summed
+                loss, window.local, window.samples, self.world.size, summed=self.summed
             )
             state.step += 1
             if self._correct is not None:  # train_accuracy: the step's right labels count
@@ -438,7 +437,8 @@ class Trainer:
                 self.validator.mid_epoch(self, state)  # (validate_every_n_steps)
             if self.checkpointer.due_after_step(state.step):
                 self.checkpointer.save()
-        self._stop_if_signalled(signum)
+        if signum or self._signals.received:  # (none: no call)
+            self._stop_if_signalled(signum)
 
     def train_step(self, window: Window) -> StepLoss:
         """One optimizer step over ``window`` (``grad_accum_steps`` micro-batches, fewer at the

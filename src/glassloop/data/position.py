@@ -9,7 +9,7 @@ import itertools
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from torch.utils.data import DataLoader
 
@@ -117,44 +117,79 @@ def waits_cut(
     integers, read at each window's start) and, in an epoch's first wait, every RNG as it
     was before ``iter()`` (a ``DataLoader`` draws its shuffle and worker seeds there).
 
-    Which waits are cut: an epoch's first, always; a later one only when a loader's worker
-    processes fetch it (a wait that can be long, and leaves the main process's RNGs alone:
-    they are not captured at every step, 68 us, more than a small step). The later batches
-    of a loader without workers (in memory: no wait to cut) are passed on as they come
-    (``yield from``). Not with several processes (they agree on a stop at the next
-    step's collective), nor for a loader with a ``state_dict()`` of its own that is not
-    glassloop's (what a cut leaves in it is unknown)."""
+    Which waits are cut: an epoch's first, always (fetched here, at once); a later one only
+    when a loader's worker processes fetch it (a wait that can be long, and leaves the main
+    process's RNGs alone: they are not captured at every step, 68 us, more than a small
+    step). After its first batch, a loader without workers (in memory: no wait to cut) is
+    iterated as it is, with no code of glassloop's between the loop and it. Not with
+    several processes (they agree on a stop at the next step's collective), nor for a
+    loader with a ``state_dict()`` of its own that is not glassloop's (what a cut leaves in
+    it is unknown)."""
     position = loader if isinstance(loader, LoaderPosition) else None
     if world.distributed or (position is None and hasattr(loader, "state_dict")):
-        yield from batches
-        return
-    later = workers_of(loader) > 0
+        return iter(batches)
     rng = capture_loader_rng(loader)  # (before iter(): what an epoch's first fetch draws)
     iterator = iter(batches)
-    handed, saved = 0, cast(tuple[int, int, int] | None, None)
-    while True:
-        if position is not None and handed % window == 0:  # (all a fetch moves; no call)
-            saved = position.epoch, position.batches_consumed, position.sampler.offset
+    if workers_of(loader) > 0:
+        return _each_wait_cut(loader, iterator, signals, window, position, rng)
+    first = _cut_fetch(loader, iterator, signals, position, where(position), rng)
+    return iterator if first is _END else itertools.chain((first,), iterator)
+
+
+_END = object()  # (what a fetch returns at an epoch's end)
+
+
+def where(position: LoaderPosition | None) -> tuple[int, int, int] | None:
+    """All a fetch moves of a glassloop loader's position (three integers: no call)."""
+    if position is None:
+        return None
+    return position.epoch, position.batches_consumed, position.sampler.offset
+
+
+def _cut_fetch(
+    loader: Any,
+    iterator: Iterator[Any],
+    signals: StopSignals,
+    position: LoaderPosition | None,
+    saved: tuple[int, int, int] | None,
+    rng: dict[str, Any] | None,
+) -> Any:
+    """The next batch (``_END`` at the epoch's end), a stop signal raising at once while it
+    is waited for; what the dropped fetch changed is put back first (``saved``: the loader's
+    position at the window's start; ``rng``: the RNGs before ``iter()``, an epoch's first)."""
+    try:
+        signals.waiting = signals.received is None
         try:
-            signals.waiting = signals.received is None and (handed == 0 or later)
-            try:
-                batch = next(iterator)
-            finally:
-                signals.waiting = False
-        except StopIteration:
+            return next(iterator, _END)
+        finally:
+            signals.waiting = False
+    except StopRequested:  # (also one raised as next() returned: the batch is dropped)
+        if rng is not None:
+            restore_loader_rng(loader, rng)
+        if position is not None and saved is not None:
+            position.epoch, position.batches_consumed, position.sampler.offset = saved
+        close_workers(iterator, at_once=True)
+        raise
+
+
+def _each_wait_cut(
+    loader: Any,
+    iterator: Iterator[Any],
+    signals: StopSignals,
+    window: int,
+    position: LoaderPosition | None,
+    rng: dict[str, Any],
+) -> Iterator[Any]:
+    """The epoch of a loader with workers, every wait cut (:func:`waits_cut`)."""
+    handed = 0
+    while True:
+        if handed % window == 0:
+            saved = where(position)
+        batch = _cut_fetch(loader, iterator, signals, position, saved, rng if not handed else None)
+        if batch is _END:
             return
-        except StopRequested:  # (also one raised as next() returned: the batch is dropped)
-            if handed == 0:
-                restore_loader_rng(loader, rng)
-            if position is not None and saved is not None:
-                position.epoch, position.batches_consumed, position.sampler.offset = saved
-            close_workers(iterator, at_once=True)
-            raise
         handed += 1
         yield batch
-        if not later:  # the rest as they come
-            yield from iterator
-            return
 
 
 def workers_of(loader: Any) -> int:

@@ -100,7 +100,7 @@ def _rows(tensor: torch.Tensor, size: int) -> bool:
     return tensor.ndim > 0 and tensor.shape[0] == size
 
 
-@dataclass
+@dataclass(slots=True)
 class Window(Sequence[tuple[Inputs, Any]]):
     """The micro-batches of one optimizer step, as ``train_step`` receives them; a sequence of
     ``(inputs, target)`` pairs (``inputs`` is ``(args, kwargs)``) that also carries what the
