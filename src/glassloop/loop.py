@@ -415,7 +415,8 @@ class Trainer:
             self.throughput.add(micro)  # a language model's tokens, for tokens/s
         state.samples_seen += window.samples
         state.batch_in_epoch += len(micro)
-        self.console.advance(window.local)  # this process's samples (.samples: every one's)
+        if self.console.epoch_bar is not None:  # (no bar: no call)
+            self.console.advance(window.local)  # this process's samples (.samples: every one's)
         if loss is not None:  # None: skipped, nothing learned, no step counted
             if self.scheduler is not None and self.scheduler_interval == "step":
                 self.scheduler.step()  # once per optimizer step, never for a skipped one
@@ -472,9 +473,7 @@ class Trainer:
         window_loss: torch.Tensor | None = None
         counting = self.train_accuracy and self._correct is None  # (once a step: LBFGS, a retry)
         last = len(window.batches) - 1
-        for i, (((args, kwargs), target), weight) in enumerate(
-            zip(window.batches, window.weights, strict=True)
-        ):
+        for i, ((args, kwargs), target) in enumerate(window.batches):
             # Several processes: gradients are reduced across them only in the window's last
             # micro-batch's backward (DDP's no_sync, FSDP's requires_gradient_sync).
             with fsdp.gradient_sync(self.model, i == last):
@@ -487,7 +486,7 @@ class Trainer:
                 if counting:  # the labels it got right (on the device, no host read)
                     counts = tasks.correct_labels(output, target, self.ignore_index)
                     self._correct = counts if self._correct is None else self._correct + counts
-                if weight is not None:
+                if (weight := window.weights[i]) is not None:
                     # Its share of the window's samples (tokens): the summed gradients are one
                     # big batch's, also in an epoch's last, shorter window.
                     loss = loss * weight

@@ -22,7 +22,7 @@ from glassloop.data import make_loader
 
 STEPS = 200
 DEVICE = "auto"
-BUDGET = {"DataLoader": 32.6, "glassloop loader": 32.6}  # beyond the hand loop, warm
+BUDGET = {"DataLoader": 31.6, "glassloop loader": 31.6}  # beyond the hand loop, warm
 
 
 def loader(kind: str, steps: int) -> Iterable[Any]:

@@ -64,7 +64,7 @@ class ProgressReporter:
         self.mode = "none" if silent else mode
         self.bar, self.lines = (False, False) if silent else resolve_progress(mode)
         self._tqdm = bar_class() if self.bar and in_notebook() else tqdm  # (a widget there)
-        self._bar: Any = None
+        self.epoch_bar: Any = None  # the epoch's tqdm bar (None: none drawn)
         self._val_bar: Any = None
         self._shown: dict[str, str] = {}  # the last mid-epoch validation's, in the bar
         self._total: int | None = None
@@ -88,7 +88,7 @@ class ProgressReporter:
             if self._epoch_seconds:  # the run's time left, from the epochs so far
                 left = sum(self._epoch_seconds) / len(self._epoch_seconds)
                 desc += f" (run: ~{format_duration(left * (num_epochs - epoch + 1))} left)"
-            self._bar = self._tqdm(
+            self.epoch_bar = self._tqdm(
                 total=total_samples,
                 initial=done,
                 desc=desc,
@@ -102,10 +102,10 @@ class ProgressReporter:
         """``num_samples`` more trained; with a ``record`` the bar's running mean loss (and
         accuracy, when counted) is refreshed when due (a host sync, at most twice a second),
         next to the last mid-epoch validation's numbers."""
-        if self._bar is None:
+        if self.epoch_bar is None:
             return
         record = self.record
-        self._bar.update(num_samples)
+        self.epoch_bar.update(num_samples)
         now = time.monotonic()
         if record is not None and now - self._refreshed >= self.REFRESH_S:
             self._refreshed = now
@@ -113,7 +113,7 @@ class ProgressReporter:
             shown = {} if mean is None else {"loss": f"{mean:.4f}"}
             if accuracy is not None:
                 shown["acc"] = f"{100 * accuracy:.2f}%"
-            self._bar.set_postfix({**shown, **self._shown}, refresh=False)
+            self.epoch_bar.set_postfix({**shown, **self._shown}, refresh=False)
 
     def validation(self, loader: Iterable[Any]) -> Iterable[Any]:
         """``loader``, drawn as a short "validate" bar on a terminal (its running numbers:
@@ -164,9 +164,9 @@ class ProgressReporter:
     def epoch_end(self, row: dict[str, Any]) -> None:
         if isinstance(row.get("seconds"), float):
             self._epoch_seconds.append(row["seconds"])
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        if self.epoch_bar is not None:
+            self.epoch_bar.close()
+            self.epoch_bar = None
         self._shown = {}  # (the epoch's line says its validation's numbers)
         accuracy = row.get("train_accuracy")
         if isinstance(accuracy, float) and accuracy != accuracy and not self._said_uncounted:
@@ -196,8 +196,8 @@ class ProgressReporter:
         """Resume notices and warnings: printed whatever the progress mode."""
         if self.silent:
             return
-        if self._bar is not None:  # above the bar, which is drawn again below it
-            self._bar.write(text, file=self.stream)
+        if self.epoch_bar is not None:  # above the bar, which is drawn again below it
+            self.epoch_bar.write(text, file=self.stream)
         else:
             print(text, file=self.stream, flush=True)
 
@@ -207,9 +207,9 @@ class ProgressReporter:
             print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        if self.epoch_bar is not None:
+            self.epoch_bar.close()
+            self.epoch_bar = None
 
 
 def format_duration(seconds: float) -> str:
