@@ -51,6 +51,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from glassloop import Callback, Trainer
 from glassloop.checkpoint.checkpointer import Checkpointer
 from glassloop.options import CheckpointConfig
 from glassloop.run_dir.checkpoints import refuse_not_finite
@@ -78,7 +79,8 @@ import torch
 from torch import nn
 how, width, layers, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
 if how == "glassloop":
-    from glassloop.checkpoint.checkpointer import Checkpointer
+    from glassloop import Callback, Trainer
+from glassloop.checkpoint.checkpointer import Checkpointer
     from glassloop.options import CheckpointConfig
     from glassloop.state import TrainState
 imported = time.time()
@@ -289,6 +291,81 @@ def resume(millions: int, root: Path, repeats: int) -> None:
         print(f"| {name} | {hand:.3f} | {ours:.3f} | {ours / hand:.2f}x |")
 
 
+class StepClock(Callback):
+    """The wall-clock time of each ``on_step_end`` (a callback: the time between two is one
+    step, and a save after the first lands in the second's)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def on_step_end(self, trainer: Any, step: int, loss: torch.Tensor) -> None:
+        self.stamps.append(time.perf_counter())
+
+
+STEP_COST = {"none": {"every_n_steps": 0}, "sync": {}, "async": {"async_save": True}}
+WINDOW = 6  # the save's step and the five after it
+
+
+def step_cost(millions: int, root: Path, repeats: int, every: int, saves: int) -> None:
+    """Print the table of what a save costs the training around it: ``Trainer.fit`` of the
+    Linear stack (Adam, batch 64, MSE) saving every ``every`` steps, synchronously, in the
+    background and not at all, the three taking turns in each round. A save's cost: the
+    time the save's step and the five after it take beyond the typical step (the median
+    step of the same run away from its saves); the first save of each run (its host
+    buffers allocated) is left out."""
+    width, layers = shape(millions)
+    steps = every * (saves + 1) + WINDOW
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64 * steps, width, generator=g), torch.randn(64 * steps, width, generator=g)
+    )
+    extra: dict[str, list[float]] = {"sync": [], "async": []}
+    typical: list[float] = []
+    for rep in range(repeats):
+        for how, options in STEP_COST.items():
+            model, optimizer = build(millions)
+            clock = StepClock()
+            run_dir = root / f"step-cost-{rep}-{how}"
+            trainer = Trainer(
+                model,
+                optimizer,
+                nn.MSELoss(),
+                device="cpu",
+                progress="none",
+                run_dir=run_dir,
+                callbacks=[clock],
+                checkpoint=CheckpointConfig(**{"every_n_steps": every, **options}),
+            )
+            loader = torch.utils.data.DataLoader(data, batch_size=64)
+            trainer.fit(loader, epochs=1)
+            seconds = [b - a for a, b in zip(clock.stamps, clock.stamps[1:], strict=False)]
+            # seconds[i]: step i + 2 (and the save after step i + 1, if any). The typical
+            # step: the run's own median away from its saves (the box's load changes
+            # between runs more than within one).
+            windows = [range(k * every - 1, k * every - 1 + WINDOW) for k in range(1, saves + 2)]
+            away = [t for i, t in enumerate(seconds) if i > 1 and not any(i in w for w in windows)]
+            typical.append(statistics.median(away))
+            for window in windows[1:] if how != "none" else ():
+                extra[how].append(sum(seconds[i] for i in window) - WINDOW * typical[-1])
+            print(f"  step cost rep {rep + 1}: {how} {sum(seconds):.2f} s", file=sys.stderr)
+            shutil.rmtree(run_dir)
+            del trainer, model, optimizer
+    params = sum(p.numel() for p in build(millions)[0].parameters())
+    print(
+        f"\n**What a save costs the steps around it**, {params / 1e6:.1f}M parameters "
+        f"({layers} x `nn.Linear({width}, {width})`), Adam, batch 64, `Trainer.fit` saving "
+        f"every {every} steps; the typical step {statistics.median(typical):.3f} s (no saves: "
+        f"{statistics.median(typical[::3]):.3f} s); median of "
+        f"{len(extra['sync'])} saves over {repeats} rounds\n"
+    )
+    print("| save | extra s: the save's step and the 5 after it | of a sync save |")
+    print("|---|---:|---:|")
+    sync = statistics.median(extra["sync"])
+    for how, values in extra.items():
+        cost = statistics.median(values)
+        print(f"| {how} | {cost:.3f} | {100 * cost / sync:.0f}% |")
+
+
 def filesystem(path: Path) -> str:
     """The file system type of ``path``'s mount (Linux), or "?"."""
     try:
@@ -318,6 +395,13 @@ def main() -> None:
         action="store_true",
         help="time a resume at each size instead: glassloop's against torch.load + load_state_dict",
     )
+    parser.add_argument(
+        "--step-cost",
+        action="store_true",
+        help="time what a save costs the training steps around it instead (sync, async, none)",
+    )
+    parser.add_argument("--every", type=int, default=10, help="--step-cost: steps between saves")
+    parser.add_argument("--saves", type=int, default=3, help="--step-cost: saves per run")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # (DCP's: no_dist)
     sizes = sorted(int(s) for s in args.sizes.split(","))
@@ -331,7 +415,9 @@ def main() -> None:
             f"({filesystem(root)})"
         )
         for millions in sizes:
-            if args.resume:
+            if args.step_cost:
+                step_cost(millions, root, args.repeats, args.every, args.saves)
+            elif args.resume:
                 resume(millions, root, args.repeats)
             else:
                 measure(millions, root, args.repeats)

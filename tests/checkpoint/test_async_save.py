@@ -7,6 +7,7 @@ matrix runs with it too: tests/loop/test_every_number.py.)"""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from cli_runner import run_glassloop
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader, TensorDataset
 
 from glassloop import Callback, Trainer
@@ -23,6 +25,7 @@ from glassloop.options import CheckpointConfig
 from glassloop.run_dir.checkpoints import latest_pointer, read_checkpoint
 from glassloop.state import TrainState
 from glassloop.storage.atomic import ForeignPathError
+from glassloop.storage.snapshot import HostCopy
 from glassloop.tools import verify_resume
 
 
@@ -164,3 +167,55 @@ def test_each_epoch_row_says_how_long_its_steps_waited_for_checkpoints(tmp_path:
     model = nn.Linear(6, 3)
     plain = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
     assert "checkpoint_s" not in plain.fit(loader(), epochs=1)[0]
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_a_background_save_holds_what_a_sync_save_holds(
+    tmp_path: Path, norm: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run by the Trainer, a background save copies the parameters and the optimizer's state
+    while the next step's forward and backward run, and that step's optimizer step waits for
+    the copy: every checkpoint's tensors are bitwise those of the synchronous save of the
+    same step (batch norm's buffers, which the forward changes, are copied before save()
+    returns). The writer is made to copy as late as it may: once an optimizer step has
+    ended, or after 0.2 s if none can end before the copy (as it must not)."""
+    stepped = threading.Event()  # an optimizer step ended since the save began
+    begin, copy_later = HostCopy.begin, HostCopy.copy_later
+
+    def save_begins(self: HostCopy, later: set[int] | None = None) -> None:
+        stepped.clear()
+        begin(self, later)
+
+    def late(self: HostCopy) -> None:
+        stepped.wait(0.2)
+        copy_later(self)
+
+    monkeypatch.setattr(HostCopy, "begin", save_begins)
+    monkeypatch.setattr(HostCopy, "copy_later", late)
+    hook = register_optimizer_step_post_hook(lambda *_: stepped.set())
+    files: dict[bool, dict[str, bytes]] = {}
+    for async_save in (False, True):
+        torch.manual_seed(0)
+        layers: list[nn.Module] = [nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3)]
+        model = nn.Sequential(*([nn.BatchNorm1d(8)] if norm else []), *layers)
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(
+            torch.randn(96, 8, generator=g), torch.randint(0, 3, (96,), generator=g)
+        )
+        run_dir = tmp_path / f"async-{async_save}"
+        trainer = Trainer(
+            model,
+            torch.optim.Adam(model.parameters(), lr=1e-2),
+            nn.CrossEntropyLoss(),
+            device="cpu",
+            progress="none",
+            run_dir=run_dir,
+            checkpoint=CheckpointConfig(every_n_steps=2, keep_last=0, async_save=async_save),
+        )
+        trainer.fit(DataLoader(data, batch_size=16), epochs=2)
+        files[async_save] = {
+            f"{p.parent.name}/{p.name}": p.read_bytes()
+            for p in sorted((run_dir / "checkpoints").glob("step-*/*.safetensors"))
+        }
+    hook.remove()
+    assert len(files[True]) == 2 * 6 and files[True] == files[False]

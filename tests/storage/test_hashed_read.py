@@ -16,7 +16,13 @@ from glassloop.checkpoint.checkpointer import Checkpointer
 from glassloop.options import CheckpointConfig
 from glassloop.run_dir.checkpoints import read_checkpoint
 from glassloop.state import TrainState
-from glassloop.storage.hashed_files import DTYPE_NAMES, read_hashed, write_safetensors
+from glassloop.storage.hashed_files import (
+    DIRECT_MIN,
+    DTYPE_NAMES,
+    read_hashed,
+    write_digested,
+    write_safetensors,
+)
 from glassloop.storage.weights import read_safetensors_header
 
 
@@ -102,3 +108,25 @@ def test_a_changed_byte_is_named_by_its_sha256_and_nothing_is_loaded(
     ]
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     assert optimizer.state_dict()["state"] == {} and checkpointer.state.step == 0
+
+
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+def test_a_large_file_written_past_the_page_cache_has_every_byte(
+    tmp_path: Path, where: str
+) -> None:
+    """A file of 4 MiB and more goes out through a page-aligned buffer with ``O_DIRECT``
+    (its last partial block without; tmpfs refuses ``O_DIRECT``: through the page cache):
+    the same bytes and digest either way, pieces of any length and alignment."""
+    folder = tmp_path if where == "disk" else Path("/dev/shm")
+    if not folder.is_dir():
+        pytest.skip("no tmpfs at /dev/shm")
+    tensor = torch.randn(3_000_001)
+    pieces = [b"head" * 3, memoryview(tensor.numpy()).cast("B")[4:], b"tail" * 5]
+    expected = b"".join(bytes(piece) for piece in pieces)
+    path = folder / f"direct-{tmp_path.name}"
+    try:
+        size, digest = write_digested(path, pieces)
+        assert path.read_bytes() == expected and size == len(expected) > DIRECT_MIN
+        assert digest == hashlib.sha256(expected).hexdigest()
+    finally:
+        path.unlink(missing_ok=True)

@@ -1,10 +1,17 @@
 """Checkpoints written in the background (``checkpoint.async_save``): the step waits only
-while the state is copied to host memory; a thread writes, hashes and commits the copy while
-training goes on. One save in flight at a time: the next one waits for it (and says so when
-that takes long), so host memory holds one copy of the state, never a queue of them.
+while the state is copied to host memory (run by the Trainer, not even for that: the
+parameters and the optimizer's state are copied while the next step's forward and backward
+run, and its optimizer step waits for the copy: :meth:`BackgroundSave.copy_behind`); a thread
+writes, hashes and commits the copy while training goes on. One save in flight at a time: the
+next one waits for it (and says so when that takes long), so host memory holds one copy of
+the state, never a queue of them.
 
 Why a thread and not a process: the write is file I/O and SHA-256, which release the GIL
-(``glassloop.storage.atomic.write_digested``), and a thread shares the copy without pickling it.
+(``glassloop.storage.hashed_files.write_digested``), and a thread shares the copy without
+pickling it. What the writer costs the steps beside it is its CPU time (a second core is free
+only when nothing else runs): SHA-256, and the kernel's for the page cache, 1.2-1.6 CPU
+seconds of a 0.6 GB save on a VM, which large files now skip
+(:class:`glassloop.storage.hashed_files.DirectWriter`).
 
 An FSDP run's shards are written by every process, with DCP's ``async_save`` (its host copy,
 then its own thread); rank 0's commit waits for them, so a checkpoint is complete, its
@@ -55,6 +62,36 @@ class BackgroundSave:
         # writer's collectives never interleave with training's on the default group.
         self._shards: Future[Any] | None = None
         self.group = new_gloo_group() if sharded else None
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._hooks: list[Any] = []
+        self._copied: threading.Event | None = None  # set once the copy left for later is made
+
+    def copy_behind(self, parts: Any) -> None:
+        """Copy the parameters and the optimizers' state in the background from now on, while
+        the next step's forward and backward run (nothing changes them before the optimizer
+        step, which waits for the copy: a hook of each optimizer in ``parts``), as
+        torchtitan's and DCP's async saves do. For a loop that changes the parameters only
+        in ``optimizer.step()``: the Trainer's (:meth:`glassloop.checkpoint.checkpointer.
+        Checkpointer.attach`). Everything else (buffers: batch norm's change in the forward)
+        is copied before ``save()`` returns."""
+        for hook in self._hooks:
+            hook.remove()
+        self.optimizers = [p for p in parts if isinstance(p, torch.optim.Optimizer)]
+        self._hooks = [o.register_step_pre_hook(self.before_update) for o in self.optimizers]
+
+    def before_update(self, *_: Any) -> None:
+        """Until the copy left for later is made (an optimizer's step pre-hook: one call per
+        step while saves are in the background)."""
+        if self._copied is not None:
+            self._copied.wait()
+            self._copied = None
+
+    def _later(self) -> set[int]:
+        """Where the tensors the copy may leave for later start: the optimizers' parameters
+        and state."""
+        tensors = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+        tensors += [v for o in self.optimizers for s in o.state.values() for v in s.values()]
+        return {t.data_ptr() for t in tensors if isinstance(t, torch.Tensor) and t.numel()}
 
     def write_shards(self, sharded: ShardedState, directory: Path, *, commits: bool) -> None:
         """Start an FSDP save: this process's shards copied to host memory now and written
@@ -115,13 +152,21 @@ class BackgroundSave:
         if self._shards is None:  # (an FSDP save waited in write_shards)
             self.wait()  # one at a time: its buffers are the copy's
             self.raise_failure()
-        self.copy.begin()
+        self.copy.begin(self._later() if self.optimizers and model is not None else None)
         snap = snapshot(model, state, meta, self.copy)
         self.copy.finish()
-        write = functools.partial(self._commit_after_shards, commit, snap)
+        self._copied = threading.Event() if self.copy.pending else None
+        write = functools.partial(self._commit_after_shards, commit, snap, self._copied)
         self.start(write, snap.step, time.perf_counter() - started, snap.nbytes)
 
-    def _commit_after_shards(self, commit: Callable[[Snapshot], Path], snap: Snapshot) -> Path:
+    def _commit_after_shards(
+        self, commit: Callable[[Snapshot], Path], snap: Snapshot, copied: threading.Event | None
+    ) -> Path:
+        if copied is not None:
+            try:
+                self.copy.copy_later()
+            finally:
+                copied.set()  # (the optimizer step goes on; a failed copy fails the save)
         self._written()  # (every process's shards on disk before the manifest covers them)
         return commit(snap)
 

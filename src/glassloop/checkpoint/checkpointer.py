@@ -79,6 +79,7 @@ class Watch(Protocol):
 
 
 LATER_PARTS = ("micro_batches",)  # stateful parts older checkpoints do not hold
+STATEFUL = ("state_dict", "load_state_dict")  # what every stateful part has
 
 
 class Checkpointer:
@@ -143,18 +144,18 @@ class Checkpointer:
         """Hand it the stateful parts, once per ``fit``: the objects by name (``None``: not
         part of this run; the loop's :class:`~glassloop.state.TrainState` as ``"loop"``), the
         training ``loader`` (its generators join the RNG state) and the ``trainer`` the
-        callbacks' ``on_checkpoint`` is handed. One without both
-        ``state_dict()`` and ``load_state_dict()`` is refused here, not at the first save."""
+        callbacks' ``on_checkpoint`` is handed (a background save copies behind its loop).
+        One without ``state_dict()`` and ``load_state_dict()`` is refused here, not at a save."""
         for name, part in parts.items():
-            if part is not None and not (
-                hasattr(part, "state_dict") and hasattr(part, "load_state_dict")
-            ):
+            if part is not None and not all(hasattr(part, method) for method in STATEFUL):
                 raise GlassloopError(
                     f"stateful()[{name!r}] is a {type(part).__name__}, which has no "
                     "state_dict()/load_state_dict(); give it both, or leave it out"
                 )
         self.parts, self.loader, self.trainer = parts, loader, trainer
         self.global_batch = global_batch(loader, self.world)  # (None: not known)
+        if self.background is not None and trainer is not None:
+            self.background.copy_behind(parts.values())
 
     @property
     def state(self) -> TrainState:

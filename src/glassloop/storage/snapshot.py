@@ -73,9 +73,14 @@ class HostCopy:
         self.buffers: list[torch.Tensor] = []
         self.used = 0
         self.devices: set[torch.device] = set()  # the CUDA devices copied from
+        self.later: set[int] = set()
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, original)
 
-    def begin(self) -> None:
-        self.used, self.devices = 0, set()
+    def begin(self, later: set[int] | None = None) -> None:
+        """Start a copy; the tensors whose memory starts at an address in ``later`` (the
+        parameters and the optimizer's state: nothing changes them before the next
+        optimizer step) are copied by :meth:`copy_later`, not now."""
+        self.used, self.devices, self.later, self.pending = 0, set(), later or set(), []
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
@@ -85,10 +90,23 @@ class HostCopy:
             pinned = tensor.is_cuda
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
             self.buffers[index : index + 1] = [buffer]
+        if tensor.numel() and tensor.data_ptr() in self.later:
+            self.pending.append((buffer, tensor))
+            return buffer
         buffer.copy_(tensor, non_blocking=tensor.is_cuda)
         if tensor.is_cuda:
             self.devices.add(tensor.device)
         return buffer
+
+    def copy_later(self) -> None:
+        """Make the copies :meth:`begin` left for later (a background save's writer, while
+        the next step's forward and backward run; its optimizer step waits for them)."""
+        pending, self.pending = self.pending, []
+        for buffer, tensor in pending:
+            buffer.copy_(tensor, non_blocking=tensor.is_cuda)
+            if tensor.is_cuda:
+                self.devices.add(tensor.device)
+        self.finish()
 
     def finish(self) -> None:
         """Wait for the device-to-host copies (pinned, asynchronous) to land."""
