@@ -21,7 +21,9 @@ leaves the previous checkpoint the newest.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +45,16 @@ if TYPE_CHECKING:
 # A wait for the previous save longer than this is said on the console: saves are then
 # more frequent than the disk can take, and the step waits for the disk after all.
 SAY_WAIT_S = 0.5
+
+
+def yield_to_training() -> None:
+    """Lower this thread's priority (Linux: ``nice`` is per thread, and the threads it starts,
+    its hashers, inherit it), so the write and its SHA-256 take the time the training leaves
+    rather than a core from it: with another job on the other core of two, SHA-256 of
+    0.47 GB beside a training step slowed it by 0.225 s, by 0.046 s at nice 19 (and took
+    0.55 s instead of 0.47 s)."""
+    with contextlib.suppress(AttributeError, OSError):  # (elsewhere: as it was)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 class BackgroundSave:
@@ -167,6 +179,7 @@ class BackgroundSave:
                 self.copy.copy_later()
             finally:
                 copied.set()  # (the optimizer step goes on; a failed copy fails the save)
+        yield_to_training()
         self._written()  # (every process's shards on disk before the manifest covers them)
         return commit(snap)
 
