@@ -80,9 +80,7 @@ import torch
 from torch import nn
 how, width, layers, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
 if how == "glassloop":
-    from glassloop import Callback, Trainer
-from glassloop.checkpoint import background
-from glassloop.checkpoint.checkpointer import Checkpointer
+    from glassloop.checkpoint.checkpointer import Checkpointer
     from glassloop.options import CheckpointConfig
     from glassloop.state import TrainState
 imported = time.time()
@@ -256,6 +254,8 @@ def resume(millions: int, root: Path, repeats: int) -> None:
     paths = {"glassloop": checkpointer.save(), "hand": root / f"{millions}M-resume.pt"}
     torch_save(paths["hand"], model, optimizer)
     del model, optimizer, checkpointer  # (their memory back before the fresh processes)
+    for file in [paths["hand"], *paths["glassloop"].iterdir()]:  # (into the page cache: a
+        file.read_bytes()  # large file is written past it, glassloop.storage.hashed_files)
     width, layers = shape(millions)
     phases: dict[str, list[list[float]]] = {"hand": [], "glassloop": []}
     for rep in range(repeats):
