@@ -168,10 +168,10 @@ class BackgroundSave:
         snap = snapshot(model, state, meta, self.copy)
         self.copy.finish()
         self._copied = threading.Event() if self.copy.pending else None
-        write = functools.partial(self._commit_after_shards, commit, snap, self._copied)
+        write = functools.partial(self._copy_then_commit, commit, snap, self._copied)
         self.start(write, snap.step, time.perf_counter() - started, snap.nbytes)
 
-    def _commit_after_shards(
+    def _copy_then_commit(
         self, commit: Callable[[Snapshot], Path], snap: Snapshot, copied: threading.Event | None
     ) -> Path:
         if copied is not None:
@@ -180,6 +180,9 @@ class BackgroundSave:
             finally:
                 copied.set()  # (the optimizer step goes on; a failed copy fails the save)
         yield_to_training()
+        return self._commit_after_shards(commit, snap)
+
+    def _commit_after_shards(self, commit: Callable[[Snapshot], Path], snap: Snapshot) -> Path:
         self._written()  # (every process's shards on disk before the manifest covers them)
         return commit(snap)
 
