@@ -213,6 +213,9 @@ def test_a_background_save_holds_what_a_sync_save_holds(
             checkpoint=CheckpointConfig(every_n_steps=2, keep_last=0, async_save=async_save),
         )
         trainer.fit(DataLoader(data, batch_size=16), epochs=2)
+        # (the fit's end takes its hook off the optimizer: reused by another Trainer, it
+        # keeps nothing of this one alive, its host copy included)
+        assert not trainer.optimizer._optimizer_step_pre_hooks
         files[async_save] = {
             f"{p.parent.name}/{p.name}": p.read_bytes()
             for p in sorted((run_dir / "checkpoints").glob("step-*/*.safetensors"))

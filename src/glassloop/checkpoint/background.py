@@ -225,5 +225,8 @@ class BackgroundSave:
         """Let the save in flight commit (an ending run); its failure said as a warning
         (the run may be ending with an error of its own: that one is raised)."""
         self.wait()
+        for hook in self._hooks:  # (a fit's end: the optimizers are the user's again)
+            hook.remove()
+        self._hooks, self.optimizers = [], []
         if (failure := self.failure()) is not None:
             self.say(f"warning: {failure}")
