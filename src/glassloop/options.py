@@ -276,8 +276,9 @@ class CheckpointConfig:
     mode: str = option("auto", rule=("auto", "min", "max"))
     """"min" or "max": ``monitor`` improves by falling or rising ("auto": max for accuracy/F1)."""
     async_save: bool = False
-    """true: the step waits only while the state is copied to host memory; the write goes on
-    in the background, one save at a time (:mod:`glassloop.checkpoint.background`)."""
+    """true: the weights and the optimizer's state are copied to host memory while the next
+    step's forward and backward run (its optimizer step waits for the copy); the write goes
+    on in the background, one save at a time (:mod:`glassloop.checkpoint.background`)."""
     save_frozen: bool = False
     """a model with frozen parameters (a peft adapter's base, a frozen encoder): false, its
     checkpoints hold the trainable tensors and the SHA-256 of the frozen ones, which a resume
