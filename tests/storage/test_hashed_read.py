@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -130,3 +131,50 @@ def test_a_large_file_written_past_the_page_cache_has_every_byte(
         assert digest == hashlib.sha256(expected).hexdigest()
     finally:
         path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("refusal", ["EINVAL", "short"])
+def test_o_direct_refused_mid_file_keeps_every_byte_in_order(
+    tmp_path: Path, refusal: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system that takes ``O_DIRECT`` but refuses the write itself (EINVAL), or writes
+    part of a block: the rest goes through the page cache, the bytes already buffered first.
+    (They came last once: a 12 MB file was saved with its right digest and wrong bytes, a
+    checkpoint lost only when a resume needed it.)"""
+    import errno
+    import fcntl
+    import os
+
+    real = os.write
+
+    def direct_refused(fd: int, data: Any) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            if refusal == "EINVAL":
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real(fd, memoryview(data)[: len(data) - 512 - 7])  # (a misaligned part)
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", direct_refused)
+    tensor = torch.randn(3_000_000)  # 12 MB: more than one buffer
+    path = tmp_path / "m.safetensors"
+    size, digest = write_safetensors({"w": tensor}, path, {"k": "v"})
+    data = path.read_bytes()
+    assert size == len(data) and digest == hashlib.sha256(data).hexdigest()
+    assert torch.equal(load_file(str(path))["w"], tensor)
+
+
+def test_a_meta_json_of_another_shape_is_named_by_its_sha256(tmp_path: Path) -> None:
+    """meta.json replaced by valid JSON of the same size but not an object: the weights'
+    check reads it before the digests are compared, and what it raises (AttributeError) is
+    not the line: the file fails its SHA-256 check, and a resume passes over it."""
+    path, _ = saved(tmp_path)
+    size = len((path / "meta.json").read_bytes())
+    (path / "meta.json").write_text("[" + " " * (size - 2) + "]")
+    model = nn.Linear(64, 32)
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(), model=model)
+    checkpointer.attach({"loop": TrainState(), "optimizer": torch.optim.Adam(model.parameters())})
+    with pytest.raises(CheckpointError) as info:
+        checkpointer.resume(path, epochs=1)
+    assert str(info.value).splitlines() == [
+        f"checkpoint: '{path}': meta.json fails its SHA-256 check (corrupt or modified)"
+    ]

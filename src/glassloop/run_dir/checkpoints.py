@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import re
+import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from glassloop.errors import CheckpointError
@@ -302,6 +304,19 @@ def not_finite(step: int, last_good: str) -> CheckpointError:
     )
 
 
+# What reading a damaged or swapped file may raise besides CheckpointError (an I/O error, a
+# link in a file's place, a truncated header, JSON of another shape).
+UNREADABLE = (
+    OSError,
+    ValueError,
+    TypeError,
+    KeyError,
+    AttributeError,
+    struct.error,
+    SafetensorError,
+)
+
+
 def read_checkpoint(
     path: Path, check: StateCheck | None = None, fits: WeightsCheck | None = None
 ) -> Checkpoint:
@@ -322,6 +337,13 @@ def read_checkpoint(
     except CheckpointError:
         verify_files(path)  # (a file that fails its SHA-256 check: that is the problem)
         raise
+    except UNREADABLE as err:
+        # (a read that failed, a link put in a file's place, a meta.json of the right size
+        # but another shape): one line too, and a resume goes on to an older checkpoint
+        verify_files(path)
+        raise CheckpointError(
+            f"checkpoint: '{path}' cannot be read ({type(err).__name__}: {err})"
+        ) from err
 
 
 def _read_verified(

@@ -117,6 +117,8 @@ class DirectWriter:
 
     def write(self, view: memoryview) -> None:
         if not self.direct:
+            if self.filled:  # (buffered before O_DIRECT was refused: those bytes come first)
+                self.finish()
             self._write(view)
             return
         done = 0
