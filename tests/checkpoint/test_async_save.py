@@ -169,9 +169,26 @@ def test_each_epoch_row_says_how_long_its_steps_waited_for_checkpoints(tmp_path:
     assert "checkpoint_s" not in plain.fit(loader(), epochs=1)[0]
 
 
-@pytest.mark.parametrize("norm", [False, True])
+class Perturbing(Trainer):
+    """A step of its own that changes the weights before the optimizer's (SAM's ascent):
+    its background saves copy everything before save() returns."""
+
+    def train_step(self, window: Any) -> Any:
+        self.forward_backward(window)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(0.5)  # (SAM: the gradient is taken here, then the weights put back)
+        self.optimizer.zero_grad()
+        loss = self.forward_backward(window)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.sub_(0.5)
+        return loss if self.step(self.optimizer, loss) else None
+
+
+@pytest.mark.parametrize(("norm", "kind"), [(False, Trainer), (True, Trainer), (False, Perturbing)])
 def test_a_background_save_holds_what_a_sync_save_holds(
-    tmp_path: Path, norm: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, norm: bool, kind: type[Trainer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Run by the Trainer, a background save copies the parameters and the optimizer's state
     while the next step's forward and backward run, and that step's optimizer step waits for
@@ -203,7 +220,7 @@ def test_a_background_save_holds_what_a_sync_save_holds(
             torch.randn(96, 8, generator=g), torch.randint(0, 3, (96,), generator=g)
         )
         run_dir = tmp_path / f"async-{async_save}"
-        trainer = Trainer(
+        trainer = kind(
             model,
             torch.optim.Adam(model.parameters(), lr=1e-2),
             nn.CrossEntropyLoss(),

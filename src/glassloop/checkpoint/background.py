@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from glassloop.distributed.world import new_gloo_group
 from glassloop.errors import CheckpointWriteError
@@ -57,6 +58,10 @@ def yield_to_training() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
+TRAINER = "glassloop.loop"  # (the module of the Trainer's own step)
+STEP = ("train_step", "forward_backward", "backward", "step")  # a subclass may replace them
+
+
 class BackgroundSave:
     """The one checkpoint write in flight, its failure and its times."""
 
@@ -78,17 +83,20 @@ class BackgroundSave:
         self._hooks: list[Any] = []
         self._copied: threading.Event | None = None  # set once the copy left for later is made
 
-    def copy_behind(self, parts: Any) -> None:
+    def copy_behind(self, parts: Any, trainer: Any) -> None:
         """Copy the parameters and the optimizers' state in the background from now on, while
         the next step's forward and backward run (nothing changes them before the optimizer
         step, which waits for the copy: a hook of each optimizer in ``parts``), as
         torchtitan's and DCP's async saves do. For a loop that changes the parameters only
         in ``optimizer.step()``: the Trainer's (:meth:`glassloop.checkpoint.checkpointer.
         Checkpointer.attach`). Everything else (buffers: batch norm's change in the forward)
-        is copied before ``save()`` returns."""
+        is copied before ``save()`` returns, and everything when ``trainer`` has a step of its
+        own (a ``train_step``, ``forward_backward``, ``backward`` or ``step`` of a subclass: SAM's
+        perturbation, a clamp before the step may change the weights before the optimizer's)."""
         for hook in self._hooks:
             hook.remove()
-        self.optimizers = [p for p in parts if isinstance(p, torch.optim.Optimizer)]
+        own_step = any(getattr(type(trainer), name).__module__ != TRAINER for name in STEP)
+        self.optimizers = [] if own_step else [p for p in parts if isinstance(p, Optimizer)]
         self._hooks = [o.register_step_pre_hook(self.before_update) for o in self.optimizers]
 
     def before_update(self, *_: Any) -> None:
@@ -157,10 +165,13 @@ class BackgroundSave:
         meta: dict[str, Any],
         commit: Callable[[Snapshot], Path],
         started: float,
+        *,
+        waited: bool = False,
     ) -> None:
         """Copy ``model``'s weights and ``state`` to host memory (what the step waits for),
         then ``commit`` the copy in the background, after the save before it; the
-        previous save's failure is raised here instead."""
+        previous save's failure is raised here instead. ``waited``: the caller waits for this
+        one (a stop signal's, the final): its writer keeps its priority."""
         if self._shards is None:  # (an FSDP save waited in write_shards)
             self.wait()  # one at a time: its buffers are the copy's
             self.raise_failure()
@@ -168,18 +179,23 @@ class BackgroundSave:
         snap = snapshot(model, state, meta, self.copy)
         self.copy.finish()
         self._copied = threading.Event() if self.copy.pending else None
-        write = functools.partial(self._copy_then_commit, commit, snap, self._copied)
+        write = functools.partial(self._copy_then_commit, commit, snap, self._copied, waited)
         self.start(write, snap.step, time.perf_counter() - started, snap.nbytes)
 
     def _copy_then_commit(
-        self, commit: Callable[[Snapshot], Path], snap: Snapshot, copied: threading.Event | None
+        self,
+        commit: Callable[[Snapshot], Path],
+        snap: Snapshot,
+        copied: threading.Event | None,
+        waited: bool,
     ) -> Path:
         if copied is not None:
             try:
                 self.copy.copy_later()
             finally:
                 copied.set()  # (the optimizer step goes on; a failed copy fails the save)
-        yield_to_training()
+        if not waited:  # (a save the run waits for, within a scheduler's grace: at full speed)
+            yield_to_training()
         return self._commit_after_shards(commit, snap)
 
     def _commit_after_shards(self, commit: Callable[[Snapshot], Path], snap: Snapshot) -> Path:

@@ -155,7 +155,7 @@ class Checkpointer:
         self.parts, self.loader, self.trainer = parts, loader, trainer
         self.global_batch = global_batch(loader, self.world)  # (None: not known)
         if self.background is not None and trainer is not None:
-            self.background.copy_behind(parts.values())
+            self.background.copy_behind(parts.values(), trainer)
 
     @property
     def state(self) -> TrainState:
@@ -206,7 +206,7 @@ class Checkpointer:
         if self.run_dir is None:
             return None
         self._agree(self._earlier_failure(), self.run_dir)  # (in every process)
-        started, shards = time.perf_counter(), self.shards
+        started, shards, wait = time.perf_counter(), self.shards, wait or finished
         state, meta = self.state_dict(), self.meta(finished=finished)
         step, weights = self.state.step, None
         if shards is None and self.world.is_main:  # less the frozen base, its digests in meta
@@ -224,7 +224,7 @@ class Checkpointer:
                     refuse_not_finite(self.run_dir, weights, step)
                 if self.background is not None:  # copied now, committed in the background
                     commit = functools.partial(self._commit, best=best, staged=staged)
-                    self.background.submit(weights, state, meta, commit, started)
+                    self.background.submit(weights, state, meta, commit, started, waited=wait)
                 else:
                     snap = snapshot(weights, state, meta)
                     target = self._commit(snap, best=best, staged=staged)
@@ -233,7 +233,7 @@ class Checkpointer:
             except Exception as err:  # (any: the other processes wait for this verdict)
                 failure = err
         self._agree(failure, target)
-        if finished or wait:
+        if wait:  # (a final save, a stop signal's)
             self.wait()
         self.times.held_s += time.perf_counter() - started  # (the epoch row's checkpoint_s)
         self._say_grace()
