@@ -12,26 +12,10 @@ import numpy as np
 import pytest
 import torch
 from cli_runner import run_glassloop, sets
+from regression_data import REGRESSION, diabetes_csv
 from sklearn.datasets import load_diabetes
 
 import glassloop
-
-
-def diabetes_csv(path: Path) -> Path:
-    data = load_diabetes()
-    with path.open("w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow([*data.feature_names, "progression"])
-        for row, target in zip(data.data, data.target, strict=True):
-            writer.writerow([*(f"{v:.6f}" for v in row), f"{target / 100:.4f}"])
-    return path
-
-
-REGRESSION = [
-    "data.name=csv", "data.label_column=progression", "loss.name=mse", "model.hidden=[32]",
-    "train.epochs=4", "optim.lr=0.01", "data.batch_size=32", "train.progress=none",
-    "checkpoint.monitor=val_r2", "train.metrics=['explained_variance']",
-]  # fmt: skip
 
 
 def test_regression_from_csv_trains_evaluates_predicts_and_reports(tmp_path: Path) -> None:

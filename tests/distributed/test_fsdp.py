@@ -322,7 +322,7 @@ def plotted_samples(cwd: Path, sets: list[str], *args: str) -> str:
 
 
 def test_a_regression_plot_has_every_processs_validation_samples(tmp_path: Path) -> None:
-    from test_cli_tasks import REGRESSION, diabetes_csv
+    from regression_data import REGRESSION, diabetes_csv
 
     table = diabetes_csv(tmp_path / "diabetes.csv")
     sets = [f"data.path={table}", *REGRESSION, "train.epochs=1", "train.dist_timeout_s=30"]
