@@ -92,20 +92,21 @@ class HostCopy:
             self.buffers[index : index + 1] = [buffer]
         if tensor.numel() and tensor.data_ptr() in self.later:
             self.pending.append((buffer, tensor))
-            return buffer
+        else:
+            self._copy(buffer, tensor)
+        return buffer
+
+    def _copy(self, buffer: torch.Tensor, tensor: torch.Tensor) -> None:
         buffer.copy_(tensor, non_blocking=tensor.is_cuda)
         if tensor.is_cuda:
             self.devices.add(tensor.device)
-        return buffer
 
     def copy_later(self) -> None:
         """Make the copies :meth:`begin` left for later (a background save's writer, while
         the next step's forward and backward run; its optimizer step waits for them)."""
         pending, self.pending = self.pending, []
         for buffer, tensor in pending:
-            buffer.copy_(tensor, non_blocking=tensor.is_cuda)
-            if tensor.is_cuda:
-                self.devices.add(tensor.device)
+            self._copy(buffer, tensor)
         self.finish()
 
     def finish(self) -> None:
