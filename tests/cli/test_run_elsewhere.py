@@ -77,7 +77,7 @@ def test_eval_report_predict_and_resume_work_from_another_folder(
     # A resume in a new process, from b/: the same config (no "config changed"), and its
     # run.json still names a/, where the paths point.
     resumed = forkserver.run(
-        [sys.executable, "-m", "glassloop", "train", str(run / "config.json"), "--run-dir",
+        [sys.executable, "-m", "glassloop", "train", str(run / "config.json"), "--trust-code", "--run-dir",
          str(run), "--resume", "--set", "train.epochs=2"],
         cwd=b, timeout=300,
     )  # fmt: skip
@@ -99,7 +99,7 @@ def test_a_file_in_neither_folder_is_one_line(
     for args in (
         ["eval", str(run), "--trust-code"],
         ["report", str(run), "--trust-code"],
-        ["train", str(run / "config.json"), "--run-dir", str(run), "--resume"],
+        ["train", str(run / "config.json"), "--run-dir", str(run), "--resume", "--trust-code"],
         *([["predict", str(run), "x.npy", "--trust-code"]] if key == "model.target" else []),
     ):
         done = run_glassloop(*args, cwd=b)

@@ -110,17 +110,28 @@ def test_a_file_that_names_code_to_import_is_refused_everywhere(
     reseal(checkpoint)
     (run / "model.safetensors").write_bytes(exported.read_bytes())
     inputs = tmp_path / "x.npy"
+    import fsspec
     import numpy as np
 
     np.save(inputs, np.zeros((2, 8), dtype=np.float32))
+    # The same run in a bucket (memory://: the store of this process) for verify-resume.
+    fsspec.filesystem("memory").put(str(run), "/hostile/run", recursive=True)
+    own = str(run / "config.json")
     attempts = [
         ("predict", str(exported), str(inputs)), ("eval", str(exported)),
         ("predict", str(run), str(inputs)), ("eval", str(run)), ("report", str(run)),
         ("eval", str(checkpoint)), ("predict", str(checkpoint), str(inputs)),
+        # a run's own config.json, taken by --resume or named: a run copied from anywhere
+        ("train", "--run-dir", str(run), "--resume"), ("train", own),
+        ("train", "--run-dir", str(run), "--resume", "--nproc", "2"),
+        ("verify-resume", own, "--kill-at", "1"), ("doctor", own),
+        ("verify-resume", "memory://hostile/run", "--kill-at", "1"),
     ]  # fmt: skip
     for args in attempts:
         code, _, err = cli(capsys, *args)
         assert code == 2, (args, err)
+        if args[1].startswith("memory://"):  # (said first: where the run was read to)
+            err = err.partition("\n")[2]
         assert_one_line(err, "asks to import 'subprocess:run'")
         assert "--trust-code" in err
     with pytest.raises(ModelError, match="trust_code=True"):
@@ -162,6 +173,10 @@ def test_a_users_own_class_loads_when_passed_or_trusted(
         assert torch.equal(a, b)
     code, out, err = cli(capsys, "eval", str(run), "--trust-code")
     assert code == 0 and "accuracy:" in out, err
+    # Its own resume reads the run's config.json: trusted when said, as eval's.
+    assert cli(capsys, "train", "--run-dir", str(run), "--resume")[0] == 2
+    code, out, err = cli(capsys, "train", "--run-dir", str(run), "--resume", "--trust-code")
+    assert code == 0 and "already finished" in out + err, out + err
 
 
 # ------------------------------------------------------------- one process per run directory

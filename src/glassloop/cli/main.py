@@ -92,8 +92,9 @@ def add_trust_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trust-code",
         action="store_true",
-        help="build a model whose class the file names (model.target) by importing it; "
-        "importing runs code, so only for files you trust (built-in models never need it)",
+        help="build a model whose class a run's file names (model.target in its config.json "
+        "or weights) by importing it; importing runs code, so only for files you trust "
+        "(built-in models and a TOML config of your own never need it)",
     )
 
 
@@ -170,6 +171,7 @@ def make_parser() -> Parser:
         help="SIGKILL this process right after optimizer step K, as a power cut would (what "
         "verify-resume does; resume it with --resume)",
     )
+    add_trust_option(train)
     train.add_argument(
         "--allow-config-change",
         action="store_true",
@@ -204,6 +206,7 @@ def make_parser() -> Parser:
     verify.add_argument(
         "--keep", metavar="DIR", help="keep both runs in DIR (default: a temporary directory)"
     )
+    add_trust_option(verify)
 
     evaluate = commands.add_parser(
         "eval",
@@ -253,6 +256,7 @@ def make_parser() -> Parser:
         metavar="DIR",
         help="a folder for the LR range plot (default: none drawn, nothing written)",
     )
+    add_trust_option(doctor)
 
     report = commands.add_parser(
         "report",
@@ -364,10 +368,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from glassloop.storage.file_names import is_url
     from glassloop.tracking.provenance import paths_from
 
+    args.config = own_config(args)  # (--resume alone: the run's config.json)
+    # Read (and a run's config.json that names code refused) before any process is started.
+    overrides = [*args.overrides, *flag_overrides(args)]
+    cfg = load_config(args.config, overrides, trust_code=args.trust_code)
+    args.names_code = bool(cfg.model.target)
     if args.nproc and "WORLD_SIZE" not in os.environ:
         return launch_torchrun(args.nproc, args.argv)
-    args.config = own_config(args)  # (--resume alone: the run's config.json)
-    cfg = load_config(args.config, [*args.overrides, *flag_overrides(args)])
     if args.fast_dev_run:
         if args.resume or args.run_dir:
             raise GlassloopError("--fast-dev-run writes nothing: drop --run-dir and --resume")
@@ -443,7 +450,9 @@ def resume_hint(args: argparse.Namespace, stop: Preempted) -> str:
         return ""
     run_dir = args.run_dir or str(Path(stop.checkpoint).parents[1])  # (.../checkpoints/step-N)
     nproc = ["--nproc", str(args.nproc)] if getattr(args, "nproc", 0) else []
-    command = ["glassloop", "train", "--run-dir", run_dir, *nproc, "--resume"]
+    # (a run of the user's own class: its config.json names code, which --resume refuses)
+    trust = ["--trust-code"] if getattr(args, "names_code", False) else []
+    command = ["glassloop", "train", "--run-dir", run_dir, *nproc, "--resume", *trust]
     return f"; continue with: {shlex.join(command)}"
 
 
@@ -457,7 +466,8 @@ def own_config(args: argparse.Namespace) -> str | None:
     own = Path(args.run_dir) / layout.CONFIG
     if own.is_symlink() or not own.is_file():  # (a link: never read; the run refuses it)
         return None
-    print(f"resuming with the run's own config: {own}")
+    if not is_worker():  # (the launcher of --nproc said it)
+        print(f"resuming with the run's own config: {own}")
     return str(own)
 
 
@@ -477,8 +487,10 @@ def started_in(args: argparse.Namespace) -> Path | None:
 
 
 def cmd_verify_resume(args: argparse.Namespace) -> int:
+    from glassloop.config.schema import load_config
     from glassloop.tools.verify_resume import Interrupted, TrainingRuns
 
+    load_config(args.config, args.overrides, trust_code=args.trust_code)  # (before any run)
     try:
         # The handlers around the folder: a SIGTERM stops the child, removes the folder, and
         # is said in one line with exit code 128 + N.
@@ -508,7 +520,8 @@ def verify_in(where: Path, args: argparse.Namespace, children: Any) -> tuple[dic
     sets = [f"--set={item}" for item in args.overrides]
     config = [args.config] if args.config else []
     straight, killed = where / "straight", where / "killed"
-    train = [sys.executable, "-m", "glassloop", "train", *config, *sets]
+    trust = ["--trust-code"] if args.trust_code else []
+    train = [sys.executable, "-m", "glassloop", "train", *config, *sets, *trust]
     runs = [
         ("straight through", [*train, "--run-dir", str(straight)]),
         (
@@ -574,7 +587,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from glassloop.tools.checklist import run_doctor
     from glassloop.tracking.launched import since_launch
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, trust_code=args.trust_code)
     output = Path(args.output) if args.output else None  # (nothing left behind unasked)
     checks = run_doctor(cfg, output=output)
     for check in checks:

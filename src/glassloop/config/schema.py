@@ -37,7 +37,7 @@ from glassloop.config.sections import ModelConfig as ModelConfig
 from glassloop.config.sections import OptimConfig as OptimConfig
 from glassloop.config.sections import SchedulerConfig as SchedulerConfig
 from glassloop.data.options import DataConfig as DataConfig
-from glassloop.errors import ConfigError
+from glassloop.errors import ConfigError, ModelError
 from glassloop.evaluation.metric_names import check_metric_name
 from glassloop.options import CheckpointConfig as CheckpointConfig
 from glassloop.options import EarlyStoppingConfig as EarlyStoppingConfig
@@ -97,9 +97,15 @@ RANGES: dict[tuple[str, str], Range] = {
 
 
 def load_config(
-    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    trust_code: bool = True,
 ) -> Config:
     """Read a TOML (or a run's ``config.json``), apply ``--set`` overrides, validate.
+    ``trust_code=False`` (the command's default): a run's ``config.json`` that names a model
+    class to import is refused (:func:`require_trust`) unless ``--set model.target`` replaces
+    it; a TOML file is the user's own, trusted like a script they run.
 
     >>> load_config(None, ["optim.lr=3e-4"]).optim.lr
     0.0003
@@ -113,9 +119,28 @@ def load_config(
     if path is not None:
         raw = read_file(Path(path))
         beside_the_file(raw, Path(path).parent)
+        if Path(path).suffix == ".json" and not any(
+            item.partition("=")[0].strip() == "model.target" for item in overrides
+        ):
+            require_trust(raw, path, trust_code)
     for item in overrides:
         apply_override(raw, item)
     return from_dict(raw)
+
+
+def require_trust(config: dict[str, Any] | None, source: str | Path, trust_code: bool) -> None:
+    """Refuse a file glassloop wrote (a run's config.json, a weights file's description) that
+    names code to import (``model.target``), unless the user said they trust it: a run
+    directory may have been copied from anywhere, and importing a module runs it."""
+    model = (config or {}).get("model")
+    target = model.get("target") if isinstance(model, dict) else None
+    if target and not trust_code:
+        raise ModelError(
+            f"model: '{source}' asks to import {target!r} to build its model, and importing "
+            "runs code; pass --trust-code (trust_code=True) if you trust this file, or pass "
+            "the class yourself (glassloop.load_model(path, model_class=MyNet); train: "
+            "--set model.target=...)"
+        )
 
 
 def beside_the_file(raw: dict[str, Any], folder: Path) -> None:

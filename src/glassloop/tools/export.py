@@ -26,7 +26,7 @@ from torch import nn
 
 from glassloop.config.assemble import located
 from glassloop.config.models import build_model, data_kwargs, target_scale_of
-from glassloop.config.schema import Config, from_dict
+from glassloop.config.schema import Config, from_dict, require_trust
 from glassloop.config.sections import ModelConfig
 from glassloop.errors import CheckpointError, ConfigError, ModelError
 from glassloop.run_dir import layout
@@ -141,19 +141,6 @@ def _json_field(metadata: dict[str, str], key: str, path: Path) -> dict[str, Any
     if not isinstance(value, dict):
         raise CheckpointError(f"checkpoint: '{path}': metadata {key} is not a JSON object")
     return value
-
-
-def require_trust(config: dict[str, Any] | None, source: str | Path, trust_code: bool) -> None:
-    """Refuse a config read from a file that names code to import (``model.target``),
-    unless the user said they trust it."""
-    model = (config or {}).get("model")
-    target = model.get("target") if isinstance(model, dict) else None
-    if target and not trust_code:
-        raise ModelError(
-            f"model: '{source}' asks to import {target!r} to build its model, and importing "
-            "runs code; pass --trust-code (trust_code=True) if you trust this file, or pass "
-            "the class yourself (glassloop.load_model(path, model_class=MyNet))"
-        )
 
 
 def export_model(source: str | Path, output: str | Path) -> Path:

@@ -157,11 +157,11 @@ def _evaluated(
     and evaluate its weights (the EMA weights for an EMA run) on its validation data;
     returns the parts, the weights and the result."""
     from glassloop.config.assemble import build_parts
-    from glassloop.config.schema import apply_override, from_dict
+    from glassloop.config.schema import apply_override, from_dict, require_trust
     from glassloop.evaluation.evaluate import evaluate
     from glassloop.precision import autocast
     from glassloop.storage.weights import load_onto
-    from glassloop.tools.export import check_on_meta, model_description, read_weights, require_trust
+    from glassloop.tools.export import check_on_meta, model_description, read_weights
     from glassloop.tracking.provenance import recorded_folder
 
     weights = read_weights(source)
