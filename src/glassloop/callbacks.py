@@ -113,9 +113,12 @@ class EarlyStopping(Callback):
             "best": self.best,
             "bad_epochs": self.bad_epochs,
             "stopped_epoch": self.stopped_epoch,
+            "watched": [self.monitor, self.mode],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("watched", [self.monitor, self.mode]) != [self.monitor, self.mode]:
+            return  # (a resume that watches another metric: its count starts here)
         self.best = state["best"]
         self.bad_epochs = int(state["bad_epochs"])
         self.stopped_epoch = state["stopped_epoch"]

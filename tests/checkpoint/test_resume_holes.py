@@ -4,11 +4,14 @@ another objective)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import forkserver
+import pytest
+from cli_runner import cli, sets
 
 SCRIPT = """
 import sys
@@ -93,3 +96,71 @@ def test_metric_files_with_bytes_that_are_not_utf8_still_resume(tmp_path: Path) 
     csv_rows = (tmp_path / "run" / "metrics.csv").read_bytes().splitlines()
     assert b"\xff" not in b"".join(csv_rows)  # (the damaged record dropped)
     assert [r.split(b",")[1] for r in csv_rows if r.startswith(b"epoch,")] == [b"1", b"2"]
+
+
+# ------------------------------------------- a config change on resume: used, never only recorded
+SMALL = [
+    "data.name=synthetic", "data.num_samples=256", "data.num_features=8", "model.hidden=[16]",
+    "train.progress=none", "data.batch_size=64",
+]  # fmt: skip
+
+
+def epoch_rates(run: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [row["lr"] for row in rows if row.get("kind") == "epoch"]
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        ["scheduler.name=none"],
+        ["scheduler.T_max=10"],  # (a recursion in torch; its closed form here)
+        # (its span, recorded in config.json by the first run: given again, 3 epochs of 4)
+        ["scheduler.name=warmup_cosine", "scheduler.warmup_steps=3", "scheduler.total_steps=12"],
+        ["scheduler.name=StepLR", "scheduler.step_size=1", "scheduler.gamma=0.5"],
+    ],
+)
+def test_a_learning_rate_or_a_schedule_changed_on_resume_is_used(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], schedule: list[str]
+) -> None:
+    """``--allow-config-change --set optim.lr=...`` (and the schedule's length a change of
+    epochs moves) trains with the new numbers from the resume on: the rows' rates are the
+    straight run's with the new config, not the checkpoint's (before: the optimizer's saved
+    parameter groups and the schedule's base rates won, while config.json said otherwise)."""
+    spans = "scheduler.total_steps=12" in schedule
+    base = sets([*SMALL, *schedule])
+    straight, changed = tmp_path / "straight", tmp_path / "changed"
+    new = sets(["optim.lr=0.003", "train.epochs=3"])
+    assert cli(capsys, "train", *base, *new, "--run-dir", str(straight))[0] == 0
+    first = sets(["optim.lr=0.001", "train.epochs=1", "scheduler.total_steps=4"][: 2 + spans])
+    assert cli(capsys, "train", *base, *first, "--run-dir", str(changed))[0] == 0
+    code, _, err = cli(
+        capsys, "train", *base, *new, "--run-dir", str(changed), "--resume",
+        "--allow-config-change",
+    )  # fmt: skip
+    assert code == 0, err
+    assert epoch_rates(changed)[1:] == pytest.approx(epoch_rates(straight)[1:], rel=1e-9)
+    saved = json.loads((changed / "config.json").read_text())
+    assert saved["optim"]["lr"] == 0.003
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ("optim.name=Adam", "optim.name"), ("train.seed=7", "train.seed"),
+        ("scheduler.interval=step", "scheduler.interval"),
+    ],
+)  # fmt: skip
+def test_a_change_the_checkpoint_would_override_is_refused_naming_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: str, key: str
+) -> None:
+    run = tmp_path / "run"
+    assert cli(capsys, "train", *sets([*SMALL, "train.epochs=1"]), "--run-dir", str(run))[0] == 0
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    code, _, err = cli(
+        capsys, "train", *sets([*SMALL, "train.epochs=2", change]), "--run-dir", str(run),
+        "--resume", "--allow-config-change",
+    )  # fmt: skip
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"config: {key} cannot change on resume" in err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before

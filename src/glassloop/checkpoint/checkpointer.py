@@ -29,7 +29,12 @@ from torch import nn
 import glassloop.distributed.fsdp as fsdp
 from glassloop.best import improves, is_number, monitor_mode
 from glassloop.checkpoint.background import BackgroundSave
-from glassloop.checkpoint.resume import check_compatible, check_training_state, config_differences
+from glassloop.checkpoint.resume import (
+    check_compatible,
+    check_training_state,
+    config_applied,
+    config_differences,
+)
 from glassloop.data.position import global_batch, replay_caveat
 from glassloop.distributed.fsdp import ShardedState
 from glassloop.distributed.world import World, all_reduce, gather_objects, unwrap_model
@@ -115,8 +120,7 @@ class Checkpointer:
         before SIGKILL, said against the first save's time."""
         self.run = run if isinstance(run, RunDir) else RunDir(run)
         self.run_dir, self.world, self.remote = self.run.path, self.run.world, self.run.remote
-        self.times = self.run.times  # each save's seconds
-        self.grace_s = grace_s
+        self.times, self.grace_s = self.run.times, grace_s  # (times: each save's seconds)
         self.policy = policy if policy is not None else CheckpointConfig()
         self.model = model if model is not None else nn.Module()
         self.record = record if record is not None else EpochRecord()
@@ -436,7 +440,7 @@ class Checkpointer:
             return None
         sharded = self.shards is not None
         config = self.info.config
-        check_compatible(
+        changed = check_compatible(
             checkpoint,
             config,
             allow_config_change,
@@ -452,14 +456,15 @@ class Checkpointer:
             # A fine-tuned run's base: the model's own, refused unless it is the one trained on
             base = self.base.check(self.model, checkpoint.meta.get("base"), set(tensors), path)
             load_checked(self.model, tensors, checkpoint.weights, base=base)  # (read once)
-        try:
-            self.load_state_dict(checkpoint.state)
-            self.state.train_s = float(checkpoint.meta.get("train_s") or 0.0)  # (older: none)
-        except (KeyError, ValueError, TypeError, RuntimeError) as err:
-            raise CheckpointError(
-                f"checkpoint: '{checkpoint.path}' does not fit this trainer: "
-                f"{type(err).__name__}: {err}"
-            ) from err
+        with config_applied(changed, self.parts, self.record.history, self.policy):
+            try:
+                self.load_state_dict(checkpoint.state)
+                self.state.train_s = float(checkpoint.meta.get("train_s") or 0.0)  # (older)
+            except (KeyError, ValueError, TypeError, RuntimeError) as err:
+                raise CheckpointError(
+                    f"checkpoint: '{checkpoint.path}' does not fit this trainer: "
+                    f"{type(err).__name__}: {err}"
+                ) from err
         state = self.state
         if state.epoch < epochs and not state.stopped:
             caveat = replay_caveat(self.loader, state.batch_in_epoch)

@@ -5,10 +5,14 @@ that cannot be right, refused before any is used.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from glassloop.best import improves, monitor_mode
 from glassloop.data.options import DataConfig
 from glassloop.data.position import resized_note
 from glassloop.distributed.world import SINGLE, World
@@ -31,6 +35,15 @@ RESUME_SAFE_KEYS = (
 # epochs shows up as a change of these, and the message names the key the user changed.
 DERIVED_FROM_EPOCHS = ("scheduler.T_max", "scheduler.total_steps")
 RESUME_SAFE_PREFIXES = ("checkpoint.", "tracking.")
+# Keys no resume changes, --allow-config-change or not: what they set is the checkpoint's
+# state itself, which the new value could only be recorded beside, never used.
+FIXED_ON_RESUME = {
+    "optim.name": "the optimizer's state (its moments and counts) is the old class's",
+    "optim.no_decay_bias_norm": "the optimizer's parameter groups are the checkpoint's",
+    "scheduler.name": "the schedule's state is the old class's",
+    "scheduler.interval": "the schedule's count is in the old unit",
+    "train.seed": "a resume goes on with the random streams it saved; the seed only starts them",
+}
 
 
 def config_differences(saved: Any, current: Any) -> list[str]:
@@ -113,7 +126,7 @@ def check_compatible(
     world: World = SINGLE,
     loader: Any = None,
     sharded: bool = False,
-) -> None:
+) -> list[str]:
     """The same config, but for keys that do not change the result; another number of
     processes is said in one line (what it keeps and what changes: :func:`glassloop.data.
     position.resized_note`). Keys the checkpoint's
@@ -159,3 +172,85 @@ def check_compatible(
             "reads the run's own config.json), or change it on purpose with "
             "--allow-config-change (allow_config_change=True)"
         )
+    # (a schedule's length a change of epochs moved: the schedule's key, applied)
+    keys = [change.rpartition("spans the run: ")[2].split(":")[0] for change in changes]
+    # (the checkpoint policy may change freely, but the best so far is the old monitor's)
+    saved, now = checkpoint.meta.get("config") or {}, config or {}
+    old, new = saved.get("checkpoint") or {}, now.get("checkpoint") or {}
+    keys += [f"checkpoint.{key}" for key in ("monitor", "mode") if old.get(key) != new.get(key)]
+    for key in keys:
+        if key in FIXED_ON_RESUME:
+            raise ConfigError(
+                f"config: {key} cannot change on resume, --allow-config-change or not: "
+                f"{FIXED_ON_RESUME[key]}; resume with its old value, or start a new run from "
+                "the weights (glassloop.load_weights)"
+            )
+    return keys
+
+
+@contextlib.contextmanager
+def config_applied(
+    changed: list[str], parts: dict[str, Any], history: list[dict[str, Any]], policy: Any
+) -> Iterator[None]:
+    """Around the load of a checkpoint's state: the keys ``--allow-config-change`` let
+    change (``changed``, from :func:`check_compatible`) that the state would restore over
+    the new config are set from the new config again, so that a change is used, never only
+    recorded. ``optim.X``: each parameter group's ``X`` as the new optimizer has it (its
+    moments and counts stay the checkpoint's). ``optim.lr`` and ``scheduler.X`` (``T_max``
+    when a change of epochs moved it too): the schedule's new numbers, and the rate at its
+    step from its formula (a schedule with none but its own recursion: an ``lr`` scales the
+    rate it is at by new / old, any other change is refused). ``checkpoint.monitor`` /
+    ``mode``: the best so far is the new monitor's, over the rows of the epochs done."""
+    optimizer, scheduler, loop = parts.get("optimizer"), parts.get("scheduler"), parts["loop"]
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # (FSDP's ShardedState holds it)
+    groups = [dict(group) for group in optimizer.param_groups] if optimizer else []
+    fresh = scheduler.state_dict() if scheduler is not None else {}
+    numbers = ((fresh.get("lr_lambdas") or [None])[0] or {}) | fresh  # (warmup_cosine's)
+    hyper = {key.removeprefix("optim.") for key in changed if key.startswith("optim.")}
+    schedule = [key.removeprefix("scheduler.") for key in changed if key.startswith("scheduler.")]
+    kept = [f"optim.{name}" for name in hyper if groups and name not in groups[0]]
+    kept += [f"scheduler.{name}" for name in schedule if name not in numbers]
+    if schedule and rates_now(scheduler) is None:  # (its rate now: only its recursion knows)
+        kept += [f"scheduler.{name}" for name in schedule]
+    if kept:
+        raise ConfigError(
+            f"config: {', '.join(sorted(set(kept)))} cannot change on resume: the "
+            "checkpoint's state holds what it set; resume with the old value, or start a new "
+            "run from the weights (glassloop.load_weights)"
+        )
+    yield
+    for group, new in zip(optimizer.param_groups if optimizer else [], groups, strict=True):
+        for name in hyper & (new.keys() - {"params", "lr", "initial_lr"}):
+            group[name] = new[name]
+        base = "initial_lr" if "initial_lr" in new else "lr"  # (a schedule's base rate)
+        if "lr" in hyper and base == "initial_lr":  # (the rate now, scaled: below, by formula)
+            group["lr"] *= new[base] / group[base]
+        if "lr" in hyper:
+            group[base] = new[base]
+    if scheduler is not None and optimizer is not None and (schedule or "lr" in hyper):
+        for name in schedule:
+            if name in fresh:
+                setattr(scheduler, name, fresh[name])
+            else:
+                for saved, values in zip(scheduler.lr_lambdas, fresh["lr_lambdas"], strict=True):
+                    vars(saved)[name] = values[name]
+        if hasattr(scheduler, "base_lrs"):
+            scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+        for group, rate in zip(optimizer.param_groups, rates_now(scheduler) or [], strict=False):
+            group["lr"] = rate
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    if {"checkpoint.monitor", "checkpoint.mode"} & set(changed):
+        loop.best_metric = None
+        for value in (row[policy.monitor] for row in history if policy.monitor in row):
+            if improves(float(value), loop.best_metric, monitor_mode(policy.monitor, policy.mode)):
+                loop.best_metric = float(value)
+
+
+def rates_now(scheduler: Any) -> list[float] | None:
+    """The rates a schedule gives at its step, from its formula: ``LambdaLR``'s, or the
+    closed form torch's schedules keep beside their recursion; ``None``: it has none."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        pairs = zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+        return [float(base * rate(scheduler.last_epoch)) for base, rate in pairs]
+    closed = getattr(scheduler, "_get_closed_form_lr", None)
+    return list(closed()) if callable(closed) else None
