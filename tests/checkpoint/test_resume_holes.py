@@ -130,7 +130,7 @@ def test_a_learning_rate_or_a_schedule_changed_on_resume_is_used(
     spans = "scheduler.total_steps=12" in schedule
     base = sets([*SMALL, *schedule])
     straight, changed = tmp_path / "straight", tmp_path / "changed"
-    new = sets(["optim.lr=0.003", "train.epochs=3"])
+    new = sets(["optim.lr=0.003", "train.epochs=3", "optim.weight_decay=0.05"])
     assert cli(capsys, "train", *base, *new, "--run-dir", str(straight))[0] == 0
     first = sets(["optim.lr=0.001", "train.epochs=1", "scheduler.total_steps=4"][: 2 + spans])
     assert cli(capsys, "train", *base, *first, "--run-dir", str(changed))[0] == 0
@@ -142,6 +142,9 @@ def test_a_learning_rate_or_a_schedule_changed_on_resume_is_used(
     assert epoch_rates(changed)[1:] == pytest.approx(epoch_rates(straight)[1:], rel=1e-9)
     saved = json.loads((changed / "config.json").read_text())
     assert saved["optim"]["lr"] == 0.003
+    last = sorted((changed / "checkpoints").glob("step-*"))[-1]
+    (group,) = json.loads((last / "state.json").read_text())["optimizer"]["param_groups"]
+    assert group["weight_decay"] == 0.05  # (any optim key: the groups' own)
 
 
 @pytest.mark.parametrize(
