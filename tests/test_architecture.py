@@ -12,11 +12,15 @@ Budgets only fall: a size budget may rise only in a commit that lowers another b
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import glassloop
 
@@ -404,3 +408,15 @@ if __name__ == "__main__":
     LAYOUT_PAGE.write_text(
         text[: text.index(START)] + layout() + text[text.index(END) + len(END) :]
     )
+
+
+def test_an_old_module_path_names_its_new_home() -> None:
+    """Every module of the flat layout the docs showed until 2026-12 says where it went in
+    one line (``from glassloop.checkpointer import CheckpointConfig`` was a bare
+    ``ModuleNotFoundError``), and every new home exists."""
+    from glassloop.tools.moved import MOVED
+
+    for old, new in MOVED.items():
+        assert importlib.util.find_spec(f"glassloop.{new}") is not None, new
+        with pytest.raises(ModuleNotFoundError, match=rf"it moved to glassloop\.{new} "):
+            importlib.import_module(f"glassloop.{old}")

@@ -15,10 +15,14 @@ True
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 import glassloop.tracking.launched  # noqa: F401  (the launch's moment: before any heavy import)
 from glassloop._version import __version__
+from glassloop.tools.moved import MovedModules
+
+sys.meta_path.append(MovedModules())  # (an old module path names its new home)
 
 # Each public name and the module that defines it.
 _EXPORTS = {

@@ -166,7 +166,8 @@ def test_named_classification_metrics_equal_sklearn() -> None:
     logits, labels = torch.randn(200, 5, generator=g), torch.randint(0, 5, (200,), generator=g)
     result = glassloop.evaluate(
         nn.Identity(), [(logits[:120], labels[:120]), (logits[120:], labels[120:])],
-        nn.CrossEntropyLoss(), metrics=["top2_accuracy", "f1_macro", "balanced_accuracy"],
+        nn.CrossEntropyLoss(),
+        metrics=["top2_accuracy", "f1_macro", "balanced_accuracy", "accuracy"],  # (reported anyway)
     )  # fmt: skip
     top2 = (logits.topk(2, dim=1).indices == labels[:, None]).any(1).float().mean()
     predicted = logits.argmax(1).numpy()
@@ -181,6 +182,9 @@ def test_named_classification_metrics_equal_sklearn() -> None:
 def test_unknown_metric_name_is_refused_before_training() -> None:
     with pytest.raises(glassloop.ConfigError, match="no metric 'r2' for a classification task"):
         trainer_for(nn.Linear(2, 2), nn.CrossEntropyLoss(), metrics=["r2"])
+    # What a task reports anyway is a name it knows (a Keras user's metrics=["accuracy"]).
+    trainer_for(nn.Linear(2, 1), nn.MSELoss(), metrics=["r2", "mae"])
+    glassloop.load_config(None, ["train.metrics=['accuracy']"])
     from glassloop.evaluation.metric_names import make_metric
 
     with pytest.raises(glassloop.ConfigError, match="no metric"):

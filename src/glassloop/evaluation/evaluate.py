@@ -18,7 +18,7 @@ from glassloop.device import move_to_device
 from glassloop.distributed.fsdp import evenly, is_sharded
 from glassloop.distributed.world import World, distributed_job, gather_objects
 from glassloop.errors import ConfigError, DataError
-from glassloop.evaluation.metric_names import check_metric_name, make_metric
+from glassloop.evaluation.metric_names import REPORTED, check_metric_name, make_metric
 from glassloop.evaluation.metrics import ClassificationSums, MultilabelSums, RegressionSums
 from glassloop.precision import autocast
 from glassloop.storage.file_names import check_name
@@ -219,7 +219,10 @@ def metric_table(
         check_name(name, "metrics: metric")  # (val_<name> names a column and a plot)
         if isinstance(metric, str):
             check_metric_name(metric, task)
-    return table
+    # (a name the task reports anyway: once; a metric object is never compared, its == is
+    # torchmetrics' arithmetic)
+    reported = REPORTED.get(task, ())
+    return {name: m for name, m in table.items() if not (isinstance(m, str) and m in reported)}
 
 
 def metric_objects(
@@ -344,7 +347,8 @@ class FirstBatches:
         return min(len(self.loader), self.limit)
 
     def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.loader), self.limit)  # type: ignore[call-overload]
+        iterable: Iterable[Any] = self.loader  # type: ignore[assignment]
+        return itertools.islice(iterable, self.limit)  # (its one iter(): data.position.iterate)
 
 
 def first_batches(loader: Iterable[Any], limit: int, *, counted: bool = False) -> Iterable[Any]:

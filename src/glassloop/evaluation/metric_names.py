@@ -38,11 +38,20 @@ NAMES = {
     "regression": ("mape", "explained_variance", "pearson"),
 }
 NAMES["language-model"] = NAMES["auto"] = NAMES["classification"]
+# What each task reports without being asked (glassloop.evaluation.metrics): asked for by name
+# anyway (``metrics=["accuracy"]``, a Keras user's first line), it is accepted and reported once.
+REPORTED = {
+    "classification": ("loss", "accuracy"),
+    "multilabel": ("loss", "accuracy", "exact_match", "f1_micro", "f1_macro"),
+    "regression": ("loss", "mae", "rmse", "r2"),
+    "language-model": ("loss", "accuracy", "perplexity"),
+}
+REPORTED["auto"] = REPORTED["classification"]
 
 
 def check_metric_name(name: str, task: str) -> None:
     """Refuse a name that ``task`` has no metric for, listing those it has."""
-    known = NAMES.get(task, ())
+    known = (*REPORTED.get(task, ()), *NAMES.get(task, ()))
     if name in known or (name != "top<k>_accuracy" and _top_k(name) and "top<k>_accuracy" in known):
         return
     listed = ", ".join(known) if known else "none (give metric objects instead)"
