@@ -26,7 +26,7 @@ import glassloop.tasks as tasks
 from glassloop.batch import Inputs, split_batch
 from glassloop.callbacks import Callback
 from glassloop.checkpoint.checkpointer import Checkpointer
-from glassloop.data.position import epoch_batches, waits_cut
+from glassloop.data.position import epoch_batches
 from glassloop.deprecated import fold_replaced, warn_replaced
 from glassloop.device import move_to_device
 from glassloop.distributed.preemption import Preempted, StopRequested, StopSignals
@@ -346,20 +346,20 @@ class Trainer:
         self.model.train()  # dropout on, batch-norm updates its running statistics
         if state.validation_due == "step":  # a stop signal cut it short: it comes first
             self.validator.mid_epoch(self, state)
-        # The epoch's batches from where it is (a resume), and what its order is drawn from
-        # (none when a stop signal cut the epoch's validation short: its training is done).
+        # The epoch's batches from where it is (a resume), from one iter() of the loader, and
+        # what its order is drawn from (data.position; one process: a stop signal cuts a long
+        # wait for data short); none when a stop signal cut the epoch's validation short.
         batches: Iterable[Any] = ()
         if state.validation_due != "epoch":
+            signals, window, rng = self._signals, self.grad_accum_steps, self.record.epoch_rng
             batches, self.record.epoch_rng = epoch_batches(
-                train_loader, self.record.epoch_rng, state.batch_in_epoch, self.limit_batches
+                train_loader, rng, state, self.limit_batches, signals, window, self.world
             )
         batch: Any = None
         micro: list[tuple[Inputs, Any]] = []
         own = self.loss_fn is None  # the model computes its loss: it also gets labels=target
         try:
-            # (one process: a stop signal cuts a long wait for data short, data.position)
-            signals, window = self._signals, self.grad_accum_steps
-            for batch in waits_cut(train_loader, batches, signals, window, self.world):
+            for batch in batches:
                 micro.append(split_batch(move_to_device(batch, self.device), labels_to_model=own))
                 if len(micro) == self.grad_accum_steps:
                     self._step_window(micro)

@@ -1,7 +1,8 @@
 """Where an epoch of any training loader stands: the batches it iterates from a position (a
-resume) and the RNG its order is drawn from, kept in every checkpoint. A loader with
-``state_dict()`` knows its own position; for any other (a ``DataLoader``, a list, a
-generator of batches) the epoch's order is replayed from the RNG it was drawn from."""
+resume), from one ``iter()`` of it, and the RNG its order is drawn from, kept in every
+checkpoint. A loader with ``state_dict()`` knows its own position; for any other (a
+``DataLoader``, a list, a generator of batches) the epoch's order is replayed from the RNG
+it was drawn from."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ import itertools
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader
 
 from glassloop.data.loaders import LoaderPosition, close_workers
 from glassloop.distributed.preemption import StopRequested, StopSignals
-from glassloop.distributed.world import World
+from glassloop.distributed.world import SINGLE, World
 from glassloop.rng import capture_rng_state, loader_generators, restore_rng_state
+
+if TYPE_CHECKING:
+    from glassloop.state import TrainState
 
 
 def capture_loader_rng(loader: Any) -> dict[str, Any]:
@@ -42,6 +46,25 @@ def restore_loader_rng(loader: Any, state: dict[str, Any]) -> None:
         generator.set_state(saved)
 
 
+def iterate(loader: Iterable[Any]) -> Iterator[Any]:
+    """``iter(loader)``, called once, as an iterator that may be iterated again: a loader that
+    is its own iterator (its ``__iter__`` starts it over and returns ``self``, as the loader
+    Ray's ``prepare_data_loader`` returns) is read by ``next`` alone, since another ``iter()``
+    of it (a ``for``, ``itertools.chain``) would start the epoch over: its first batch
+    trained twice, or another draw of the global RNG.
+
+    >>> numbers = iterate([1, 2, 3]); next(numbers), list(numbers)
+    (1, [2, 3])
+    """
+    iterator = iter(loader)
+    return iterator if iterator is not loader else _each(iterator)
+
+
+def _each(iterator: Iterator[Any]) -> Iterator[Any]:
+    while (batch := next(iterator, _END)) is not _END:
+        yield batch
+
+
 def replay_epoch(
     loader: Iterable[Any], epoch_rng: dict[str, Any] | None, num_batches: int
 ) -> Iterator[Any]:
@@ -60,7 +83,7 @@ def replay_epoch(
     now = capture_loader_rng(loader)
     if epoch_rng is not None:
         restore_loader_rng(loader, epoch_rng)
-    iterator = iter(loader)
+    iterator = iterate(loader)
     for _ in itertools.islice(iterator, num_batches):
         pass
     restore_loader_rng(loader, now)
@@ -68,26 +91,44 @@ def replay_epoch(
 
 
 def epoch_batches(
-    loader: Iterable[Any], epoch_rng: dict[str, Any] | None, done: int, limit: int = 0
-) -> tuple[Iterable[Any], dict[str, Any] | None]:
-    """The batches an epoch iterates and the RNG its order is drawn from (kept in
-    checkpoints). A loader with ``load_state_dict`` knows its own position; another one,
-    ``done`` batches into an epoch (a resume), has the rest replayed from ``epoch_rng``
-    (:func:`replay_epoch`); at an epoch's start its RNG is captured. ``limit``: at most
-    this many batches in the epoch (``limit_batches``; a resumed epoch used ``done``).
+    loader: Iterable[Any],
+    epoch_rng: dict[str, Any] | None,
+    state: TrainState,
+    limit: int = 0,
+    signals: StopSignals | None = None,
+    window: int = 1,
+    world: World = SINGLE,
+) -> tuple[Iterator[Any], dict[str, Any] | None]:
+    """The batches of the epoch ``state`` is in, from one ``iter(loader)`` (:func:`iterate`),
+    and the RNG its order is drawn from (kept in checkpoints). A loader with
+    ``load_state_dict`` knows its own position; another one, ``state.batch_in_epoch`` batches
+    into the epoch (a resume), has the rest replayed from ``epoch_rng``
+    (:func:`replay_epoch`); at an epoch's start its RNG is captured.
+    ``limit``: at most this many batches in the epoch (``limit_batches``; a resumed one counts
+    those it had done).
+    ``signals``: in one process, a stop signal cuts a long wait for a batch short
+    (:func:`waits_cut`; ``window``: the micro-batches of a step).
 
-    >>> batches, rng = epoch_batches([1, 2, 3, 4], None, 1, limit=3)
+    >>> from glassloop.state import TrainState
+    >>> batches, rng = epoch_batches([1, 2, 3, 4], None, TrainState(batch_in_epoch=1), limit=3)
     >>> list(batches)
     [2, 3]
     """
-    batches: Iterable[Any] = loader
-    if not hasattr(loader, "load_state_dict"):
-        if done:
-            batches = replay_epoch(loader, epoch_rng, done)
-        else:
-            epoch_rng = capture_loader_rng(loader)
+    done, own = state.batch_in_epoch, hasattr(loader, "load_state_dict")
+    before = capture_loader_rng(loader)  # (before iter(): what an epoch's first fetch draws)
+    if own or not done:
+        epoch_rng = epoch_rng if own else before
+        batches = iterate(loader)
+    else:
+        batches = replay_epoch(loader, epoch_rng, done)
     if limit:
         batches = itertools.islice(batches, max(0, limit - done))
+    # Not with several processes (they agree on a stop at the next step's collective), nor
+    # for a loader with a state_dict() of its own that is not glassloop's (what a cut leaves
+    # in it is unknown).
+    foreign = hasattr(loader, "state_dict") and not isinstance(loader, LoaderPosition)
+    if signals is not None and not world.distributed and not foreign:
+        batches = waits_cut(loader, batches, signals, window, before)
     return batches, epoch_rng
 
 
@@ -106,34 +147,31 @@ def replay_caveat(loader: Iterable[Any], batches: int) -> str | None:
 
 
 def waits_cut(
-    loader: Iterable[Any], batches: Iterable[Any], signals: StopSignals, window: int, world: World
+    loader: Iterable[Any],
+    batches: Iterator[Any],
+    signals: StopSignals,
+    window: int,
+    rng: dict[str, Any],
 ) -> Iterator[Any]:
-    """``batches`` (an epoch of ``loader``); in one process, a stop signal that arrives
-    while the loop waits for one raises :class:`~glassloop.distributed.preemption.StopRequested` at
-    once (``signals.waiting``): a slow loader (a network dataset, workers starting, a cold
+    """``batches`` (an epoch of ``loader`` in one process), a stop signal that arrives while
+    the loop waits for one raising :class:`~glassloop.distributed.preemption.StopRequested`
+    at once (``signals.waiting``): a slow loader (a network dataset, workers starting, a cold
     cache) must not outlast a scheduler's grace. The step being gathered (``window``
     micro-batches) is dropped whole and the checkpoint is the last completed step's, so
     what the dropped fetch changed is put back: a glassloop loader's position (three
     integers, read at each window's start) and, in an epoch's first wait, every RNG as it
-    was before ``iter()`` (a ``DataLoader`` draws its shuffle and worker seeds there).
+    was before ``iter()`` (``rng``: a ``DataLoader`` draws its shuffle and worker seeds there).
 
     Which waits are cut: an epoch's first, always (fetched here, at once); a later one only
     when a loader's worker processes fetch it (a wait that can be long, and leaves the main
     process's RNGs alone: they are not captured at every step, 68 us, more than a small
     step). After its first batch, a loader without workers (in memory: no wait to cut) is
-    iterated as it is, with no code of glassloop's between the loop and it. Not with
-    several processes (they agree on a stop at the next step's collective), nor for a
-    loader with a ``state_dict()`` of its own that is not glassloop's (what a cut leaves in
-    it is unknown)."""
+    iterated as it is, with no code of glassloop's between the loop and it."""
     position = loader if isinstance(loader, LoaderPosition) else None
-    if world.distributed or (position is None and hasattr(loader, "state_dict")):
-        return iter(batches)
-    rng = capture_loader_rng(loader)  # (before iter(): what an epoch's first fetch draws)
-    iterator = iter(batches)
     if workers_of(loader) > 0:
-        return _each_wait_cut(loader, iterator, signals, window, position, rng)
-    first = _cut_fetch(loader, iterator, signals, position, where(position), rng)
-    return iterator if first is _END else itertools.chain((first,), iterator)
+        return _each_wait_cut(loader, batches, signals, window, position, rng)
+    first = _cut_fetch(loader, batches, signals, position, where(position), rng)
+    return batches if first is _END else itertools.chain((first,), batches)
 
 
 _END = object()  # (what a fetch returns at an epoch's end)
