@@ -15,14 +15,11 @@ True
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import TYPE_CHECKING, Any
 
+import glassloop.tools.moved  # (an old module path names its new home)
 import glassloop.tracking.launched  # noqa: F401  (the launch's moment: before any heavy import)
 from glassloop._version import __version__
-from glassloop.tools.moved import MovedModules
-
-sys.meta_path.append(MovedModules())  # (an old module path names its new home)
 
 # Each public name and the module that defines it.
 _EXPORTS = {
@@ -34,6 +31,7 @@ _EXPORTS = {
     "DataError": "glassloop.errors",
     "EarlyStopping": "glassloop.callbacks",
     "GlassloopError": "glassloop.errors",
+    "GlassloopWarning": "glassloop.tracking.console",
     "ModelError": "glassloop.errors",
     "NonFinitePolicy": "glassloop.step.guards",
     "Predictor": "glassloop.tools.prediction",
@@ -73,6 +71,7 @@ __all__ = [
     "DataError",
     "EarlyStopping",
     "GlassloopError",
+    "GlassloopWarning",
     "ModelError",
     "NonFinitePolicy",
     "Predictor",
@@ -138,4 +137,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from glassloop.tools.lr_finder import lr_find
     from glassloop.tools.prediction import Predictor
     from glassloop.tools.run_evaluation import RunEvaluation, evaluate_run, report_run
+    from glassloop.tracking.console import GlassloopWarning
     from glassloop.tracking.runs import load_run

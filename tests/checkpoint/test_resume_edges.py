@@ -547,6 +547,10 @@ def test_a_run_has_one_training_time_and_a_resume_does_not_count_its_pause(
     assert first < info["train_s"] < elapsed - 1.0
     said = end_summary(resumed, None)  # (the console's last lines; progress="none" here)
     assert said.startswith(f"done in {info['train_s']:.1f} s of training ({info['wall_s']:.1f} s")
+    # A resume launched after more training than it did itself: its time is said as a part
+    # (it read "145.7 s of training (125.8 s since launch)").
+    resumed.state.wall_s = 0.01
+    assert "s of training in all (0.0 s since this launch)" in end_summary(resumed, None)
     summary = summarise(tmp_path / "run")
     assert summary is not None and summary.duration == format_duration(info["train_s"])
     page = (tmp_path / "run" / "report" / "index.html").read_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -372,6 +373,16 @@ def test_train_writes_a_report_and_report_rewrites_it(
     assert result.returncode == 0, result.stderr
     assert (run_dir / "report" / "confusion.png").read_bytes()[:4] == b"\x89PNG"
     assert_user_error(glassloop("report", str(run_dir / "nope")), "is not a run directory")
+    # A row a callback wrote a list, a table or a string into is drawn without them (a list
+    # crashed the report with a TypeError).
+    copied = run_dir.parent / "copied"
+    shutil.copytree(run_dir, copied)
+    rows = [json.loads(line) for line in (copied / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        row.update(val_tags=[1, 2], lr=[0.1], val_note="x", val_table={"a": 1})
+    (copied / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = glassloop("report", str(copied))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("command", [["runs"], ["config"]])

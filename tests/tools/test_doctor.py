@@ -62,6 +62,16 @@ def test_each_mistake_fails_its_check(tmp_path: Path, target: str, failing: str)
     assert result[failing] == "FAIL", result
 
 
+def test_labels_counted_from_one_are_not_passed() -> None:
+    """Labels 1..10 for 10 classes (a data set counted from 1) make 11 outputs, one never
+    trained: the labels check says so (it passed: every label was below 11)."""
+    from glassloop.tools.checklist import check_labels
+
+    check = check_labels(torch.arange(1, 11).repeat(5), 11)
+    assert check.status == "WARN" and "subtract 1" in check.line(), check.line()
+    assert check_labels(torch.arange(0, 10).repeat(5), 10).status == "PASS"
+
+
 def test_a_healthy_setup_passes_and_draws_the_lr_curve(tmp_path: Path) -> None:
     result = status(tmp_path, None)
     assert "FAIL" not in result.values(), result

@@ -75,6 +75,13 @@ def check_labels(run: Built | torch.Tensor, outputs: int) -> Check:
             f"{outputs} outputs: make labels class indices in [0, {outputs}) or change "
             "the model's output size.",
         )
+    if low == 1:  # (the classic: labels 1..C for C classes make C + 1 outputs, one never seen)
+        return Check(
+            "labels",
+            "WARN",
+            f"labels range over [1, {high}]: class 0 never appears, as with labels counted "
+            f"from 1; subtract 1 to make them class indices in [0, {high}).",
+        )
     return Check("labels", "PASS", f"all {len(y)} training labels are in [0, {outputs}).")
 
 

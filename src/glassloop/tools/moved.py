@@ -5,6 +5,7 @@ line instead of a bare ``ModuleNotFoundError``."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
@@ -59,3 +60,7 @@ class MovedModules:  # (a meta path finder; importlib.abc takes 10 ms to import)
             "its public names from glassloop)",
             name=fullname,
         )
+
+
+if not any(isinstance(finder, MovedModules) for finder in sys.meta_path):  # (once: a reload)
+    sys.meta_path.append(MovedModules())

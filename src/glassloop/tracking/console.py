@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from collections.abc import Iterable
 from typing import IO, TYPE_CHECKING, Any
 
@@ -13,6 +14,14 @@ from tqdm import tqdm
 
 from glassloop.best import is_number, shown
 from glassloop.tracking.notebook import bar_class, in_notebook
+
+
+class GlassloopWarning(UserWarning):
+    """A warning the console says, as a Python warning too: ignored unless a filter asks for
+    it (``pytest -W error``, ``warnings.simplefilter("error")``), so never shown twice."""
+
+
+warnings.filterwarnings("ignore", category=GlassloopWarning, append=True)
 
 if TYPE_CHECKING:  # (torch: this module is imported before it)
     from glassloop.state import EpochRecord
@@ -193,7 +202,10 @@ class ProgressReporter:
                 self._shown[key.replace("accuracy", "acc")] = text
 
     def message(self, text: str) -> None:
-        """Resume notices and warnings: printed whatever the progress mode."""
+        """Resume notices and warnings: printed whatever the progress mode; a warning is a
+        Python warning too (:class:`GlassloopWarning`: a filter, ``pytest -W error``)."""
+        if text.startswith("warning: "):
+            warnings.warn(text.removeprefix("warning: "), GlassloopWarning, stacklevel=2)
         if self.silent:
             return
         if self.epoch_bar is not None:  # above the bar, which is drawn again below it
@@ -228,20 +240,9 @@ def format_duration(seconds: float) -> str:
 
 
 # In the files, not on the summary line (which keeps the tutorial-like shape).
-SUMMARY_SKIPS = (
-    "kind",
-    "epoch",
-    "step",
-    "samples",
-    "lr",
-    "seconds",
-    "checkpoint_s",
-    "samples_per_s",
-    "grad_norm",
-    "max_memory_mb",
-    "tokens_per_s",
-    "mfu",
-)
+SUMMARY_SKIPS: tuple[str, ...] = ("kind", "epoch", "step", "samples", "lr", "seconds")
+SUMMARY_SKIPS += ("checkpoint_s", "samples_per_s", "grad_norm", "max_memory_mb")
+SUMMARY_SKIPS += ("tokens_per_s", "mfu")
 
 
 # The numbers an epoch's line shows at most (a callback may log thousands of keys).

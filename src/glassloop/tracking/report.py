@@ -16,7 +16,7 @@ from glassloop.storage.file_names import file_name
 
 if TYPE_CHECKING:
     import torch
-from glassloop.best import best_epoch
+from glassloop.best import best_epoch, is_number
 from glassloop.evaluation.metrics import format_report
 from glassloop.tracking.console import format_duration
 from glassloop.tracking.runs import read_epochs, read_json_object, read_rows, summarise
@@ -85,7 +85,7 @@ def write_report(
     panels.append(("lr.png", "learning rate", ["lr"]))
     for name, title, keys in panels:
         nan = float("nan")
-        series = [(k, [float(r[k]) if r.get(k) is not None else nan for r in rows]) for k in keys]
+        series = [(k, [float(r[k]) if is_number(r.get(k)) else nan for r in rows]) for k in keys]
         series = [(k, v) for k, v in series if any(x == x for x in v)]  # not all NaN
         if not series or not epochs:
             continue

@@ -126,12 +126,9 @@ def start_header(
                 f"{(batch // size or 1) * size}); step lines count this process's samples"
             )
         lines.append(line)
-    optimizers = (
-        trainer.optimizer if isinstance(trainer.optimizer, dict) else {"": trainer.optimizer}
-    )
-    described = [
-        f"{name + ': ' if name else ''}{described_optimizer(o)}" for name, o in optimizers.items()
-    ]
+    optimizer = trainer.optimizer
+    optimizers = optimizer if isinstance(optimizer, dict) else {"": optimizer}
+    described = [f"{n + ': ' if n else ''}{described_optimizer(o)}" for n, o in optimizers.items()]
     schedule = "none"
     if trainer.scheduler is not None:
         kind = type(trainer.scheduler).__name__
@@ -144,10 +141,8 @@ def start_header(
     if (note := loss_note(trainer.loss_fn, trainer.loss_reduction)) is not None:
         lines.append(note)
     if trainer.run_dir is not None:
-        copy = (
-            f" (local copy: {trainer.run_dir})" if trainer.run.shown != str(trainer.run_dir) else ""
-        )
-        lines.append(f"run directory: {trainer.run.shown}{copy}")
+        here, shown = str(trainer.run_dir), trainer.run.shown
+        lines.append(f"run directory: {shown}{f' (local copy: {here})' if shown != here else ''}")
         if trainer.grace_s:  # (the first save's time is said against it when known)
             signals = ", ".join(f"SIG{name}" for name in trainer.stop_signals)
             lines.append(
@@ -177,7 +172,6 @@ def loss_note(loss_fn: Any, reduction: str) -> str | None:
         return None
     if getattr(loss_fn, "__module__", None) == "torch.nn.functional":
         return None  # torch's own (F.nll_loss, F.cross_entropy, ...): a mean unless told
-
     return (
         f"loss: {name} is taken as a mean over each batch (losses are reported per sample "
         "as such); if it sums over the batch, pass loss_reduction='sum'"
@@ -215,13 +209,8 @@ def model_parts(model: nn.Module, shown: int = 8) -> str | None:
     for name, part in found[:shown]:
         total = sum(p.numel() for p in part.parameters())
         trainable = sum(p.numel() for p in part.parameters() if p.requires_grad)
-        note = (
-            ""
-            if trainable == total
-            else " (frozen)"
-            if not trainable
-            else f" ({trainable:,} trainable)"
-        )
+        note = " (frozen)" if not trainable else f" ({trainable:,} trainable)"
+        note = "" if trainable == total else note
         described.append(f"{prefix}{name} {class_name(part)} {total:,}{note}")
     more = f" · {len(found) - shown} more" if len(found) > shown else ""
     return "parts: " + " · ".join(described) + more
@@ -235,6 +224,8 @@ def end_summary(trainer: Described, report: Path | None) -> str:
     # (rounded as run.json rounds them first: the two never differ in the last digit)
     train_s, wall = round(state.train_seconds(), 2), round(wall, 2)
     trained = f"{train_s:.1f} s of training ({wall:.1f} s since launch)"
+    if train_s > wall:  # (a resumed run's training time counts its earlier commands too)
+        trained = f"{train_s:.1f} s of training in all ({wall:.1f} s since this launch)"
     parts = [f"done in {trained}: {counted(state.epoch, 'epoch')}, {counted(state.step, 'step')}"]
     policy = trainer.checkpointer.policy
     best = best_epoch(history, policy.monitor, policy.mode)
