@@ -264,6 +264,7 @@ class Trainer:
         self.should_stop, self._checked_first_batch = False, False
         if resume is None and distributed.restarted():  # torchrun restarted it: go on
             resume = "auto"
+        distributed.check_sharded(train_loader, self.world)  # not each process on all of it
         self._train_loader = train_loader
         lm, peak = self.task == "language-model", peak_flops(self.device, self.precision)
         self.throughput = Throughput(tokens=lm, peak=peak, world=self.world)  # samples/s, MFU

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from glassloop import Trainer
 from glassloop.options import CheckpointConfig
@@ -117,5 +117,41 @@ def test_a_loader_that_is_its_own_iterator_is_iterated_once_per_epoch(tmp_path: 
     resumed, loader = trainer(Net(), tmp_path / "run"), rewinding()
     resumed.fit(loader, rewinding(), epochs=2, resume="auto")
     assert (loader.iterations, loader.served) == (1, 5)  # the epoch's 2 replayed, 3 trained
+    for name, tensor in by_hand.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], tensor), name
+
+
+def test_a_distributed_samplers_epoch_is_set_each_epoch_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    """``fit`` calls ``set_epoch`` as a hand-written loop must (the same order every epoch
+    without it): one process's shard of a ``DistributedSampler`` trains as the hand loop
+    with ``set_epoch`` does, bit for bit, and a run killed in epoch 2 resumes equal to it."""
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g))
+
+    def loader() -> DataLoader:  # type: ignore[type-arg]
+        sampler = DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
+        return DataLoader(data, batch_size=8, sampler=sampler)  # (4 batches an epoch)
+
+    torch.manual_seed(0)
+    start = Net()
+    by_hand, batches = copy.deepcopy(start), loader()
+    optimizer, loss_fn = torch.optim.SGD(by_hand.parameters(), lr=0.1), nn.CrossEntropyLoss()
+    torch.manual_seed(5)
+    for epoch in range(2):
+        batches.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        for x, y in batches:
+            loss_fn(by_hand(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    killed = Net(die_at=6)  # (step 6: epoch 2, batch 2)
+    killed.load_state_dict(start.state_dict())
+    torch.manual_seed(5)
+    with pytest.raises(Dies):
+        trainer(killed, tmp_path / "run").fit(loader(), epochs=2)
+    resumed = trainer(Net(), tmp_path / "run")
+    resumed.fit(loader(), epochs=2, resume="auto")
     for name, tensor in by_hand.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], tensor), name

@@ -65,6 +65,16 @@ def _each(iterator: Iterator[Any]) -> Iterator[Any]:
         yield batch
 
 
+def set_epoch(loader: Any, epoch: int) -> None:
+    """Tell ``loader``'s samplers the epoch, as Lightning does: a ``DistributedSampler``
+    draws each epoch's order from ``seed + epoch``, the same order every epoch without it (a
+    hand-written loop calls ``set_epoch`` itself; ``fit`` is that loop)."""
+    batches = getattr(loader, "batch_sampler", None)
+    for sampler in getattr(loader, "sampler", None), batches, getattr(batches, "sampler", None):
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)  # type: ignore[union-attr]
+
+
 def replay_epoch(
     loader: Iterable[Any], epoch_rng: dict[str, Any] | None, num_batches: int
 ) -> Iterator[Any]:
@@ -100,20 +110,20 @@ def epoch_batches(
     world: World = SINGLE,
 ) -> tuple[Iterator[Any], dict[str, Any] | None]:
     """The batches of the epoch ``state`` is in, from one ``iter(loader)`` (:func:`iterate`),
-    and the RNG its order is drawn from (kept in checkpoints). A loader with
-    ``load_state_dict`` knows its own position; another one, ``state.batch_in_epoch`` batches
-    into the epoch (a resume), has the rest replayed from ``epoch_rng``
-    (:func:`replay_epoch`); at an epoch's start its RNG is captured.
-    ``limit``: at most this many batches in the epoch (``limit_batches``; a resumed one counts
-    those it had done).
-    ``signals``: in one process, a stop signal cuts a long wait for a batch short
-    (:func:`waits_cut`; ``window``: the micro-batches of a step).
+    and the RNG its order is drawn from (kept in checkpoints); a sampler's ``set_epoch`` is
+    called first (:func:`set_epoch`). A loader with ``load_state_dict`` knows its own
+    position; another one, ``state.batch_in_epoch`` batches into the epoch (a resume), has
+    the rest replayed from ``epoch_rng`` (:func:`replay_epoch`); at an epoch's start its RNG
+    is captured. ``limit``: at most this many batches in the epoch (``limit_batches``; a
+    resumed one counts those it had done). ``signals``: in one process, a stop signal cuts a
+    long wait for a batch short (:func:`waits_cut`; ``window``: the micro-batches of a step).
 
     >>> from glassloop.state import TrainState
     >>> batches, rng = epoch_batches([1, 2, 3, 4], None, TrainState(batch_in_epoch=1), limit=3)
     >>> list(batches)
     [2, 3]
     """
+    set_epoch(loader, state.epoch)  # (a resume: before the order is replayed)
     done, own = state.batch_in_epoch, hasattr(loader, "load_state_dict")
     before = capture_loader_rng(loader)  # (before iter(): what an epoch's first fetch draws)
     if own or not done:

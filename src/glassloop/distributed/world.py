@@ -1,5 +1,5 @@
 """Multi-process training on PyTorch's own engine: torchrun's environment, the process group,
-DDP wrapping, and the few collectives the loop needs.
+DDP wrapping, each process's own data, and the few collectives the loop needs.
 
 glassloop never launches processes itself: ``torchrun`` (or SLURM through torchrun) starts
 one process per device and sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
@@ -20,9 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
 from glassloop.distributed.preemption import STOP_SIGNALS
-from glassloop.errors import ConfigError
+from glassloop.errors import ConfigError, DataError
 
 WHY_NOT_DATAPARALLEL = (
     "config: train.strategy = 'dp' (torch.nn.DataParallel) is not supported: it runs one "
@@ -141,6 +142,43 @@ def local_device(device: torch.device, world: World) -> torch.device:
     if device.type == "cuda" and world.distributed:
         return torch.device("cuda", world.local_rank)
     return device
+
+
+def check_sharded(loader: Any, world: World) -> None:
+    """Several processes each train on their own part of the data, never each on all of it:
+    a training ``DataLoader`` whose samples come from the sampler it made itself
+    (``shuffle=True`` or not: every sample, in every process) is refused in one line, and so
+    is a glassloop loader built for another number of processes (``make_loader`` without
+    ``world=``). Glassloop does not swap the sampler itself, as Lightning does: the order
+    would no longer be the one the user built (a one-process run's), nor the samples of a
+    step. Any other loader (a sampler or batch sampler of one's own, an ``IterableDataset``
+    that splits itself, any iterable of batches) is iterated as given.
+
+    >>> check_sharded(DataLoader(range(8), batch_size=2), World(0, 2))
+    Traceback (most recent call last):
+    glassloop.errors.DataError: data: the training DataLoader samples the whole dataset ...
+    """
+    built = getattr(getattr(loader, "sampler", None), "world", None)  # (glassloop's loaders)
+    if not world.distributed or (isinstance(built, World) and built.size == world.size):
+        return
+    processes = f"each of the {world.size} processes would train on all of it"
+    if isinstance(built, World):
+        raise DataError(
+            f"data: the training loader was built for {built.size} process(es) and this job "
+            f"has {world.size}, so {processes}; build it with make_loader(..., "
+            "world=trainer.world)"
+        )
+    if not isinstance(loader, DataLoader):
+        return
+    source = loader.sampler if loader.batch_sampler is None else loader.batch_sampler
+    source = source.sampler if type(source) is BatchSampler else source  # (torch's own)
+    if type(source) in (SequentialSampler, RandomSampler):  # (exactly: a subclass is yours)
+        raise DataError(
+            f"data: the training DataLoader samples the whole dataset ({type(source).__name__}"
+            f"), so {processes}; give it sampler=DistributedSampler(dataset, num_replicas="
+            "trainer.world.size, rank=trainer.world.rank, shuffle=True) (its epoch is set "
+            "each epoch), or use glassloop.data.make_loader(..., world=trainer.world)"
+        )
 
 
 def wrap(model: nn.Module, world: World, device: torch.device) -> nn.Module:
