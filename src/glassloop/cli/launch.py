@@ -32,8 +32,10 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
     exit code (torchrun itself says 1 for any failure: a preemption would read as a crash, a
     config refusal as a bug). Each worker records its code in ``GLASSLOOP_EXIT_DIR``; rank 0's
     code wins, then the first non-zero one; torchrun's code only when no worker recorded one
-    (a worker that died). SIGTERM/SIGINT to this process go on to torchrun, which forwards
-    them to the workers; SIGUSR1/SIGUSR2 go on as SIGTERM (torchrun would die of them).
+    (a worker that died); a worker killed by a signal (``kill -9``, the OOM killer): 128 + N,
+    as a shell says, whatever the others said after it. SIGTERM/SIGINT to this process go on
+    to torchrun, which forwards them to the workers; SIGUSR1/SIGUSR2 go on as SIGTERM
+    (torchrun would die of them).
     torchrun, and each worker, die with the process that started them (a parent-death
     signal): a ``kill -9`` of this command leaves nothing running headless, holding the run
     directory's lock.
@@ -84,8 +86,11 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
     # torchrun's own report of a failed job: noise when a process said why it stopped (its
     # one line, its recorded code) and the others were only stopped by torchrun (SIGTERM);
     # the only clue when one died on its own (a crash, the kernel's OOM killer).
-    if code != 0 and (not any(recorded.values()) or relay.died_on_their_own()):
+    killed = relay.killed_by()
+    if code != 0 and (not any(recorded.values()) or killed):
         relay.print_held()
+    if killed:  # (a worker kill -9'd or OOM-killed: its 128 + N, not the others' errors after)
+        return 128 + killed[0]
     if recorded.get(0):
         return recorded[0]
     failed = [recorded[rank] for rank in sorted(recorded) if recorded[rank]]
@@ -169,10 +174,10 @@ class StderrRelay:
     def join(self) -> None:
         self.thread.join(timeout=10)
 
-    def died_on_their_own(self) -> bool:
-        """Whether torchrun reports a worker killed by a signal other than its own SIGTERM."""
-        codes = re.findall(r"exitcode\s*:\s*(-?\d+)", "".join(self.held))
-        return any(int(code) < 0 and int(code) != -signal.SIGTERM for code in codes)
+    def killed_by(self) -> list[int]:
+        """The signals torchrun reports its workers killed by, but for its own SIGTERM."""
+        codes = [int(code) for code in re.findall(r"exitcode\s*:\s*(-?\d+)", "".join(self.held))]
+        return [-code for code in codes if code < 0 and code != -signal.SIGTERM]
 
     def print_held(self) -> None:
         sys.stderr.write(redact("".join(self.held)))
