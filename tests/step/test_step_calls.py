@@ -8,6 +8,7 @@ step no call: its budget is today's count, and budgets only fall."""
 from __future__ import annotations
 
 import cProfile
+import gc
 import pstats
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -58,11 +59,20 @@ def by_fit(data: Iterable[Any]) -> Callable[[], None]:
 
 
 def calls(make: Callable[[Iterable[Any]], Callable[[], None]], kind: str, steps: int) -> int:
+    """The calls of one run. The garbage collector is off while it is counted: a collection
+    runs the finalizers (``__del__``, weak-reference callbacks) of whatever the process made
+    before, at moments that depend on it, and cProfile counts their calls (31.63 against
+    31.6 on a loaded box)."""
     run = make(loader(kind, steps))
-    profile = cProfile.Profile()
-    profile.enable()
-    run()
-    profile.disable()
+    gc.collect()
+    gc.disable()
+    try:
+        profile = cProfile.Profile()
+        profile.enable()
+        run()
+        profile.disable()
+    finally:
+        gc.enable()
     return int(pstats.Stats(profile).total_calls)  # type: ignore[attr-defined]
 
 

@@ -16,9 +16,11 @@
 from __future__ import annotations
 
 import json
+import queue
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -109,25 +111,29 @@ def test_the_quick_start_notebook_shows_a_live_bar_and_tables(tmp_path: Path) ->
 def test_interrupting_the_kernel_mid_run_and_running_the_cell_again_resumes_bitwise(
     tmp_path: Path,
 ) -> None:
+    """The quick start's own cells: Kernel -> Interrupt in the middle of the fit, the same
+    cell again (the same trainer) resumes, once more says it finished, and the run is bitwise
+    the script's. The interrupt is sent once and every wait is bounded (nbclient's
+    interrupt_on_timeout sent it again every 2 s to a kernel whose reply it had missed, and
+    the suite hung for 54 minutes)."""
+    from jupyter_client.manager import start_new_kernel
+
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     setup, fit = [c for c in notebook.cells if c.cell_type == "code"][:2]
     # long enough to be interrupted in the middle: 120 epochs of 23 steps (~4.5 s)
     fit.source = fit.source.replace("epochs=5", "epochs=120")
     notebook.cells = [setup, fit]
     (tmp_path / "kernel").mkdir()
-    client = NotebookClient(notebook, timeout=300, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": str(tmp_path / "kernel")}})  # fmt: skip
-    with client.setup_kernel():
-        client.execute_cell(setup, 0)
-        client.timeout, client.interrupt_on_timeout = 2, True  # Kernel -> Interrupt after 2 s
-        client.execute_cell(fit, 1)
-        stopped = texts(fit)
+    manager, client = start_new_kernel(kernel_name="python3", cwd=str(tmp_path / "kernel"))
+    try:
+        assert "Error" not in run_cell(client, setup.source)
+        stopped = run_cell(client, fit.source, manager.interrupt_kernel, after_s=2.0)
         assert "Preempted" in stopped and "SIGINT" in stopped, stopped[-2000:]
-        client.timeout, client.interrupt_on_timeout = 300, False
-        client.execute_cell(fit, 1)  # the same cell, the same trainer
-        resumed = texts(fit)
-        client.execute_cell(fit, 1)  # and once more: finished
-        finished = texts(fit)
+        resumed = run_cell(client, fit.source)  # the same cell, the same trainer
+        finished = run_cell(client, fit.source)  # and once more: finished
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
     run = tmp_path / "kernel" / "runs" / "notebook"
     assert "resumed from" in resumed and "Error" not in resumed, resumed[-2000:]
     meta = [json.loads(p.read_text()) for p in run.glob("checkpoints/*/meta.json")]
@@ -241,21 +247,36 @@ trainer = make()
 FIT = 'history = trainer.fit(train, val, epochs=3, resume="auto")'
 
 
-def run_cell(client: Any, code: str, interrupt: Any = None, *, at: str = "") -> str:
+def run_cell(
+    client: Any, code: str, interrupt: Any = None, *, at: str = "", after_s: float = -1.0,
+    limit_s: float = 300.0,
+) -> str:  # fmt: skip
     """``code`` in the kernel; what it printed (and its traceback). ``interrupt``: the kernel
-    manager's, called once the cell has printed ``at`` (Kernel -> Interrupt)."""
-    msg_id, said = client.execute(code), []
-    while True:
-        msg = client.get_iopub_msg(timeout=120)
+    manager's, called once (Kernel -> Interrupt) when the cell has printed ``at``, or
+    ``after_s`` seconds after it was sent. The cell's end (the kernel's idle status for it) is
+    waited for at most ``limit_s`` seconds, then the test fails saying so."""
+    msg_id, said, start = client.execute(code), [], time.monotonic()
+    while (waited := time.monotonic() - start) < limit_s:
+        if interrupt is not None and 0 <= after_s <= waited:
+            interrupt()
+            interrupt = None
+        try:
+            msg = client.get_iopub_msg(timeout=0.2 if interrupt is not None else 5.0)
+        except queue.Empty:
+            continue
         if msg["parent_header"].get("msg_id") != msg_id:
             continue
         content = msg["content"]
         said.append(content.get("text", "") + "\n".join(content.get("traceback", [])))
-        if interrupt is not None and at in "".join(said):
+        if interrupt is not None and at and at in "".join(said):
             interrupt()
             interrupt = None
         if msg["msg_type"] == "status" and content["execution_state"] == "idle":
             return "".join(said)
+    raise AssertionError(
+        f"waited {limit_s:.0f} s for the kernel to finish the cell (its idle status); the cell "
+        f"said: {''.join(said)[-2000:]}"
+    )
 
 
 def test_interrupting_the_first_step_then_a_validation_then_resuming_in_a_new_cell_is_bitwise(
