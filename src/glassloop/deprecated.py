@@ -31,6 +31,9 @@ REPLACED = {
     "model_spec": "run_info=RunInfo(model_spec=...)",
 }
 COMPILE_KEYS = ("mode", "dynamic")
+# What other libraries' trainers take and glassloop takes elsewhere (Lightning's max_epochs,
+# Keras' epochs, a learning rate): suggested where a typo's nearest argument would be.
+ELSEWHERE = {"epochs": "fit(loader, epochs=...)", "lr": "the optimizer's: AdamW(params, lr=...)"}
 
 
 def fold_replaced(
@@ -52,15 +55,12 @@ def fold_replaced(
     """
     for name in replaced:
         if name not in REPLACED:
-            guess = suggest(name, [k for k in known if k not in ("self", "replaced")])
-            hint = f" (did you mean {guess!r}?)" if guess else ""
+            guess = suggest(
+                name, [*(k for k in known if k not in ("self", "replaced")), *ELSEWHERE]
+            )
+            hint = f" (did you mean {ELSEWHERE.get(guess, repr(guess))}?)" if guess else ""
             raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}{hint}")
-        warnings.warn(
-            f"Trainer({name}=...) is replaced by {REPLACED[name]}; the old name goes in "
-            "glassloop 0.2",
-            DeprecationWarning,
-            stacklevel=3,
-        )
+        warn_replaced(f"Trainer({name}=...)", REPLACED[name], stacklevel=4)
     if isinstance(nonfinite, str):
         nonfinite = NonFinitePolicy(nonfinite, replaced.get("max_nonfinite_skips", 10))
     options: dict[str, Any] | None = None
@@ -76,18 +76,14 @@ def fold_replaced(
             if f"compile_{key}" in replaced:
                 options[key] = replaced[f"compile_{key}"]
     info = run_info if run_info is not None else RunInfo()
-    if "config" in replaced or "model_spec" in replaced:
-        info = RunInfo(
-            replaced.get("config", info.config), replaced.get("model_spec", info.model_spec)
-        )
+    config, spec = replaced.get("config", info.config), replaced.get("model_spec", info.model_spec)
+    if replaced.keys() & {"config", "model_spec"}:
+        info = RunInfo(config, spec)
     return nonfinite, options, info
 
 
-def warn_replaced(old: str, new: str) -> None:
+def warn_replaced(old: str, new: str, stacklevel: int = 3) -> None:
     """A name replaced while 0.1 was made (the one Trainer and its Checkpointer): it works,
     with a ``DeprecationWarning`` naming its replacement, until 0.2."""
-    warnings.warn(
-        f"{old} is replaced by {new}; the old name goes in glassloop 0.2",
-        DeprecationWarning,
-        stacklevel=3,
-    )
+    message = f"{old} is replaced by {new}; the old name goes in glassloop 0.2"
+    warnings.warn(message, DeprecationWarning, stacklevel=stacklevel)

@@ -204,11 +204,18 @@ def test_an_unknown_argument_is_a_type_error() -> None:
     with pytest.raises(Exception, match="compile takes"):
         make(compile={"fullgraph": True})
     # A typo gets what a config's gets: the argument it most likely means (any of them).
-    for typo, meant in (("log_evry", "log_every"), ("callback", "callbacks"), ("lr", None)):
+    for typo, meant in (("log_evry", "log_every"), ("callback", "callbacks"), ("qqq", None)):
         with pytest.raises(TypeError) as err:
             make(**{typo: 1})
         hint = f" (did you mean '{meant}'?)" if meant else ""
         assert str(err.value) == f"Trainer() got an unexpected keyword argument '{typo}'{hint}"
+    # What a Lightning or Keras user types first: where glassloop takes it (a bare TypeError).
+    for name in ("epochs", "max_epochs", "num_epochs"):
+        with pytest.raises(TypeError, match=rf"'{name}' \(did you mean fit\(loader, epochs="):
+            make(**{name: 3})
+    for name in ("lr", "learning_rate"):
+        with pytest.raises(TypeError, match=rf"'{name}' \(did you mean the optimizer's: AdamW"):
+            make(**{name: 0.1})
 
 
 def test_save_checkpoint_still_works_with_a_warning_and_state_loads_back(tmp_path: Path) -> None:
