@@ -26,7 +26,7 @@ import glassloop.tasks as tasks
 from glassloop.batch import Inputs, split_batch
 from glassloop.callbacks import Callback
 from glassloop.checkpoint.checkpointer import Checkpointer
-from glassloop.data.position import epoch_batches
+from glassloop.data.position import epoch_batches, take_loader
 from glassloop.deprecated import fold_replaced, warn_replaced
 from glassloop.device import move_to_device
 from glassloop.distributed.preemption import Preempted, StopRequested, StopSignals
@@ -264,7 +264,7 @@ class Trainer:
         self.should_stop, self._checked_first_batch = False, False
         if resume is None and distributed.restarted():  # torchrun restarted it: go on
             resume = "auto"
-        distributed.check_sharded(train_loader, self.world)  # not each process on all of it
+        take_loader(train_loader, self.world, self.state)  # sharded; a new Trainer: epoch 0
         self._train_loader = train_loader
         lm, peak = self.task == "language-model", peak_flops(self.device, self.precision)
         self.throughput = Throughput(tokens=lm, peak=peak, world=self.world)  # samples/s, MFU

@@ -15,7 +15,9 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from glassloop import Trainer
+from glassloop.data import make_loader
 from glassloop.options import CheckpointConfig
+from glassloop.step.throughput import TIMING
 
 
 class Rewinding(DataLoader):  # type: ignore[type-arg]
@@ -155,3 +157,42 @@ def test_a_distributed_samplers_epoch_is_set_each_epoch_and_resumes_exactly(
     resumed.fit(loader(), epochs=2, resume="auto")
     for name, tensor in by_hand.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], tensor), name
+
+
+def test_a_new_trainer_starts_glassloop_loaders_at_their_first_epoch() -> None:
+    """A notebook's "new model, new Trainer, fit" run again with the same loader objects
+    (training, and validation sets by name, all shuffled), after a peek at each as
+    ``doctor`` takes one: every weight and row equals the same fit with fresh loaders (a
+    fresh kernel), bit for bit. ``fit`` again on the same Trainer continues it: ``fit(...,
+    epochs=1)`` then ``fit(..., epochs=2)`` is one ``fit(..., epochs=2)``."""
+
+    def loaders() -> tuple[Any, dict[str, Any]]:
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
+        train = make_loader((x, y), batch_size=8, shuffle=True, seed=3)
+        sets = {name: make_loader((x[i::2], y[i::2]), batch_size=4, shuffle=True, seed=i)
+                for i, name in enumerate(("a", "b"))}  # fmt: skip
+        return train, sets
+
+    def fit(train: Any, sets: dict[str, Any], *epochs: int) -> Trainer:
+        torch.manual_seed(0)
+        fitted = trainer(Net(), limit_batches=3)  # (3 batches of 8 validation batches)
+        for total in epochs:
+            fitted.fit(train, sets, epochs=total)
+        return fitted
+
+    def same(a: Trainer, b: Trainer) -> None:
+        for name, tensor in a.model.state_dict().items():
+            assert torch.equal(b.model.state_dict()[name], tensor), name
+        rows = [
+            [{k: v for k, v in r.items() if k not in TIMING} for r in t.history] for t in (a, b)
+        ]
+        assert rows[0] == rows[1]
+
+    fresh = fit(*loaders(), 2)
+    train, sets = loaders()
+    fit(train, sets, 2)
+    for loader in (train, *sets.values()):
+        next(iter(loader))
+    same(fit(train, sets, 2), fresh)
+    same(fit(*loaders(), 1, 2), fresh)

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from glassloop.data.loaders import LoaderPosition, close_workers
 from glassloop.distributed.preemption import StopRequested, StopSignals
-from glassloop.distributed.world import SINGLE, World
+from glassloop.distributed.world import SINGLE, World, check_sharded
 from glassloop.rng import capture_rng_state, loader_generators, restore_rng_state
 
 if TYPE_CHECKING:
@@ -140,6 +140,18 @@ def epoch_batches(
     if signals is not None and not world.distributed and not foreign:
         batches = waits_cut(loader, batches, signals, window, before)
     return batches, epoch_rng
+
+
+def take_loader(loader: Iterable[Any], world: World, state: TrainState) -> None:
+    """``loader`` as ``fit`` takes it for training: not all of it in each of several
+    processes (:func:`~glassloop.distributed.world.check_sharded`); and, when the loop has
+    not begun (a new Trainer), a glassloop loader at the first batch of epoch 0, whatever an
+    earlier ``fit``, ``doctor``, ``lr_find`` or a peek left in it, as in a fresh process (a
+    resume then loads the saved position). A Trainer that has trained goes on from where its
+    loader is: ``fit`` again continues the run."""
+    check_sharded(loader, world)
+    if isinstance(loader, LoaderPosition) and not (state.epoch or state.batch_in_epoch):
+        loader.load_state_dict({"epoch": 0, "batches_consumed": 0})
 
 
 def replay_caveat(loader: Iterable[Any], batches: int) -> str | None:

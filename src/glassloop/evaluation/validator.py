@@ -18,6 +18,7 @@ from torch import nn
 import glassloop.distributed.preemption as preemption
 from glassloop.best import is_number
 from glassloop.callbacks import Callback
+from glassloop.data.loaders import LoaderPosition
 from glassloop.distributed.preemption import StopRequested
 from glassloop.distributed.world import World, agreed_stop
 from glassloop.evaluation.evaluate import first_batches, gathered_outputs
@@ -129,12 +130,18 @@ class Validator:
         shown = first_batches(loader, limit, counted=self.counted) if limit else loader
         if not (self.counted and trainer.world.distributed):  # (FSDP: in its evened forwards)
             shown = abandonable(shown, trainer.world)
+        # A glassloop loader: epoch 0's batches in every validation, whatever ran before (an
+        # earlier fit, an evaluate, a peek; a resume in a new process starts there too).
+        position = loader if isinstance(loader, LoaderPosition) else None
+        where = position.state_dict() if position is not None else {}
+        if position is not None:
+            position.load_state_dict({"epoch": 0, "batches_consumed": 0})
         try:
             with preemption.validating():
                 metrics = trainer.evaluate(shown)
-        finally:  # (also when abandoned: a glassloop loader left in the middle of its set)
-            if hasattr(loader, "finish_epoch"):
-                loader.finish_epoch()  # the next validation starts at the first batch again
+        finally:  # (also when abandoned) left where it was: the training loader's own too
+            if position is not None:
+                position.load_state_dict(where)
         for callback in trainer.callbacks:
             callback.on_validation_end(trainer, metrics)
         return metrics
