@@ -16,6 +16,7 @@ import io
 import json
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -374,7 +375,7 @@ def test_a_failed_upload_never_hides_the_error_a_run_ends_with(
 
     def refusing(write: Any) -> Any:
         def refuse(path: str, *args: Any, **kwargs: Any) -> Any:
-            if path.endswith("/.lease.json"):  # (the job's lease: taken and given back)
+            if path.endswith("/.lease.json") or "/.generations/" in path:  # (the job's own)
                 return write(path, *args, **kwargs)
             raise PermissionError(13, f"Access denied to {url}/x")
 
@@ -794,9 +795,10 @@ def test_one_job_writes_a_url_and_a_dead_jobs_lease_is_taken_over(
 def test_a_job_whose_run_was_taken_over_stops_and_uploads_nothing_more(
     s3: dict[str, str], cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A job that stalled past its lease's expiry and was taken over finds another owner at
-    its next heartbeat: it stops at its next step row (exit 3's error), and what it would
-    upload after that never reaches the bucket."""
+    """A job that stalled past its lease's expiry and was taken over (the other job's lease
+    and a newer generation in the bucket, as a takeover leaves them) finds the newer
+    generation before its next write: it stops at its next step row (exit 3's error), and
+    nothing it would upload after that reaches the bucket."""
     import s3fs
 
     import glassloop.run_dir.lease as leases
@@ -808,20 +810,151 @@ def test_a_job_whose_run_was_taken_over_stops_and_uploads_nothing_more(
         def on_step_end(self, trainer: Any, step: int, loss: torch.Tensor) -> None:
             if step != 3:
                 return
+            deadline = time.monotonic() + 30  # (a checkpoint in first: bounded)
+            while not fs.exists("bucket/lease/taken/checkpoints/latest"):
+                assert time.monotonic() < deadline, "no checkpoint reached the bucket in 30 s"
+                threading.Event().wait(0.01)
+                fs.invalidate_cache()
             theirs = {"host": "node-9", "pid": 9, "token": "theirs", "heartbeat": time.time()}
-            remote = trainer.run.remote
+            fs.pipe_file("bucket/lease/taken/.lease.json", json.dumps(theirs).encode())
+            newer = f"bucket/lease/taken/.generations/{trainer.run.remote.lease.generation + 1:08d}"
+            fs.pipe_file(f"{newer}/record.json", b'{"host": "node-9", "pid": 9}', mode="create")
             deadline = time.monotonic() + 30  # (the heartbeat thread sees it: bounded)
-            while remote.lease.lost() is None and time.monotonic() < deadline:
-                # the taker renews its lease as a live job does (this job's heartbeat, read
-                # just before, may write over it once: no compare-and-swap in a store)
-                if (lease(url) or {}).get("token") != "theirs":
-                    fs.pipe_file("bucket/lease/taken/.lease.json", json.dumps(theirs).encode())
+            while trainer.run.remote.lease.lost() is None and time.monotonic() < deadline:
                 threading.Event().wait(0.01)
 
-    with pytest.raises(CheckpointWriteError, match="was taken over by another job"):
+    with pytest.raises(CheckpointWriteError, match=r"taken over by another job \(host node-9"):
         trainer(url, TakenOver()).fit(loader(), epochs=1)  # (8 steps, a checkpoint each)
     fs.invalidate_cache()
-    # an upload in flight when the loss was seen may end; no later checkpoint is sent
+    # (an upload in flight when the newer generation came is cut at its next write)
     steps = re.findall(r"checkpoints/step-(\d+)/", " ".join(fs.find("bucket/lease/taken")))
     assert steps and max(int(step) for step in steps) <= 3, steps
     assert lease(url) is not None and lease(url)["token"] == "theirs"  # (never removed)
+
+
+# `glassloop train` that stops itself (SIGSTOP: a paused VM, a stalled node) just before the
+# NTH write whose path matches PATTERN (after that write's fence, before its request):
+# ``python freeze.py PATTERN NTH train ...``. Each checkpoint waits for its upload (up to 5 s:
+# none is skipped for a newer one), so the NTH is the NTH checkpoint's.
+FREEZE_AT = """
+import os, re, signal, sys, threading
+import glassloop.run_dir.fsspec_store as stores
+import glassloop.run_dir.remote as remote
+from glassloop.cli.main import main
+
+upload, push, done = remote.RemoteRun._upload_newest, remote.RemoteRun.push_checkpoint, []
+
+def upload_then_say(self, path):
+    try:
+        return upload(self, path)
+    finally:
+        done[0].set()
+
+def push_and_wait(self, path):
+    done[:] = [threading.Event()]
+    push(self, path)
+    done[0].wait(5)
+
+remote.RemoteRun._upload_newest, remote.RemoteRun.push_checkpoint = upload_then_say, push_and_wait
+
+pattern, nth, seen = re.compile(sys.argv.pop(1)), int(sys.argv.pop(1)), []
+made = stores.FsspecStore.__init__
+
+def freeze_at(path):
+    if pattern.search(path):
+        seen.append(path)
+        if len(seen) == nth:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+def init(self, fs, *args, **kwargs):
+    made(self, fs, *args, **kwargs)
+    if not getattr(fs, "freezes", False):
+        fs.freezes, put, pipe = True, fs.put_file, fs.pipe_file
+        fs.put_file = lambda local, path, **kw: (freeze_at(path), put(local, path, **kw))[1]
+        fs.pipe_file = lambda path, data, **kw: (freeze_at(path), pipe(path, data, **kw))[1]
+
+stores.FsspecStore.__init__ = init
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def until(condition: Any, what: str, limit: float = 60.0) -> None:
+    """Poll ``condition()`` (a process's state has no event to wait on) up to ``limit`` s."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        threading.Event().wait(0.02)
+
+
+def frozen(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:  # (ended meanwhile)
+        return False
+
+
+FROZEN_AT = {
+    "upload": "checkpoints/step-\\d{8}/model\\.safetensors$",  # mid-upload of a checkpoint
+    "commit": "checkpoints/latest$",  # mid-commit: its manifest in, `latest` not
+    "metrics": "stale-metrics/metrics\\.jsonl$",  # the run's files: metrics.jsonl at the top
+}
+
+
+@pytest.mark.parametrize("where", FROZEN_AT)
+def test_a_job_frozen_mid_write_and_taken_over_writes_nothing_a_reader_takes(
+    tmp_path: Path, s3: dict[str, str], monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Job A freezes (SIGSTOP) at its third write of ``where``, past that write's lease
+    check; job B on another machine takes the run over once A's lease expires and trains
+    it on, one epoch more than A's two (A got no further than their end), pruning A's
+    checkpoints; then A goes on (SIGCONT). A stops at once (exit 3, taken over), and what
+    its write in flight did is never what a reader takes: ``latest`` names B's last step,
+    run.json says finished, metrics.jsonl holds B's three epoch rows, the run's record names
+    B's last checkpoint, and a --resume in a new process reads B's end ("already finished",
+    the rows intact). (Written freely, A's `latest`, checkpoint or metrics.jsonl had taken
+    the run back to A's step.)"""
+    import s3fs
+
+    import glassloop.run_dir.lease as leases
+    from glassloop.run_dir.fsspec_store import FsspecStore
+
+    url, two = f"s3://bucket/stale-{where}", ["--set", "train.epochs=2"]
+    (tmp_path / "freeze.py").write_text(FREEZE_AT)
+    job_a = forkserver.Popen(
+        [sys.executable, "freeze.py", FROZEN_AT[where], "3", "train", *SMALL, *two,
+         "--run-dir", url],
+        cwd=tmp_path, env={**s3, "GLASSLOOP_CACHE_DIR": str(tmp_path / "a")},
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        until(lambda: job_a.poll() is not None or frozen(job_a.pid), "job A to freeze")
+        assert job_a.poll() is None, job_a.communicate()
+        monkeypatch.setattr(leases, "EXPIRES_S", 0.5)  # (B's wait for A's lease)
+        until(lambda: time.time() - (lease(url) or {})["heartbeat"] > 0.5, "A's lease to expire")
+        monkeypatch.setenv("GLASSLOOP_CACHE_DIR", str(tmp_path / "b"))  # another machine
+        more = ["--set", "train.epochs=3", "--allow-config-change", "--resume"]
+        job_b = run_glassloop("train", *SMALL, "--run-dir", url, *more, cwd=tmp_path)
+        assert job_b.returncode == 0, job_b.stdout + job_b.stderr
+        assert f"run: taking over {url} from a job that stopped without ending" in job_b.stdout
+        job_a.send_signal(signal.SIGCONT)
+        _, said = job_a.communicate(timeout=120)
+    finally:
+        if job_a.poll() is None:
+            os.killpg(job_a.pid, signal.SIGKILL)
+            job_a.communicate()
+    assert job_a.returncode == 3, said[-3000:]
+    assert f"run: {url} was taken over by another job (host " in said
+    assert s3_bytes(f"{url}/checkpoints/latest") == b"step-00000024\n"
+    assert json.loads(s3_bytes(f"{url}/run.json"))["status"] == "finished"
+    rows = [json.loads(line) for line in s3_bytes(f"{url}/metrics.jsonl").splitlines()]
+    assert [row["epoch"] for row in rows if row["kind"] == "epoch"] == [1, 2, 3], rows
+    store = FsspecStore(s3fs.S3FileSystem(), url[5:], tmp_path / "reader", shown=url)
+    assert store.resolve() == 2  # (a checkpoint A brought back after B pruned it: not named)
+    assert store.complete()[-1] == "step-00000024" and store.listed is not None
+    assert store.listed["step-00000024"] == 2
+    monkeypatch.setenv("GLASSLOOP_CACHE_DIR", str(tmp_path / "c"))  # a third machine
+    again = train(tmp_path, s3, url, "--set", "train.epochs=3", "--resume")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "run already finished at step 24 (epoch 3/3); nothing to do" in again.stdout
+    rows_again = [json.loads(line) for line in s3_bytes(f"{url}/metrics.jsonl").splitlines()]
+    assert rows_again == rows

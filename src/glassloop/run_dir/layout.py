@@ -17,6 +17,7 @@ imports its name from here.
       best/                  the checkpoint with the best monitored metric
       report/                index.html and the plots
       tensorboard/, tracking.json, wandb/, profile/   when enabled
+      .lease.json, .generations/   a run on object storage: who writes it (run_dir.lease)
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ TENSORBOARD = "tensorboard"
 TRACKING = "tracking.json"
 WANDB = "wandb"
 PROFILE = "profile"
-# In a run on object storage only: the writing job's lease (glassloop.run_dir.lease).
+# In a run on object storage only: the writing job's lease (glassloop.run_dir.lease), and each
+# job's generation (its fencing token): GENERATIONS/00000007/RECORD names the checkpoints the
+# run is made of, with that job's copies of the run's files beside it (run_dir.fsspec_store).
 LEASE = ".lease.json"
+GENERATIONS = ".generations"
+RECORD = "record.json"
+GENERATION_DIR = re.compile(r"^\d{8}$")
 
 # What glassloop writes in a run directory (checkpoints/ and report/ are checked inside too).
 OWN_NAMES = (

@@ -1,5 +1,6 @@
 """One writer per URL: a lease object in the store, so that a second job training into the
-same ``s3://...`` run is refused while the first lives, and takes over once the first is gone.
+same ``s3://...`` run is refused while the first lives, and takes over once the first is gone;
+and a generation per job, so that a job that lost the run writes nothing a reader takes.
 
 A machine's lock (:mod:`glassloop.run_dir.lock`) cannot see a job on another machine: the
 store itself holds who writes. ```URL/.lease.json`` names its owner (host, PID, a token of its
@@ -13,11 +14,18 @@ gone) it takes the run over at once.
 Taking a lease is the store's exclusive create (``pipe_file(mode="create")``: S3's
 ``If-None-Match: *``, a local or in-memory filesystem's own): of two jobs starting at once, one
 wins and the other is refused. A takeover removes the dead lease first, then creates its own
-the same way. Object stores have no compare-and-swap on an update, so a heartbeat reads the
-lease before it writes: a job that finds another owner there (it stalled past the expiry and
-was taken over) has lost the run and stops at its next step row, uploading nothing more.
-Heartbeat times are wall-clock seconds: the machines' clocks are taken to agree to within a few
-seconds, far less than :data:`EXPIRES_S`."""
+the same way.
+
+A job that only stalled (``SIGSTOP``, a paused VM, a long swap) may wake after another took
+its run over, in the middle of a write. So each job that takes the lease also takes a
+generation, one more than the newest, by creating ``URL/.generations/00000007/record.json``
+with the same exclusive create (two jobs never hold one: the fencing token). Before each of
+its writes a job checks that no newer generation exists (:meth:`Lease.check`, one listing);
+once one does, the job has lost the run: it stops at its next step row and writes nothing more.
+A write already past that check when the job froze still lands; what keeps it from being
+read is :mod:`glassloop.run_dir.fsspec_store`'s (conditional writes, and records naming what
+the run is made of). Heartbeat times are wall-clock seconds: the machines' clocks are taken
+to agree to within a few seconds, far less than :data:`EXPIRES_S`."""
 
 from __future__ import annotations
 
@@ -31,9 +39,12 @@ import uuid
 from typing import Any
 
 from glassloop.errors import CheckpointWriteError, GlassloopError
+from glassloop.run_dir.fsspec_store import FsspecStore, generations
+from glassloop.run_dir.layout import LEASE, RECORD
 
 HEARTBEAT_S = 10.0  # how often the owner rewrites its lease
 EXPIRES_S = 30.0  # a lease this much older than its heartbeat is a dead job's
+LAST_GENERATION = 99_999_999  # (eight digits)
 
 
 class RunLeased(GlassloopError):
@@ -41,13 +52,16 @@ class RunLeased(GlassloopError):
 
 
 class Lease:
-    """``URL/.lease.json`` of the remote run at ``path`` in ``fs`` (see the module docstring):
-    :meth:`acquire` before the first write, :meth:`release` at the end; :meth:`lost` is the
-    error once another job has taken the run over (``None`` while it is this job's)."""
+    """``URL/.lease.json`` of the remote run kept in ``store`` (see the module docstring):
+    :meth:`acquire` before the first write (the lease, then a generation: the store's writes
+    are fenced by :meth:`check` from then on), :meth:`release` at the end; :meth:`lost` is
+    the error once another job has taken the run over (``None`` while it is this job's)."""
 
-    def __init__(self, fs: Any, path: str, shown: str) -> None:
-        self.fs, self.path, self.shown = fs, path, shown
+    def __init__(self, store: FsspecStore, shown: str) -> None:
+        self.store, self.fs, self.shown = store, store.fs, shown
+        self.path = f"{store.root}/{LEASE}"
         self.mine = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex}
+        self.generation = 0  # this job's, once acquired
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lost: Exception | None = None
@@ -55,7 +69,7 @@ class Lease:
 
     def acquire(self) -> None:
         """Take the lease, or raise :class:`RunLeased` naming the job that holds it and how
-        long until it expires if that job is dead."""
+        long until it expires if that job is dead; then this job's generation."""
         held = self._read()
         if held is not None:
             age = time.time() - _number(held.get("heartbeat"))
@@ -74,14 +88,62 @@ class Lease:
             )
             self.fs.rm_file(self.path)
         try:
-            self.fs.pipe_file(self.path, self._record(), mode="create")
+            done = self.fs.pipe_file(self.path, self._record(), mode="create")
         except FileExistsError:  # (another job created it between our read and our write)
             raise RunLeased(
                 f"run: {self.shown} was just taken by another job starting at the same time; "
                 "two jobs must not train into one URL"
             ) from None
+        if isinstance(done, dict) and done.get("ETag"):  # (its heartbeats: If-Match on it)
+            self.store.etags[self.path] = str(done["ETag"])
+        try:
+            self._take_generation()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(self.path)
+            raise
         self._thread = threading.Thread(target=self._beat, name="glassloop-lease", daemon=True)
         self._thread.start()
+
+    def _take_generation(self) -> None:
+        """One more than the newest generation, its record created with the exclusive create
+        (another job that took the same number first: the next one); the store's writes are
+        fenced with it from now on."""
+        for _ in range(8):
+            newest = max(generations(self.fs, self.store.root), default=0)
+            if newest >= LAST_GENERATION:
+                raise GlassloopError(
+                    f"run: {self.shown} has had {newest:,} jobs, the most glassloop numbers; "
+                    "copy its newest checkpoint to a new URL and resume there"
+                )
+            folder = self.store.generation_dir(newest + 1)
+            self.store.makedirs(folder)
+            owner = {"host": self.mine["host"], "pid": self.mine["pid"]}
+            try:
+                self.fs.pipe_file(f"{folder}/{RECORD}", json.dumps(owner).encode(), mode="create")
+            except FileExistsError:
+                continue
+            self.generation = newest + 1
+            store = self.store
+            store.fence, store.generation, store.owner = self.check, self.generation, owner
+            return
+        raise RunLeased(f"run: {self.shown} is being taken by several jobs at once")
+
+    def check(self) -> None:
+        """Raise :meth:`lost`'s error once a newer generation exists (another job took the run
+        over): the store calls it before each of this job's writes."""
+        if self._lost is None and self.generation:  # (one listing: any newer generation)
+            newest = max(generations(self.fs, self.store.root), default=0)
+            if newest > self.generation:
+                newer = f"{self.store.generation_dir(newest)}/{RECORD}"
+                self._lost = CheckpointWriteError(
+                    f"run: {self.shown} was taken over by another job "
+                    f"({_owner(self._json(newer))}) after this one stalled past "
+                    f"{EXPIRES_S:.0f} s; this job stops and uploads nothing more (what it "
+                    "uploaded before is intact)"
+                )
+        if self._lost is not None:
+            raise self._lost
 
     def lost(self) -> Exception | None:
         """The error that stops this job once another has taken its run over."""
@@ -98,22 +160,22 @@ class Lease:
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            try:
-                if not self._owned():
-                    held = self._read() or {}
-                    self._lost = CheckpointWriteError(
-                        f"run: {self.shown} was taken over by another job ({_owner(held)}) "
-                        f"after this one's heartbeat stalled past {EXPIRES_S:.0f} s; this job "
-                        "stops and uploads nothing more (what it uploaded before is intact)"
-                    )
-                    return
-                self.fs.pipe_file(self.path, self._record())
+            try:  # (fenced: a job taken over writes no heartbeat over its successor's)
+                self.store.put(self.path, self._record(), shared=True)
+            except CheckpointWriteError:
+                return  # lost: said at the next step row
             except Exception as err:  # (a network hiccup: the next beat tries again)
                 self.say(f"warning: renewing the lease of {self.shown} failed: {err}")
 
     def _owned(self) -> bool:
         held = self._read()
-        return held is not None and held.get("token") == self.mine["token"]
+        if held is None or held.get("token") != self.mine["token"]:
+            return False
+        try:
+            self.check()
+        except CheckpointWriteError:
+            return False
+        return True
 
     def _read(self) -> dict[str, Any] | None:
         with contextlib.suppress(AttributeError):
@@ -127,6 +189,14 @@ class Lease:
         except ValueError:  # (a damaged lease: as old as can be, taken over)
             return {}
         return held if isinstance(held, dict) else {}
+
+    def _json(self, path: str) -> dict[str, Any]:
+        """The JSON object at ``path`` (a newer generation's owner), ``{}`` when unreadable."""
+        try:
+            found = self.store.read_json(path, 64 << 10)
+        except (OSError, ValueError, RecursionError):
+            return {}
+        return found if isinstance(found, dict) else {}
 
     def _record(self) -> bytes:
         return json.dumps({**self.mine, "heartbeat": time.time()}).encode("utf-8")

@@ -20,6 +20,7 @@ only after the manifest reads back byte for byte)::
     URL/config.json, metrics.csv, metrics.jsonl, run.json
                                         with each checkpoint, before its manifest
     URL/model.safetensors, report/, then run.json   at the end
+    URL/.lease.json, URL/.generations/00000007/     who writes the run, and what it is made of
 
 A resume rebuilds the local copy from the bucket (the bucket is the run; the local copy is
 glassloop's cache of it): the newest remote checkpoint whose manifest exists and whose every
@@ -29,6 +30,12 @@ skipped, with a line; a bucket that cannot be read is an error, never a fresh st
 keeps the newest ``keep_last`` complete checkpoints (at least two) and the one ``latest``
 names; a pruned checkpoint loses its manifest first, so a kill half-way never leaves one that
 looks whole; so does a step saved again (an epoch's end) before it is uploaded again.
+
+Every write is fenced by the job's generation (:mod:`glassloop.run_dir.lease`): a job that
+stalled and was taken over writes nothing a reader takes. Each job's record names the
+checkpoints the run is made of and holds that job's copies of the run's files; a pull reads
+through the newest one (:mod:`glassloop.run_dir.fsspec_store`), and a writer starts its own
+from what it pulled before it writes anything else.
 
 Credentials come from the filesystem's own sources (environment variables, profiles, instance
 metadata) and are never written anywhere by glassloop; the URL is recorded with any secret in it
@@ -199,7 +206,10 @@ class RemoteRun:
         try:
             if writes:
                 self._take_lease()
-            yield self.pull(usable)
+            pulled = self.pull(usable)
+            if writes:
+                self._adopt(pulled)
+            yield pulled
         except GlassloopError as err:  # its lines name the run, not glassloop's cache
             err.args = (self.scrub(err, limit=100_000), *err.args[1:])
             raise
@@ -214,7 +224,7 @@ class RemoteRun:
 
     def _take_lease(self) -> None:
         """This job's lease on the URL, before anything is read or written there."""
-        self.lease = Lease(self.fs, self.remote(layout.LEASE), self.shown)
+        self.lease = Lease(self.store, self.shown)
         self.lease.say = self.say
         try:
             self.check_bucket()
@@ -253,12 +263,13 @@ class RemoteRun:
 
         A bucket that cannot be read is an error, never a fresh start; remote checkpoints
         that all fail to verify are one error naming each (nothing is changed in the bucket
-        either way)."""
+        either way). Read through the run's newest record (a writer's own, not yet one, aside)."""
         self._fresh_local()
         try:
             with contextlib.suppress(AttributeError):
                 self.fs.invalidate_cache()  # (another process may have written since)
             self.check_bucket()
+            self.store.resolve(below=self.lease.generation if self.lease else None)
             there = self.store.complete()
             found, problems = self._download_newest(there, usable=usable)
             if there and found is None:
@@ -267,8 +278,8 @@ class RemoteRun:
                     f"changed): {' | '.join(problems)}"
                 )
             for name in RUN_FILES:
-                self.download(self.remote(name), self.local / name)
-            if self.store.has_manifest(BEST):
+                self.download(self.store.run_file(name), self.local / name)
+            if self.store.has_best():
                 self._download_newest([BEST])
         except GlassloopError:
             raise
@@ -278,6 +289,26 @@ class RemoteRun:
                 "nothing was changed (check the network and the credentials, then run again)"
             ) from None  # (the driver's own error may hold what scrub removed)
         return found
+
+    def _adopt(self, pulled: str | None) -> None:
+        """This job's record, before it writes anything else: the checkpoint it pulled and
+        those before it, and its own copies of the run's files it pulled (what a reader takes
+        from now on, whatever a job it took over still writes)."""
+        try:
+            self.store.adopt(pulled, best=(self.local / BEST).is_dir())
+            for name in RUN_FILES:
+                if name != WEIGHTS and (self.local / name).is_file():
+                    own = f"{self.store.generation_dir(self.store.generation)}/{name}"
+                    self.store.put(own, (self.local / name).read_bytes())
+            self.store.commit()
+        except GlassloopError:
+            raise
+        except Exception as err:  # OSError, and a driver's own (botocore, aiohttp, ...)
+            raise CheckpointError(
+                f"checkpoint: cannot write the remote run {self.shown}: {self.scrub(err)}; "
+                "nothing of it was changed (check the network and the credentials, then run "
+                "again)"
+            ) from None
 
     def _fresh_local(self) -> None:
         """An empty local copy (the previous one, inside glassloop's own marked folder, is
@@ -385,6 +416,8 @@ class RemoteRun:
                 else:
                     self._upload_run_files()
             except Exception as err:  # handed to the training thread (failure)
+                if self.lease is not None and self.lease.lost() is not None:
+                    continue  # (taken over: failure() says so)
                 self._failure = CheckpointWriteError(
                     f"checkpoint: uploading to {self.shown} failed: {self.scrub(err)}; the "
                     "checkpoints uploaded before are intact, a resume starts from them"
@@ -447,20 +480,26 @@ class RemoteRun:
             for file in sorted((self.local / folder).glob("[!.]*")):
                 if file.is_file() and not file.is_symlink():
                     self.store.makedirs(self.remote(folder))
-                    with contextlib.suppress(FileNotFoundError):  # (replaced meanwhile)
-                        self.fs.pipe_file(self.remote(folder, file.name), file.read_bytes())
+                    try:
+                        data = file.read_bytes()
+                    except FileNotFoundError:  # (replaced meanwhile)
+                        continue
+                    self.store.put(self.remote(folder, file.name), data, shared=True)
         for name in RUN_FILES:
             file = self.local / name
             if not file.is_file() or file.is_symlink():
                 continue
             if name == WEIGHTS:  # (large; replaced only by a rename, never rewritten)
                 if final:
-                    self.fs.put_file(str(file), self.remote(name))
+                    self.store.put(self.remote(name), file)
                 continue
             data = file.read_bytes()
             if not final and name == layout.STATUS and _says_finished(data):
                 continue
-            self.fs.pipe_file(self.remote(name), data)
+            if self.store.generation:  # this job's copy (what a reader takes), then the top's
+                own = self.store.generation_dir(self.store.generation)
+                self.store.put(f"{own}/{name}", data)
+            self.store.put(self.remote(name), data, shared=True)
 
     def shown_path(self, path: Path) -> str:
         """``path`` of the local copy as the remote run's URL (secrets replaced)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from glassloop.errors import CheckpointError, GlassloopError
 from glassloop.run_dir import layout
+from glassloop.run_dir.fsspec_store import FsspecStore
 from glassloop.run_dir.remote import RemoteRun
 from glassloop.storage.atomic import own_dir
 from glassloop.storage.cache import cache_dir
@@ -76,6 +77,8 @@ def read_runs(url: str) -> Iterator[RemoteRun]:
             if not remote.fs.exists(remote.remote(name, layout.STATUS)):
                 continue  # (not a run: a bucket's other folders)
             own_dir(remote.local / name)
+            run = FsspecStore(remote.fs, remote.remote(name), remote.local / name, shown="")
+            run.resolve()  # (its files as its newest record names them)
             for file in SUMMARY_FILES:
-                remote.download(remote.remote(name, file), remote.local / name / file)
+                remote.download(run.run_file(file), remote.local / name / file)
         yield remote
