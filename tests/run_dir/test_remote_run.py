@@ -958,3 +958,59 @@ def test_a_job_frozen_mid_write_and_taken_over_writes_nothing_a_reader_takes(
     assert "run already finished at step 24 (epoch 3/3); nothing to do" in again.stdout
     rows_again = [json.loads(line) for line in s3_bytes(f"{url}/metrics.jsonl").splitlines()]
     assert rows_again == rows
+
+
+def test_a_planted_lease_or_run_json_neither_blocks_a_url_nor_prints_a_forged_line(
+    cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a store holds is anyone's text. A lease nested 100,000 deep, or whose heartbeat
+    is 1e11 (3,000 years ahead), is no live job's: the next job takes the run over and says
+    why (it blamed the network; it waited 98,203,544,110 s "since 0 s ago"). A host or a
+    run.json status with a newline and an escape sequence prints them as ``?``, never as a
+    line of its own that reads as glassloop's."""
+    url, fs = "memory://planted/run", memory()
+    forged = "node-7\nglassloop: error: forged\x1b[2J"
+    plants = [
+        (b"[" * 100_000 + b"]" * 100_000, "host ?, PID ?, its lease holds no heartbeat"),
+        (json.dumps({"host": forged, "pid": 1, "heartbeat": 1e11}).encode(), "in the future"),
+    ]
+    for epochs, (planted, why) in enumerate(plants, 1):
+        fs.pipe_file("/planted/run/.lease.json", planted)
+        trainer(url).fit(loader(), epochs=epochs, resume="auto")
+        said = [line for line in capsys.readouterr().out.splitlines() if "taking over" in line]
+        assert len(said) == 1 and why in said[0], said
+    assert "(host node-7?glassloop: error: forged?[2J, PID 1, its heartbeat is " in said[0]
+    live = {"host": forged, "heartbeat": time.time()}
+    fs.pipe_file("/planted/run/.lease.json", json.dumps(live).encode())
+    with pytest.raises(RunLeased) as refused:  # (a live one's: refused, in one line)
+        trainer(url).fit(loader(), epochs=3, resume="auto")
+    assert "(host node-7?glassloop: error: forged?[2J, PID ?, last heartbeat " in str(refused.value)
+    newest = sorted(fs.ls("/planted/run/.generations", detail=False))[-1]
+    fs.pipe_file(f"{newest}/run.json", json.dumps({"status": forged, "error": forged}).encode())
+    listed = run_glassloop("runs", "memory://planted", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert not [line for line in listed.stdout.splitlines() if line.startswith("glassloop")]
+    assert "memory://planted/run  node-7?glassloop: error: forged?[2J" in listed.stdout
+
+
+def test_an_object_larger_than_its_manifest_says_is_never_downloaded(
+    cache: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read command on a run whose newest checkpoint's weights are 3 MiB in the store where
+    its manifest says a few KB: their size is compared before anything is downloaded (a 300
+    MB object was read whole first), the read falls back to the one before, with one line."""
+    from glassloop.run_dir.remote_read import read_run
+
+    url, fs = "memory://bucket/swollen", memory()
+    trainer(url).fit(loader(), epochs=1)
+    fs.pipe_file("/bucket/swollen/checkpoints/step-00000008/model.safetensors", b"\0" * (3 << 20))
+    fetched, real = [], fs.get_file
+    monkeypatch.setattr(fs, "get_file", lambda s, *a, **k: (fetched.append(s), real(s, *a, **k))[1])
+    capsys.readouterr()
+    with read_run(url) as remote:
+        assert (remote.local / "checkpoints" / "step-00000007").is_dir()
+    assert "/step-00000008/model.safetensors" not in " ".join(fetched), fetched
+    assert (
+        "warning: checkpoint: 'memory://bucket/swollen/checkpoints/step-00000008': "
+        "model.safetensors has 3145728 bytes, the manifest says "
+    ) in capsys.readouterr().out

@@ -48,6 +48,7 @@ from glassloop.run_dir.layout import (
 )
 from glassloop.run_dir.manifest import SAFE_NAME, verify_files
 from glassloop.storage.atomic import own_dir, refuse_link, remove_tree, replace_own
+from glassloop.storage.redaction import printable
 
 MAX_JSON = 16 << 20  # a manifest or a record read from the store (a real one: kilobytes)
 MAX_WALK = 64  # records read back past newer ones that are not committed (jobs that died early)
@@ -289,7 +290,7 @@ class FsspecStore:
         if self.listed is not None and manifest.get("generation", 0) != expected:
             raise CheckpointError(
                 f"checkpoint: '{self.shown_of(name)}' was written by a job that had lost the "
-                f"run (generation {str(manifest.get('generation', 0))[:20]}; the run's record "
+                f"run (generation {printable(manifest.get('generation', 0), 20)}; the run's record "
                 f"names {expected}): not the run's"
             )
         own_dir(target.parent)
@@ -330,7 +331,7 @@ class FsspecStore:
             if size != wanted or not isinstance(wanted, int):
                 raise CheckpointError(
                     f"checkpoint: '{self.shown_of(name)}': {file} has {size} bytes, the "
-                    f"manifest says {str(wanted)[:20]} (truncated or replaced)"
+                    f"manifest says {printable(wanted, 20)} (truncated or replaced)"
                 )
             self.fs.get_file(source, str(local))
         except FileNotFoundError:

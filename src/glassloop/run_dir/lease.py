@@ -25,12 +25,15 @@ once one does, the job has lost the run: it stops at its next step row and write
 A write already past that check when the job froze still lands; what keeps it from being
 read is :mod:`glassloop.run_dir.fsspec_store`'s (conditional writes, and records naming what
 the run is made of). Heartbeat times are wall-clock seconds: the machines' clocks are taken
-to agree to within a few seconds, far less than :data:`EXPIRES_S`."""
+to agree to within a few seconds, far less than :data:`EXPIRES_S`; a heartbeat further in
+the future than that, or a lease that cannot be read (damaged, over :data:`MAX_LEASE` bytes,
+nested too deep), is no live job's: taken over, and said so."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import threading
@@ -41,10 +44,12 @@ from typing import Any
 from glassloop.errors import CheckpointWriteError, GlassloopError
 from glassloop.run_dir.fsspec_store import FsspecStore, generations
 from glassloop.run_dir.layout import LEASE, RECORD
+from glassloop.storage.redaction import printable
 
 HEARTBEAT_S = 10.0  # how often the owner rewrites its lease
 EXPIRES_S = 30.0  # a lease this much older than its heartbeat is a dead job's
 LAST_GENERATION = 99_999_999  # (eight digits)
+MAX_LEASE = 64 << 10  # a lease or a generation's owner read back (a real one: 100 bytes)
 
 
 class RunLeased(GlassloopError):
@@ -72,16 +77,24 @@ class Lease:
         long until it expires if that job is dead; then this job's generation."""
         held = self._read()
         if held is not None:
-            age = time.time() - _number(held.get("heartbeat"))
+            beat = _heartbeat(held.get("heartbeat"))
+            age = time.time() - beat if beat is not None else math.inf
             gone = held.get("host") == self.mine["host"] and not _alive(held.get("pid"))
-            if age < EXPIRES_S and not gone:
+            if -EXPIRES_S <= age < EXPIRES_S and not gone:  # (clocks a few seconds apart)
                 raise RunLeased(
                     f"run: {self.shown} is being written by another job ({_owner(held)}, last "
                     f"heartbeat {max(age, 0):.0f} s ago); two jobs must not train into one URL. "
                     f"Wait for it to end; if it is dead, its lease expires in "
                     f"{EXPIRES_S - age:.0f} s and the same command then takes the run over"
                 )
-            why = "its process is gone" if gone else f"last heartbeat {age:.0f} s ago"
+            if gone:
+                why = "its process is gone"
+            elif beat is None:
+                why = "its lease holds no heartbeat glassloop wrote: damaged, or not glassloop's"
+            elif age < 0:  # (a lease no clock that agrees with this one's wrote)
+                why = f"its heartbeat is {-age:,.0f} s in the future, which is not believable"
+            else:
+                why = f"last heartbeat {age:.0f} s ago"
             self.say(
                 f"run: taking over {self.shown} from a job that stopped without ending "
                 f"({_owner(held)}, {why})"
@@ -178,22 +191,20 @@ class Lease:
         return True
 
     def _read(self) -> dict[str, Any] | None:
-        with contextlib.suppress(AttributeError):
-            self.fs.invalidate_cache()  # (another job may have written since)
+        """The lease as it is in the store (``{}``: one that cannot be a lease, damaged, over
+        :data:`MAX_LEASE` bytes or nested too deep: taken over as a dead job's, and said so)."""
         try:
-            data = self.fs.cat_file(self.path)
+            held = self.store.read_json(self.path, MAX_LEASE)
         except FileNotFoundError:
             return None
-        try:
-            held = json.loads(data)
-        except ValueError:  # (a damaged lease: as old as can be, taken over)
+        except (ValueError, RecursionError):
             return {}
         return held if isinstance(held, dict) else {}
 
     def _json(self, path: str) -> dict[str, Any]:
         """The JSON object at ``path`` (a newer generation's owner), ``{}`` when unreadable."""
         try:
-            found = self.store.read_json(path, 64 << 10)
+            found = self.store.read_json(path, MAX_LEASE)
         except (OSError, ValueError, RecursionError):
             return {}
         return found if isinstance(found, dict) else {}
@@ -202,11 +213,11 @@ class Lease:
         return json.dumps({**self.mine, "heartbeat": time.time()}).encode("utf-8")
 
 
-def _number(value: Any) -> float:
-    """A heartbeat as read back (anything but a finite number: as old as can be)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e12:
+def _heartbeat(value: Any) -> float | None:
+    """A heartbeat as read back: a finite number of seconds, else ``None`` (no heartbeat)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
-    return 0.0
+    return None
 
 
 def _alive(pid: Any) -> bool:
@@ -224,4 +235,5 @@ def _alive(pid: Any) -> bool:
 
 
 def _owner(held: dict[str, Any]) -> str:
-    return f"host {str(held.get('host', '?'))[:64]}, PID {str(held.get('pid', '?'))[:16]}"
+    """Who holds a lease, as it says (never its control characters: a forged line)."""
+    return f"host {printable(held.get('host', '?'), 64)}, PID {printable(held.get('pid', '?'), 16)}"

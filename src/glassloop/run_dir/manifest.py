@@ -20,6 +20,7 @@ from glassloop.errors import CheckpointError
 from glassloop.run_dir import layout
 from glassloop.run_dir.layout import CHECKPOINT_FILES as FILES
 from glassloop.run_dir.layout import SHARDS
+from glassloop.storage.redaction import printable
 from glassloop.storage.serialization import sha256_of
 
 FORMAT_VERSION = 1
@@ -65,7 +66,7 @@ def listed_files(path: Path) -> tuple[dict[str, Any], bool]:
         if size != entry.get("size"):
             raise CheckpointError(
                 f"checkpoint: '{path}': {name} has {size} bytes, the manifest says "
-                f"{entry.get('size')} (truncated or replaced)"
+                f"{printable(entry.get('size'), 20)} (truncated or replaced)"
             )
     return files, sharded
 

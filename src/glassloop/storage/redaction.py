@@ -166,6 +166,19 @@ def redacted(value: Any, *, uri: bool = False) -> Any:
     return value
 
 
+def printable(value: Any, limit: int = 200) -> str:
+    """``value`` as glassloop prints a field it read from a file anyone could have written (a
+    lease in a bucket, a manifest, run.json): each control character (a newline that would
+    start a forged line of glassloop's, a terminal's escape sequence) and other unprintable
+    one shown as ``?``, cut to ``limit`` characters.
+
+    >>> printable("node-7\\nglassloop: error: forged \\x1b[2J")
+    'node-7?glassloop: error: forged ?[2J'
+    """
+    text = "".join(c if c.isprintable() else "?" for c in str(value)[: limit + 1])
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
 @contextlib.contextmanager
 def redacted_output() -> Iterator[None]:
     """What is printed to stdout and stderr inside the block (a tracking library's own lines:

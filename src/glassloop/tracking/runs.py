@@ -13,6 +13,7 @@ from typing import Any
 from glassloop.best import best_epoch, shown
 from glassloop.errors import GlassloopError
 from glassloop.run_dir import layout
+from glassloop.storage.redaction import printable
 from glassloop.tracking.console import format_duration
 from glassloop.tracking.notebook import RunView
 
@@ -198,8 +199,11 @@ def format_runs(summaries: list[RunSummary], name: Callable[[Path], str] = str) 
     runs/a  finished   630     10  1m 05s  val_loss 0.2100  val_loss 0.2
     """
     headers = ("run", "status", "step", "epoch", "time", "final", "best")
-    rows = [
-        (name(s.path), s.status, str(s.step), str(s.epoch), s.duration, s.final, s.best)
+    rows = [  # (what run.json and the metrics say, never their control characters)
+        tuple(
+            printable(c, 1000)
+            for c in (name(s.path), s.status, s.step, s.epoch, s.duration, s.final, s.best)
+        )
         for s in summaries
     ]
     widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(6)]
@@ -210,5 +214,5 @@ def format_runs(summaries: list[RunSummary], name: Callable[[Path], str] = str) 
             f"{r[3]:>{widths[3]}}  {r[4]:<{widths[4]}}  {r[5]:<{widths[5]}}  {r[6]}"
         )
         if summary is not None and summary.error:
-            lines.append(f"  error: {summary.error}")
+            lines.append(f"  error: {printable(summary.error, 2000)}")
     return "\n".join(lines)
