@@ -60,7 +60,10 @@ def fold_replaced(
             )
             hint = f" (did you mean {ELSEWHERE.get(guess, repr(guess))}?)" if guess else ""
             raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}{hint}")
-        warn_replaced(f"Trainer({name}=...)", REPLACED[name], stacklevel=4)
+        old = f"Trainer({name}=...) is replaced by {REPLACED[name]}"
+        warnings.warn(
+            f"{old}; the old name goes in glassloop 0.2", DeprecationWarning, stacklevel=3
+        )
     if isinstance(nonfinite, str):
         nonfinite = NonFinitePolicy(nonfinite, replaced.get("max_nonfinite_skips", 10))
     options: dict[str, Any] | None = None
@@ -82,8 +85,8 @@ def fold_replaced(
     return nonfinite, options, info
 
 
-def warn_replaced(old: str, new: str, stacklevel: int = 3) -> None:
+def warn_replaced(old: str, new: str) -> None:
     """A name replaced while 0.1 was made (the one Trainer and its Checkpointer): it works,
     with a ``DeprecationWarning`` naming its replacement, until 0.2."""
     message = f"{old} is replaced by {new}; the old name goes in glassloop 0.2"
-    warnings.warn(message, DeprecationWarning, stacklevel=stacklevel)
+    warnings.warn(message, DeprecationWarning, stacklevel=3)

@@ -163,7 +163,7 @@ def test_a_stop_signal_to_the_process_group_with_workers_checkpoints_and_resumes
     assert (workdir / "term" / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file()
     # The command the stop prints, pasted as a user would: --resume alone reads the run's
     # own config.json (data.num_workers=2 included); cfg.toml is not named.
-    hint = "; continue with: glassloop train --run-dir term --resume\n"
+    hint = "; continue with: glassloop train --run-dir term --resume --trust-code\n"
     assert err.endswith(hint), err
     resumed = forkserver.run(
         [sys.executable, "-m", *shlex.split(hint.split(": ")[1])], cwd=workdir, timeout=300
