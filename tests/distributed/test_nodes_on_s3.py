@@ -32,14 +32,40 @@ SMALL = [
 ]  # fmt: skip
 
 
+# `glassloop train` whose final uploads take 7 s, longer than train.dist_timeout_s (5 s):
+# a large model's weights on a slow link.
+SLOW_END = """
+import sys, threading
+import glassloop.run_dir.remote as remote
+from glassloop.cli.main import main
+
+upload = remote.RemoteRun._upload_run_files
+
+def slowly(self, *, final=True):
+    threading.Event().wait(7 if final else 0)  # (the upload's own time, not a wait for it)
+    return upload(self, final=final)
+
+remote.RemoteRun._upload_run_files = slowly
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def nodes(
-    tmp: Path, env: dict[str, str], url: str, *extra: str, kill_node_1: int = 0, term: int = 0
+    tmp: Path,
+    env: dict[str, str],
+    url: str,
+    *extra: str,
+    kill_node_1: int = 0,
+    term: int = 0,
+    slow_end: bool = False,
 ) -> list[int]:
     """Both nodes' torchrun, started together; their exit codes (node 0's, node 1's).
     ``kill_node_1``: node 1's process SIGKILLs itself after that step; ``term``: node 1's
     torchrun gets a SIGTERM (a scheduler's stop, on that node only) once that many step rows
-    are in the logs."""
+    are in the logs; ``slow_end``: rank 0's final uploads take longer than the processes'
+    collective timeout (:data:`SLOW_END`)."""
     port, job = free_port(), f"job-{free_port()}"
+    (tmp / "slow_end.py").write_text(SLOW_END)
     started = []
     sizes = [(tmp / f"node{node}.log").stat().st_size if (tmp / f"node{node}.log").exists() else 0
              for node in (0, 1)]  # fmt: skip
@@ -49,7 +75,8 @@ def nodes(
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", job,
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
-            "-m", "glassloop", "train", *SMALL, "--run-dir", url, *extra, *kill,
+            *(["slow_end.py"] if slow_end else ["-m", "glassloop"]),
+            "train", *SMALL, "--run-dir", url, *extra, *kill,
         ]  # fmt: skip
         cache = {"GLASSLOOP_CACHE_DIR": str(tmp / f"node{node}-cache")}
         log = open(tmp / f"node{node}.log", "ab")  # noqa: SIM115 (closed below)
@@ -91,12 +118,16 @@ def epoch_rows(path: str) -> list[dict[str, object]]:
 @pytest.fixture(scope="module")
 def bucket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """The S3 server, and the uninterrupted two-node run in it (``s3://nodes/straight``);
-    the environment that points at it."""
+    the environment that points at it. Its final uploads outlast the processes' collective
+    timeout: node 1 waits for them and both end well (node 1's process timed out in its
+    last barrier, exit 1 with tracebacks, the run bitwise right)."""
     tmp = tmp_path_factory.mktemp("straight")
     with local_s3("nodes") as env:  # (a bucket of its own: moto keeps a process's buckets)
         env = {**env, "OMP_NUM_THREADS": "1"}
-        done = nodes(tmp, env, "s3://nodes/straight")
-        assert done == [0, 0], (tmp / "node0.log").read_text()[-3000:]
+        done = nodes(tmp, env, "s3://nodes/straight", slow_end=True)
+        said = [(tmp / f"node{node}.log").read_text() for node in (0, 1)]
+        assert done == [0, 0], said[0][-3000:] + said[1][-3000:]
+        assert "Traceback" not in said[0] + said[1], said[1][-3000:]
         yield env
 
 

@@ -13,6 +13,8 @@ import atexit
 import datetime
 import gc
 import os
+import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -119,10 +121,59 @@ def init_from_env(
             )
         else:
             dist.init_process_group(backend=backend_for(device), timeout=timeout)
+        _beat(world.rank, timeout_s)
         # A script that never leaves the group (the README's own-step example) must not
         # race gloo's teardown at exit (it aborts a process about 1 run in 3).
         atexit.register(shutdown)
     return world
+
+
+# Each process's heartbeat in the process group's store (glassloop/alive/RANK, from a thread,
+# a few times per collective timeout), which shutdown() reads: what stops it, the store, and
+# the timeout it was given.
+_ALIVE: dict[str, Any] = {}
+
+
+def _beat(rank: int, timeout_s: float) -> None:
+    store = dist.distributed_c10d._get_default_store()
+    stop, every = threading.Event(), min(2.0, timeout_s / 4)  # (4+ beats a look, below)
+
+    def beat() -> None:
+        while not stop.wait(every):
+            try:
+                store.add(f"glassloop/alive/{rank}", 1)
+            except Exception:  # (the group is gone: nothing to say it to)
+                return
+
+    threading.Thread(target=beat, name="glassloop-alive", daemon=True).start()
+    _ALIVE.update(stop=stop, store=store, timeout_s=timeout_s)
+
+
+def _arrive_together() -> None:
+    """Until every process has reached :func:`shutdown`, however long one works alone after
+    the last collective (rank 0 uploading a remote run's final files, drawing the report,
+    which the training's collective timeout ``train.dist_timeout_s`` never meant to cover),
+    while those not there yet beat; one whose heartbeat stopped for a look's ``window`` (the
+    timeout, 30 s at most) died: an error. The store is read at most each second, never
+    waited on with a timeout (its driver logs a warning each time one ends)."""
+    store, window = _ALIVE["store"], min(float(_ALIVE["timeout_s"]), 30.0)
+    size, rank = dist.get_world_size(), dist.get_rank()
+    store.set(f"glassloop/arrived/{rank}", "1")
+    store.add("glassloop/arrivals", 1)
+    beats: dict[int, int] = {}
+    pause, look = 0.01, time.monotonic() + window
+    while store.add("glassloop/arrivals", 0) < size:
+        if time.monotonic() >= look:
+            away = [r for r in range(size) if not store.check([f"glassloop/arrived/{r}"])]
+            now = {r: store.add(f"glassloop/alive/{r}", 0) for r in away}
+            if stopped := [r for r in away if now[r] == beats.get(r)]:
+                raise RuntimeError(
+                    f"glassloop: the process of rank {stopped[0]} stopped before the run's end "
+                    f"(no heartbeat for {window:.0f} s): see its log"
+                )
+            beats, look = now, time.monotonic() + window
+        threading.Event().wait(pause)
+        pause = min(2 * pause, 1.0)
 
 
 def backend_for(device: torch.device) -> str:
@@ -267,15 +318,22 @@ def release_sharded() -> None:
 
 def shutdown() -> None:
     """Leave the process group together: a barrier first, so no process tears down its
-    connections while another still uses them (gloo aborts the process otherwise). Then
-    the DDP wrappers still alive let go of their reducer and process group: left to the
-    interpreter's own teardown, their C++ destructors aborted a finished process about one
-    exit in eight ("terminate called without an active exception"); a wrapper is not
-    usable after this, which at exit no one needs."""
+    connections while another still uses them (gloo aborts the process otherwise), once
+    every process got here (:func:`_arrive_together`: rank 0's final uploads may outlast
+    the collective timeout; they timed the others' barrier out, exit 1, in a run that had
+    ended well). Then the DDP wrappers still alive let go of their reducer and process
+    group: left to the interpreter's own teardown, their C++ destructors aborted a finished
+    process about one exit in eight ("terminate called without an active exception"); a
+    wrapper is not usable after this, which at exit no one needs."""
     if dist.is_available() and dist.is_initialized():
         try:
+            if "store" in _ALIVE:  # (a group glassloop joined: its processes beat)
+                _arrive_together()
             dist.barrier()
         finally:
+            if "stop" in _ALIVE:
+                _ALIVE.pop("stop").set()
+                _ALIVE.clear()
             for ddp in list(_WRAPPED):
                 for name in ("reducer", "process_group", "logger"):
                     ddp.__dict__.pop(name, None)
