@@ -31,7 +31,6 @@ _EXPORTS = {
     "DataError": "glassloop.errors",
     "EarlyStopping": "glassloop.callbacks",
     "GlassloopError": "glassloop.errors",
-    "GlassloopWarning": "glassloop.tracking.console",
     "ModelError": "glassloop.errors",
     "NonFinitePolicy": "glassloop.step.guards",
     "Predictor": "glassloop.tools.prediction",
@@ -71,7 +70,6 @@ __all__ = [
     "DataError",
     "EarlyStopping",
     "GlassloopError",
-    "GlassloopWarning",
     "ModelError",
     "NonFinitePolicy",
     "Predictor",
@@ -137,5 +135,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from glassloop.tools.lr_finder import lr_find
     from glassloop.tools.prediction import Predictor
     from glassloop.tools.run_evaluation import RunEvaluation, evaluate_run, report_run
-    from glassloop.tracking.console import GlassloopWarning
     from glassloop.tracking.runs import load_run

@@ -37,6 +37,10 @@ class CheckpointError(GlassloopError):
     """A checkpoint that cannot be read, does not fit, or cannot be written."""
 
 
+class GlassloopWarning(UserWarning):
+    """A warning the console says, as a Python warning too (ignored unless a filter asks)."""
+
+
 class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint or another run file failed (disk full, quota, permissions);
     earlier checkpoints are intact. The CLI's exit code 3."""
@@ -46,8 +50,7 @@ def write_failure(
     path: Path, err: BaseException, last_good: str = "", *, safe: str = "nothing was lost"
 ) -> CheckpointWriteError:
     """One line for a failed write (exit code 3 in the CLI): what, where, the OS's reason,
-    and what is ``safe`` (a failed checkpoint write loses nothing: its temporary folder goes
-    and every earlier checkpoint stays; a failed metrics row is lost itself).
+    and what is ``safe`` (a failed checkpoint loses nothing; a failed metrics row itself).
 
     >>> print(write_failure(Path("runs/a"), OSError(28, "No space left on device")))
     checkpoint: could not write 'runs/a': No space left on device (ENOSPC); nothing was lost
@@ -65,9 +68,8 @@ def write_failure(
 @contextlib.contextmanager
 def writing(command: str, folder: Path, safe: str) -> Iterator[None]:
     """An ``OSError`` while ``command`` writes into ``folder`` (read-only, full, over quota)
-    as one :class:`CheckpointWriteError` line (exit code 3 in the CLI, as a failed checkpoint
-    write): never a traceback. One about a file elsewhere (an input being read) is not a
-    write failure and goes on as it is.
+    as one :class:`CheckpointWriteError` line (exit code 3), never a traceback; one about a
+    file elsewhere (an input being read) goes on as it is.
 
     >>> try:
     ...     with writing("export", Path("out"), "nothing was written"):

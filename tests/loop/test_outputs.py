@@ -178,7 +178,9 @@ def test_probabilities_from_a_function_in_forward_are_said_once(
     data = pairs(100, 0)
     if task == "classification":  # (three classes)
         data = [(x, (y + x[:, 2].gt(1)).long()) for x, y in data]
-    with pytest.warns(glassloop.GlassloopWarning, match=f"look like {looks}"):  # (filters too)
+    with pytest.warns(
+        glassloop.errors.GlassloopWarning, match=f"look like {looks}"
+    ):  # (filters too)
         trainer(model(), loss, task=task).fit(data, epochs=1)
     said = capsys.readouterr()
     warned = [line for line in (said.out + said.err).splitlines() if "'probabilities'" in line]

@@ -738,6 +738,9 @@ def run_command(argv: Sequence[str] | None = None) -> int:
     for value in argv:  # (a URI's secrets: replaced wherever a driver quotes them)
         remember_secrets_in(value)
     warnings.showwarning = show_warning  # (and what libraries warn or log, below)
+    from glassloop.errors import GlassloopWarning  # (the console says them: never twice)
+
+    warnings.filterwarnings("ignore", category=GlassloopWarning)
     logging.lastResort = RedactedLastResort()
     from glassloop.distributed.preemption import Preempted
     from glassloop.errors import CheckpointWriteError, GlassloopError, NonFiniteError

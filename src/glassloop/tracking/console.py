@@ -13,14 +13,11 @@ from typing import IO, TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from glassloop.best import is_number, shown
+from glassloop.errors import GlassloopWarning
 from glassloop.tracking.notebook import bar_class, in_notebook
 
-
-class GlassloopWarning(UserWarning):
-    """A warning the console says, as a Python warning too: ignored unless a filter asks for
-    it (``pytest -W error``, ``warnings.simplefilter("error")``), so never shown twice."""
-
-
+# Ignored unless a filter asks for it (pytest -W error, warnings.simplefilter("error")): the
+# console has said it, so it is never shown twice.
 warnings.filterwarnings("ignore", category=GlassloopWarning, append=True)
 
 if TYPE_CHECKING:  # (torch: this module is imported before it)
