@@ -32,20 +32,25 @@ SMALL = [
 ]  # fmt: skip
 
 
-# `glassloop train` whose final uploads take 7 s, longer than train.dist_timeout_s (5 s):
-# a large model's weights on a slow link.
-SLOW_END = """
-import sys, threading
+# `glassloop train` whose rank 0 takes 7 s, longer than train.dist_timeout_s (5 s), alone at
+# the start (SLOW=pull: a large checkpoint's pull) or the end (SLOW=end: its final uploads).
+SLOW = """
+import os, sys, threading
 import glassloop.run_dir.remote as remote
 from glassloop.cli.main import main
 
-upload = remote.RemoteRun._upload_run_files
+upload, pull = remote.RemoteRun._upload_run_files, remote.RemoteRun.pull
+slow = os.environ["RANK"] == "0" and os.environ["SLOW"]
 
-def slowly(self, *, final=True):
-    threading.Event().wait(7 if final else 0)  # (the upload's own time, not a wait for it)
+def upload_slowly(self, *, final=True):
+    threading.Event().wait(7 if final and slow == "end" else 0)  # (its time, not a wait)
     return upload(self, final=final)
 
-remote.RemoteRun._upload_run_files = slowly
+def pull_slowly(self, usable=None):
+    threading.Event().wait(7 if slow == "pull" else 0)
+    return pull(self, usable)
+
+remote.RemoteRun._upload_run_files, remote.RemoteRun.pull = upload_slowly, pull_slowly
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -57,15 +62,15 @@ def nodes(
     *extra: str,
     kill_node_1: int = 0,
     term: int = 0,
-    slow_end: bool = False,
+    slow: str = "",
 ) -> list[int]:
     """Both nodes' torchrun, started together; their exit codes (node 0's, node 1's).
     ``kill_node_1``: node 1's process SIGKILLs itself after that step; ``term``: node 1's
     torchrun gets a SIGTERM (a scheduler's stop, on that node only) once that many step rows
-    are in the logs; ``slow_end``: rank 0's final uploads take longer than the processes'
-    collective timeout (:data:`SLOW_END`)."""
+    are in the logs; ``slow``: rank 0's pull or final uploads take longer than the processes'
+    collective timeout (:data:`SLOW`)."""
     port, job = free_port(), f"job-{free_port()}"
-    (tmp / "slow_end.py").write_text(SLOW_END)
+    (tmp / "slow.py").write_text(SLOW)
     started = []
     sizes = [(tmp / f"node{node}.log").stat().st_size if (tmp / f"node{node}.log").exists() else 0
              for node in (0, 1)]  # fmt: skip
@@ -75,10 +80,10 @@ def nodes(
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", job,
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
-            *(["slow_end.py"] if slow_end else ["-m", "glassloop"]),
+            *(["slow.py"] if slow else ["-m", "glassloop"]),
             "train", *SMALL, "--run-dir", url, *extra, *kill,
         ]  # fmt: skip
-        cache = {"GLASSLOOP_CACHE_DIR": str(tmp / f"node{node}-cache")}
+        cache = {"GLASSLOOP_CACHE_DIR": str(tmp / f"node{node}-cache"), "SLOW": slow}
         log = open(tmp / f"node{node}.log", "ab")  # noqa: SIM115 (closed below)
         started.append((subprocess.Popen(command, cwd=tmp, env={**env, **cache}, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True), log))  # fmt: skip
@@ -124,7 +129,7 @@ def bucket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]
     tmp = tmp_path_factory.mktemp("straight")
     with local_s3("nodes") as env:  # (a bucket of its own: moto keeps a process's buckets)
         env = {**env, "OMP_NUM_THREADS": "1"}
-        done = nodes(tmp, env, "s3://nodes/straight", slow_end=True)
+        done = nodes(tmp, env, "s3://nodes/straight", slow="end")
         said = [(tmp / f"node{node}.log").read_text() for node in (0, 1)]
         assert done == [0, 0], said[0][-3000:] + said[1][-3000:]
         assert "Traceback" not in said[0] + said[1], said[1][-3000:]
@@ -137,9 +142,10 @@ def test_two_nodes_train_one_run_on_s3_and_resume_it_bitwise(
     env = bucket
     codes = nodes(tmp_path, env, "s3://nodes/killed", kill_node_1=7)
     assert codes[0] != 0 and codes[1] != 0, codes  # (node 1 killed; node 0 left alone)
-    resumed = nodes(tmp_path, env, "s3://nodes/killed", "--resume")
+    # (rank 0's pull outlasts the collective timeout: node 1 waits for it, it timed out)
+    resumed = nodes(tmp_path, env, "s3://nodes/killed", "--resume", slow="pull")
     said = (tmp_path / "node0.log").read_text()
-    assert resumed == [0, 0], said[-3000:]
+    assert resumed == [0, 0], said[-3000:] + (tmp_path / "node1.log").read_text()[-3000:]
     # from a checkpoint before the kill (step 6, or 3 when uploads lagged under load)
     found = re.search(r"resumed from 's3://nodes/killed/checkpoints/(step-0+([36]))' at", said)
     assert found, said[-3000:]

@@ -149,27 +149,35 @@ def _beat(rank: int, timeout_s: float) -> None:
     _ALIVE.update(stop=stop, store=store, timeout_s=timeout_s)
 
 
-def _arrive_together() -> None:
-    """Until every process has reached :func:`shutdown`, however long one works alone after
-    the last collective (rank 0 uploading a remote run's final files, drawing the report,
-    which the training's collective timeout ``train.dist_timeout_s`` never meant to cover),
-    while those not there yet beat; one whose heartbeat stopped for a look's ``window`` (the
-    timeout, 30 s at most) died: an error. The store is read at most each second, never
-    waited on with a timeout (its driver logs a warning each time one ends)."""
+def arrive_together(name: str, what: str) -> None:
+    """Until every process has called ``arrive_together(name, ...)``, however long one works
+    alone before it (rank 0 pulling a remote run, or uploading its final files; which the
+    training's collective timeout ``train.dist_timeout_s`` never meant to cover), while
+    those not there yet beat; one whose heartbeat stopped for a look's ``window`` (the
+    timeout, 30 s at most) died, and one that reached :func:`shutdown` instead (an error
+    ended it) will not come: an error naming ``what`` it did not reach. The store is
+    read at most each second, never waited on with a timeout (its driver logs a warning
+    each time one ends). In a group glassloop did not join (no heartbeats): nothing."""
+    if "store" not in _ALIVE:
+        return
     store, window = _ALIVE["store"], min(float(_ALIVE["timeout_s"]), 30.0)
     size, rank = dist.get_world_size(), dist.get_rank()
-    store.set(f"glassloop/arrived/{rank}", "1")
-    store.add("glassloop/arrivals", 1)
+    _ALIVE[name] = _ALIVE.get(name, 0) + 1  # (a second fit's pull: keys of its own)
+    name = f"{name}-{_ALIVE[name]}" if name != "end" else name
+    store.set(f"glassloop/{name}/{rank}", "1")
+    store.add(f"glassloop/{name}", 1)
     beats: dict[int, int] = {}
     pause, look = 0.01, time.monotonic() + window
-    while store.add("glassloop/arrivals", 0) < size:
+    while store.add(f"glassloop/{name}", 0) < size:
         if time.monotonic() >= look:
-            away = [r for r in range(size) if not store.check([f"glassloop/arrived/{r}"])]
+            away = [r for r in range(size) if not store.check([f"glassloop/{name}/{r}"])]
             now = {r: store.add(f"glassloop/alive/{r}", 0) for r in away}
-            if stopped := [r for r in away if now[r] == beats.get(r)]:
+            left = [r for r in away if name != "end" and store.check([f"glassloop/end/{r}"])]
+            if stopped := left or [r for r in away if now[r] == beats.get(r)]:
+                why = "it is ending" if left else f"no heartbeat for {window:.0f} s"
                 raise RuntimeError(
-                    f"glassloop: the process of rank {stopped[0]} stopped before the run's end "
-                    f"(no heartbeat for {window:.0f} s): see its log"
+                    f"glassloop: the process of rank {stopped[0]} will not reach {what} "
+                    f"({why}): see its log"
                 )
             beats, look = now, time.monotonic() + window
         threading.Event().wait(pause)
@@ -319,7 +327,7 @@ def release_sharded() -> None:
 def shutdown() -> None:
     """Leave the process group together: a barrier first, so no process tears down its
     connections while another still uses them (gloo aborts the process otherwise), once
-    every process got here (:func:`_arrive_together`: rank 0's final uploads may outlast
+    every process got here (:func:`arrive_together`: rank 0's final uploads may outlast
     the collective timeout; they timed the others' barrier out, exit 1, in a run that had
     ended well). Then the DDP wrappers still alive let go of their reducer and process
     group: left to the interpreter's own teardown, their C++ destructors aborted a finished
@@ -327,8 +335,7 @@ def shutdown() -> None:
     wrapper is not usable after this, which at exit no one needs."""
     if dist.is_available() and dist.is_initialized():
         try:
-            if "store" in _ALIVE:  # (a group glassloop joined: its processes beat)
-                _arrive_together()
+            arrive_together("end", "the run's end")
             dist.barrier()
         finally:
             if "stop" in _ALIVE:

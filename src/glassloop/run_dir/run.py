@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from glassloop.distributed.world import SINGLE, World, all_reduce
+from glassloop.distributed.world import SINGLE, World, all_reduce, arrive_together
 from glassloop.errors import CheckpointError, GlassloopError, write_failure
 from glassloop.run_dir import layout
 from glassloop.run_dir.checkpoints import clean_temporaries
@@ -85,6 +85,10 @@ class RunDir:
         """Every node pulled the same checkpoint of a remote run (each pull takes the newest
         that verifies there: a download damaged on one node would fall back alone), else one
         line in every process, before any of them resumes from its node's copy."""
+        if self.remote is not None and self.world.distributed:
+            # (each node's first process pulls, rank 0 takes the lease too: it may take longer
+            # than a collective's timeout, which the others do not wait for here)
+            arrive_together("pulled", "the pull of the run")
         if self.remote is None or not self.world.several_nodes:
             return
         puller = self.world.local_rank == 0
