@@ -217,7 +217,12 @@ def test_early_stopping_stops_and_its_state_is_checkpointed(tmp_path: Path) -> N
     )
     assert len(history) == 3 and stop.stopped_epoch == 3
     assert trainer.state_dict()["callbacks"] == [
-        {"best": history[0]["val_loss"], "bad_epochs": 2, "stopped_epoch": 3}
+        {
+            "best": history[0]["val_loss"],
+            "bad_epochs": 2,
+            "stopped_epoch": 3,
+            "watched": ["val_loss", "min"],
+        }
     ]
 
 
