@@ -72,7 +72,7 @@ class EarlyStopping(Callback):
 
     >>> stop = EarlyStopping("val_loss", patience=2)
     >>> stop.state_dict()
-    {'best': None, 'bad_epochs': 0, 'stopped_epoch': None}
+    {'best': None, 'bad_epochs': 0, 'stopped_epoch': None, 'watched': ['val_loss', 'min']}
     """
 
     def __init__(

@@ -132,8 +132,13 @@ def test_a_killed_s3_run_resumes_bitwise(tmp_path: Path, s3: dict[str, str]) -> 
     cut = sorted(folders - complete)
     assert len(cut) == 1 and cut[0] > max(complete), (folders, complete)  # (cut mid-upload)
     assert json.loads(s3_bytes("s3://bucket/killed/run.json"))["status"] == "running"
-    resumed = train(tmp_path, s3, "s3://bucket/killed", "--resume")
+    # Resumed by its URL alone, as a local run by its folder: the run's own config.json.
+    resumed = forkserver.run(
+        [sys.executable, "-m", "glassloop", "train", "--run-dir", "s3://bucket/killed", "--resume"],
+        cwd=tmp_path, env={**s3, "GLASSLOOP_CACHE_DIR": str(tmp_path / "cache")}, timeout=300,
+    )  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resuming with the run's own config: s3://bucket/killed/config.json" in resumed.stdout
     assert f"resumed from 's3://bucket/killed/checkpoints/{max(complete)}'" in resumed.stdout
     straight = load(s3_bytes("s3://bucket/straight/model.safetensors"))
     again = load(s3_bytes("s3://bucket/killed/model.safetensors"))

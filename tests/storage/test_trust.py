@@ -126,11 +126,14 @@ def test_a_file_that_names_code_to_import_is_refused_everywhere(
         ("train", "--run-dir", str(run), "--resume", "--nproc", "2"),
         ("verify-resume", own, "--kill-at", "1"), ("doctor", own),
         ("verify-resume", "memory://hostile/run", "--kill-at", "1"),
+        ("train", "--run-dir", "memory://hostile/run", "--resume"),
     ]  # fmt: skip
     for args in attempts:
         code, _, err = cli(capsys, *args)
         assert code == 2, (args, err)
-        if args[1].startswith("memory://"):  # (said first: where the run was read to)
+        if args[0] == "verify-resume" and args[1].startswith(
+            "memory://"
+        ):  # (said first: where the run was read to)
             err = err.partition("\n")[2]
         assert_one_line(err, "asks to import 'subprocess:run'")
         assert "--trust-code" in err

@@ -693,6 +693,8 @@ def read_remote_paths(args: argparse.Namespace, held: contextlib.ExitStack) -> N
     for name in PATH_ARGUMENTS:
         values = getattr(args, name, None)
         if args.command == "train" and name == "run_dir":
+            own = args.resume and args.config is None and is_url(str(values))
+            args.config = own_remote_config(str(values), held) if own else args.config
             continue
         for value in values if isinstance(values, list) else [values]:
             if not (isinstance(value, str) and is_url(value)):
@@ -705,6 +707,19 @@ def read_remote_paths(args: argparse.Namespace, held: contextlib.ExitStack) -> N
                 "(a run on object storage is read from its URL by eval, predict, export, "
                 "report, runs and verify-resume, and written by train --run-dir)"
             )
+
+
+def own_remote_config(url: str, held: contextlib.ExitStack) -> str | None:
+    """``train --run-dir URL --resume`` without a config: the run's own config.json, as for a
+    local run (it trained the demo's config and was refused as a config change), read into
+    a folder held for the command; ``None``: the URL holds no run yet."""
+    from glassloop.run_dir.remote_read import read_config
+
+    folder = Path(held.enter_context(tempfile.TemporaryDirectory(prefix="glassloop-config-")))
+    own = read_config(url, folder)
+    if own is not None and not is_worker():  # (the launcher of --nproc said it)
+        print(f"resuming with the run's own config: {redact(url.rstrip('/'))}/{layout.CONFIG}")
+    return str(own) if own is not None else None
 
 
 def pull_run(args: argparse.Namespace, url: str, held: contextlib.ExitStack) -> str:

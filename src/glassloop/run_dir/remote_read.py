@@ -82,3 +82,28 @@ def read_runs(url: str) -> Iterator[RemoteRun]:
             for file in SUMMARY_FILES:
                 remote.download(run.run_file(file), remote.local / name / file)
         yield remote
+
+
+def read_config(url: str, into: Path) -> Path | None:
+    """The run's own config.json at ``url`` (its newest record's), downloaded into the folder
+    ``into``: what ``train --run-dir URL --resume`` without a config resumes with, as a local
+    run's own (its local copy is the Trainer's to make, later). ``None``: the URL holds no
+    config (a fresh run). At most 4 MiB, a config file's limit, is downloaded."""
+    remote = _opened(url)
+    try:
+        remote.check_bucket()
+        remote.store.resolve()
+        source = remote.store.run_file(layout.CONFIG)
+        if not remote.fs.exists(source):
+            return None
+        if (size := int(remote.fs.size(source))) > 4 << 20:
+            raise GlassloopError(f"config: {remote.shown}/config.json has {size:,} bytes")
+        remote.download(source, into / layout.CONFIG)
+    except GlassloopError:
+        raise
+    except Exception as err:  # OSError, and a driver's own (botocore, aiohttp, ...)
+        raise CheckpointError(
+            f"run: cannot read {remote.shown}/config.json: {remote.scrub(err)} (check the network "
+            "and the credentials, then run again)"
+        ) from None  # (the driver's own error may hold what scrub removed)
+    return into / layout.CONFIG
