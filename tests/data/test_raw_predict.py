@@ -186,7 +186,7 @@ def test_parquet_numeric_and_image_columns(tmp_path: Path) -> None:
     run, predictor = trained(
         tmp_path / "n", ["data.name=parquet", f"data.path={tmp_path / 'n.parquet'}"]
     )
-    indices = np.asarray(run.val_loader.dataset.indices)
+    indices = run.val_loader.dataset.rows_of(0)  # (one row group)
     assert_same_predictions(run, predictor, x[indices].astype(np.float32))
     # Encoded images: the validation rows' PNG bytes as files.
     digits = load_digits()
@@ -201,7 +201,7 @@ def test_parquet_numeric_and_image_columns(tmp_path: Path) -> None:
         "data.name=parquet", f"data.path={tmp_path / 'i.parquet'}", "data.image_column=png",
     ])  # fmt: skip
     files = []
-    for n, i in enumerate(run.val_loader.dataset.indices):
+    for n, i in enumerate(run.val_loader.dataset.rows_of(0)):
         files.append(tmp_path / f"{n}.png")
         files[-1].write_bytes(pngs[int(i)])
     _, probs = predictor.predict_files(files)
@@ -225,5 +225,5 @@ def test_texts_through_the_tokenizer(tmp_path: Path) -> None:
         batch = pad_collate([(ids, 0)], pad_value=int(predictor.spec.get("pad_id", 0)))
         batch.pop("labels")
         expected = run.trainer.predict([batch])
-        text = rows[int(dataset.indices[n])][0]
+        text = rows[int(dataset.rows_of(0)[n])][0]
         assert torch.allclose(predictor.predict_texts([text]), expected, atol=2e-5), text

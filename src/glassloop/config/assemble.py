@@ -100,35 +100,11 @@ class Built:
 
 
 def parquet_data(cfg: Config) -> DiskData | TextData:
-    from glassloop.data.lazy import DiskData
-    from glassloop.data.parquet import input_kind, parquet_splits, parquet_texts
+    """Parquet shards where they live (a file, a folder, a glob, a URL prefix), streamed
+    through this process's cache of decoded row groups (:mod:`glassloop.data.shards`)."""
+    from glassloop.data.shards import shard_data
 
-    d = cfg.data
-    kind = input_kind(
-        d.path, label_column=d.label_column, image_column=d.image_column, text_column=d.text_column
-    )
-    if kind == "text":
-        return parquet_texts(
-            d.path,
-            label_column=d.label_column,
-            text_column=d.text_column,
-            tokenizer=d.tokenizer,
-            vocab_size=d.vocab_size,
-            max_length=d.max_length,
-            val_fraction=d.val_fraction,
-            seed=d.seed,
-        )
-    train, val, preprocessing, classes = parquet_splits(
-        d.path,
-        label_column=d.label_column,
-        image_column=d.image_column,
-        image_size=d.image_size,
-        channels=d.channels,
-        val_fraction=d.val_fraction,
-        seed=d.seed,
-    )
-    shape = tuple(train.image_shape) if train.image_column else (len(train.features),)
-    return DiskData(train, val, preprocessing, classes, shape)
+    return shard_data(cfg.data)
 
 
 def lazy_images(cfg: Config) -> DiskData | None:
@@ -166,9 +142,9 @@ def located(cfg: Config, folder: Path | None) -> Config:
     d = cfg.data
 
     def find(key: str, value: str, needed: bool, written: str = "PATH") -> str:
-        if not value or Path(value).is_absolute() or Path(value).exists():
+        if not value or Path(value).is_absolute() or is_url(value) or exists(value):
             return value
-        if (folder / value).exists():
+        if exists(str(folder / value)):
             return str(folder / value)
         if not needed:
             return value
@@ -180,6 +156,7 @@ def located(cfg: Config, folder: Path | None) -> Config:
         )
 
     d.path = find("data.path", d.path, d.name in PATH_KEYS["path"])
+    d.val_path = find("data.val_path", d.val_path, d.name == "parquet")
     d.tokenizer = find("data.tokenizer", d.tokenizer, d.name in PATH_KEYS["tokenizer"])
     d.root = find("data.root", d.root, needed=False)
     d.val_sets = {
@@ -191,6 +168,13 @@ def located(cfg: Config, folder: Path | None) -> Config:
         module = find("model.target", module, True, f"PATH.py:{name}")
         cfg.model.target = f"{module}:{name}"
     return cfg
+
+
+def exists(path: str) -> bool:
+    """A file or folder at ``path``, or one at least that a glob (``train/*.parquet``) names."""
+    import glob
+
+    return bool(glob.glob(path)) if glob.has_magic(path) else Path(path).exists()
 
 
 def build_parts(cfg: Config, *, world: World = SINGLE, files_from: Path | None = None) -> Built:

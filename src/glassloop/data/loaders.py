@@ -219,7 +219,8 @@ class ResumableLoader(LoaderPosition):
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
-        self.sampler = EpochSampler(
+        # (a dataset that draws its own order a part at a time: data.shards.ShardRows)
+        self.sampler = getattr(dataset, "order_sampler", EpochSampler)(
             len(dataset),  # type: ignore[arg-type]
             shuffle=shuffle,
             seed=seed,

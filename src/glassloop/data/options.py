@@ -34,7 +34,8 @@ class DataConfig:
     name: str = option("mnist-5k", rule=DATASET_NAMES)
     """the data: one of the names above (docs/datasets.md)."""
     path: str = ""
-    """npz, csv, text-csv, image-folder, parquet: the file or folder to read."""
+    """npz, csv, text-csv, image-folder: the file or folder to read; parquet: a file, a folder,
+    a glob or a URL prefix (``s3://bucket/train/``) of shards."""
     root: str = "data"
     """mnist, fashion-mnist, cifar10: where their files are (or go)."""
     download: bool = False
@@ -77,6 +78,12 @@ class DataConfig:
     """loader worker processes (0: batches are made in the training process)."""
     val_fraction: float = option(0.2, rule=Range(0.0, 1.0, open_low=True, open_high=True))
     """the share held out for validation, for datasets without a fixed validation split."""
+    val_path: str = ""
+    """parquet: the validation rows' shards (as ``path``); empty: a seeded split of ``path``."""
+    shuffle_window: int = option(8, rule=Range(1, 2**20))
+    """parquet: row groups whose rows are shuffled together (order: docs/datasets.md)."""
+    cache_mb: int = option(1024, rule=Range(1, 2**30), resume_safe=True)
+    """parquet: local cache of decoded row groups, per process (read ahead, then evicted)."""
     val_sets: dict[str, str] = field(default_factory=dict)
     """npz: further validation sets by name (``{ood = "shifted.npz"}``: x and y, every row, or
     x_val and y_val), each reported as ``val_<name>_*``, monitorable like ``val_*``."""

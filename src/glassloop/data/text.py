@@ -42,7 +42,7 @@ class TextDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 class TextRows(Protocol):
     """A set of texts as token ids: in memory (:class:`TextDataset`) or read from disk
-    (:class:`glassloop.data.parquet.ParquetTexts`)."""
+    (:class:`glassloop.data.shards.ShardRows`)."""
 
     labels: torch.Tensor
 
@@ -51,7 +51,7 @@ class TextRows(Protocol):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     @property
-    def lengths(self) -> list[int]: ...
+    def lengths(self) -> list[int] | None: ...  # (None: no length buckets)
 
 
 @dataclass
