@@ -29,7 +29,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 TASKS = ("classification", "bce", "multilabel", "regression", "lm", "sum")
-LOADERS = ("glassloop", "dataloader", "generator")
+LOADERS = ("glassloop", "dataloader", "generator", "shards")
+SHARDS = "s3://matrix"  # Parquet shards in a bucket of the test's S3 server (kind "shards")
 EPOCHS = 3
 BATCH = 16  # the global batch: two processes take 8 each
 VOCAB, LENGTH = 12, 6
@@ -99,17 +100,48 @@ def model_and_loss(task: str) -> tuple[nn.Module, Any]:
     return nn.Sequential(*layers), loss
 
 
+def write_shards(task: str) -> None:
+    """The task's data as Parquet shards in :data:`SHARDS`: three training files in row
+    groups of 11 rows, one validation file (a classifier's: features f0..f5, a label)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    x, y, vx, vy = data(task)
+    parts = [("train/0", x[:33], y[:33]), ("train/1", x[33:66], y[33:66]),
+             ("train/2", x[66:], y[66:]), ("val/0", vx, vy)]  # fmt: skip
+    for name, features, labels in parts:
+        columns = {f"f{j}": features[:, j].numpy() for j in range(features.shape[1])}
+        sink = io.BytesIO()
+        pq.write_table(pa.table({**columns, "label": labels.numpy()}), sink, row_group_size=11)
+        fs.pipe(f"{SHARDS}/{name}.parquet", sink.getvalue())
+
+
 def loaders(task: str, kind: str, world: Any = None) -> tuple[Any, Any]:
     """The training and validation loaders of ``kind``: glassloop's (sharded across processes),
-    a shuffling DataLoader drawing from the global RNG, or one with its own generator."""
+    Parquet shards in a bucket read by glassloop (sharded too), a shuffling DataLoader drawing
+    from the global RNG, or one with its own generator."""
     from glassloop.data import make_loader
 
     x, y, vx, vy = data(task)
-    if kind == "glassloop":
+    if kind == "shards":
+        from glassloop.data.options import DataConfig
+        from glassloop.data.shards import shard_data
+
+        shards = shard_data(DataConfig(name="parquet", path=f"{SHARDS}/train/",
+                                       val_path=f"{SHARDS}/val/", shuffle_window=2))  # fmt: skip
+        x, vx = shards.train, shards.val  # (datasets: read as the loaders go)
+    if kind in ("glassloop", "shards"):
         options = {"world": world} if world is not None else {}
         per_process = BATCH // (world.size if world is not None else 1)
-        train = make_loader((x, y), batch_size=per_process, shuffle=True, seed=3, **options)
-        val = make_loader((vx, vy), batch_size=per_process, shard="strided", **options)
+        train_set, val_set = ((x, y), (vx, vy)) if kind == "glassloop" else (x, vx)
+        if kind == "shards":
+            options["num_workers"] = 0
+        train = make_loader(train_set, batch_size=per_process, shuffle=True, seed=3, **options)
+        val = make_loader(val_set, batch_size=per_process, shard="strided", **options)
         return train, val
     generator = torch.Generator().manual_seed(5) if kind == "generator" else None
     train = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True, generator=generator)

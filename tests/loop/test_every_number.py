@@ -4,7 +4,7 @@ model with its own shifted loss; a loss that sums over its batch, accumulated) x
 2 processes under torchrun, 2 Ray Train workers, 2 torchrun nodes of one process} x
 {uninterrupted; killed with SIGKILL mid-epoch or at an epoch boundary and
 resumed in a new process} x {glassloop's loader, a shuffling DataLoader, a DataLoader with its
-own generator} x {checkpoints written as the step waits, in the background (async_save: a kill
+own generator, Parquet shards in a bucket of a real S3 server read by glassloop (classification)} x {checkpoints written as the step waits, in the background (async_save: a kill
 may come while one is in flight)}, every epoch row, every step row, "best", ``evaluate`` and ``predict`` equal an
 independent computation in plain PyTorch and scikit-learn written here, and the final weights
 equal the hand-written loop's (bitwise in one process).
@@ -21,6 +21,7 @@ the whole matrix (~25 min): ``GLASSLOOP_MATRIX=full .venv/bin/pytest tests/loop/
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -45,7 +46,9 @@ from matrix_runs import (
     data,
     loaders,
     model_and_loss,
+    write_shards,
 )
+from s3_server import local_s3
 from safetensors.torch import load_file
 from sklearn import metrics as skm
 
@@ -67,11 +70,13 @@ DIAGONAL: list[tuple[str, str, str, int | str, str]] = [
     ("regression", "generator", "mid-epoch", 1, "async"),
     ("lm", "glassloop", "mid-epoch", 1, "sync"),
     ("sum", "generator", "epoch-boundary", 1, "sync"),
+    ("classification", "shards", "mid-epoch", 2, "sync"),  # (Parquet in a bucket, DDP)
 ]
 FULL = [
     (task, kind, kill, procs, save)
     for task, kill, save in itertools.product(TASKS, KILLS, SAVES)
-    for kind, procs in [*((k, 1) for k in LOADERS), ("glassloop", 2)]
+    for kind, procs in [*((k, 1) for k in LOADERS), ("glassloop", 2), ("shards", 2)]
+    if kind != "shards" or task == "classification"  # (shards hold class labels)
 ] + [
     (task, "glassloop", kill, procs, save)
     for task, kill, save, procs in itertools.product(
@@ -245,6 +250,16 @@ def close(a: Any, b: Any, rel: float) -> bool:
 
 @pytest.mark.parametrize(("task", "kind", "kill", "procs", "save"), CASES)
 def test_every_reported_number(
+    tmp_path: Path, task: str, kind: str, kill: str, procs: int | str, save: str
+) -> None:
+    with local_s3("matrix") if kind == "shards" else contextlib.nullcontext():
+        if kind == "shards":
+            write_shards(task)
+            _HAND.pop((task, kind), None)  # (the bucket is this test's)
+        check_every_number(tmp_path, task, kind, kill, procs, save)
+
+
+def check_every_number(
     tmp_path: Path, task: str, kind: str, kill: str, procs: int | str, save: str
 ) -> None:
     run = tmp_path / "run"
