@@ -1,6 +1,6 @@
 """Two nodes, one run on object storage: two torchrun "nodes" on 127.0.0.1 (c10d rendezvous,
-each with a cache of its own as two machines' disks) train into one ``s3://`` run on a real S3
-server on 127.0.0.1. Node 1 is killed with SIGKILL mid-run (node 0 then fails at its next
+each with a cache of its own as two machines' disks) train from Parquet shards in a bucket into
+one ``s3://`` run on a real S3 server on 127.0.0.1. Node 1 is killed with SIGKILL mid-run (node 0 then fails at its next
 collective), both are started again with ``--resume``, and the final weights and every epoch
 row equal the uninterrupted two-node run's, bit for bit; the same two processes on one node
 give the same weights. A SIGTERM to node 1 alone stops both nodes after the same step, with
@@ -25,8 +25,8 @@ from s3_server import local_s3
 pytestmark = pytest.mark.xdist_group("test_nodes_on_s3")
 
 SMALL = [
-    "--set", "data.name=synthetic", "--set", "data.num_samples=320", "--set", "data.batch_size=8",
-    "--set", "data.num_features=8", "--set", "model.hidden=[16]", "--set", "train.epochs=2",
+    "--set", "data.name=parquet", "--set", "data.path=s3://nodes/data/", "--set", "data.batch_size=8",
+    "--set", "data.shuffle_window=2", "--set", "model.hidden=[16]", "--set", "train.epochs=2",
     "--set", "checkpoint.every_n_steps=3", "--set", "train.progress=none",
     "--set", "train.dist_timeout_s=5",
 ]  # fmt: skip
@@ -106,6 +106,26 @@ def nodes(
     return codes
 
 
+def write_shards() -> None:
+    """The data: 320 rows of 8 features and 3 classes as four Parquet shards in the bucket
+    (row groups of 20 rows), read by each node through a cache of its own."""
+    import io
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import s3fs
+
+    x = np.random.default_rng(0).normal(size=(320, 8))
+    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64) + (x[:, 2] > 0.5)
+    for part in range(4):
+        rows = slice(80 * part, 80 * (part + 1))
+        table = pa.table({**{f"f{j}": x[rows, j] for j in range(8)}, "label": y[rows]})
+        sink = io.BytesIO()
+        pq.write_table(table, sink, row_group_size=20, write_page_checksum=True)
+        s3fs.S3FileSystem().pipe(f"nodes/data/part-{part:05d}.parquet", sink.getvalue())
+
+
 def s3_bytes(path: str) -> bytes:
     import s3fs
 
@@ -129,10 +149,14 @@ def bucket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]
     tmp = tmp_path_factory.mktemp("straight")
     with local_s3("nodes") as env:  # (a bucket of its own: moto keeps a process's buckets)
         env = {**env, "OMP_NUM_THREADS": "1"}
+        write_shards()
         done = nodes(tmp, env, "s3://nodes/straight", slow="end")
         said = [(tmp / f"node{node}.log").read_text() for node in (0, 1)]
         assert done == [0, 0], said[0][-3000:] + said[1][-3000:]
         assert "Traceback" not in said[0] + said[1], said[1][-3000:]
+        for node in (0, 1):  # each read the shards through its own cache, removed at the end
+            cache = tmp / f"node{node}-cache" / "shards"
+            assert cache.is_dir() and not list(cache.rglob("*.arrow")), node
         yield env
 
 
