@@ -61,12 +61,22 @@ def row(*cells: str) -> str:
 
 # ------------------------------------------------------------------------------- the CLI page
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, tuple[str, argparse.ArgumentParser]]:
-    """Each subcommand's name, one-line help and parser, in the order ``--help`` lists them."""
+    """Each subcommand's name, one-line help and parser, in the order ``--help`` lists them;
+    a subcommand's own (``data shard``) after it."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
-            return {name: (helps[name], sub) for name, sub in action.choices.items()}
+            found = {}
+            for name, sub in action.choices.items():
+                found[name] = (helps[name], sub)
+                if has_subcommands(sub):
+                    found |= {f"{name} {n}": both for n, both in subcommands(sub).items()}
+            return found
     raise AssertionError("the glassloop parser has no subcommands")
+
+
+def has_subcommands(parser: argparse.ArgumentParser) -> bool:
+    return any(isinstance(a, argparse._SubParsersAction) for a in parser._actions)
 
 
 def arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -99,7 +109,7 @@ def usage(prog: str, parser: argparse.ArgumentParser) -> str:
     """``prog`` and its arguments in argparse's notation, wrapped at a fixed width (an
     argument and its metavar never split)."""
     words = [usage_part(a) for a in arguments(parser)]
-    if prog == "glassloop":
+    if has_subcommands(parser):
         words.append("COMMAND ...")
     lines = [prog]
     for word in words:
@@ -154,12 +164,15 @@ def cli_page() -> str:
         row("---", "---"),
     ]
     for name, (short, _) in commands.items():
-        lines.append(row(f"[`glassloop {name}`](#glassloop-{name})", escape(short)))
+        anchor = name.replace(" ", "-")
+        lines.append(row(f"[`glassloop {name}`](#glassloop-{anchor})", escape(short)))
     lines += ["", *argument_rows(parser), "", "```text", (parser.epilog or "").strip(), "```"]
     for name, (short, sub) in commands.items():
         lines += ["", f"## glassloop {name}", "", escape(short[:1].upper() + short[1:]) + "."]
         lines += ["", escape(sub.description or ""), "", "```text"]
-        lines += [usage(f"glassloop {name}", sub), "```", "", *argument_rows(sub)]
+        lines += [usage(f"glassloop {name}", sub), "```"]
+        if arguments(sub):  # (a group of commands, as glassloop data, has none of its own)
+            lines += ["", *argument_rows(sub)]
         if sub.epilog and sub.epilog.strip() not in (parser.epilog or ""):
             lines += ["", "```text", sub.epilog.strip(), "```"]
     return HEADER.format(source="glassloop.cli.main.make_parser") + "\n".join(lines) + "\n"

@@ -2,7 +2,8 @@
 its nine subcommands (train, verify-resume, eval, predict, doctor, report, config, runs,
 export), each a few calls into the library; ``main`` maps the library's errors to the exit
 codes listed once, in ``EPILOG`` (``glassloop --help`` prints them). Supervising torchrun for
-``train --nproc`` is :mod:`glassloop.cli.launch`.
+``train --nproc`` is :mod:`glassloop.cli.launch`; the ``data`` commands are
+:mod:`glassloop.cli.data_commands`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
+from glassloop.cli.data_commands import add_data_commands, cmd_data
 from glassloop.cli.launch import is_worker, launch_torchrun, worker_finished, worker_started
 
 # (No torch in either: `glassloop --help` stays fast.)
@@ -333,6 +335,7 @@ def make_parser() -> Parser:
         help="--format hf: the adapter merged into its base (only from the trained model, in "
         "Python: glassloop.export_hf(model, folder, merged=True))",
     )
+    add_data_commands(commands, positive_int)
     return parser
 
 
@@ -770,6 +773,7 @@ def run_command(argv: Sequence[str] | None = None) -> int:
         "config": cmd_config,
         "runs": cmd_runs,
         "export": cmd_export,
+        "data": cmd_data,
     }
     try:
         with contextlib.ExitStack() as held:  # (a remote run's local copy, while read)

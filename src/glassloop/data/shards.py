@@ -73,8 +73,8 @@ class Shard:
 
 def _tag(info: dict[str, Any]) -> str:
     for key in ("ETag", "etag", "mtime", "LastModified", "created"):
-        if info.get(key) is not None:
-            return str(info[key])
+        if (value := info.get(key)) is not None:  # (a time as a number: listings and info
+            return str(value.timestamp() if hasattr(value, "timestamp") else value)  # differ)
     return ""
 
 
@@ -157,12 +157,14 @@ class ShardSet:
         return redact(self.fs.unstrip_protocol(name)) if self.url else name
 
     @contextlib.contextmanager
-    def opened(self, shard: int) -> Iterator[Any]:
-        """The shard as a file, checked to be the one listed. (s3fs reads it with If-Match on
-        the ETag it found when opening: a replacement mid-read fails, never mixes.)"""
+    def opened(self, shard: int, span: int = 0) -> Iterator[Any]:
+        """The shard as a file, checked to be the one listed; its first read fetches ``span``
+        bytes at once (a row group's: one request). (s3fs reads it with If-Match on the ETag
+        it found when opening: a replacement mid-read fails, never mixes.)"""
         listed = self.shards[shard]
+        reads = {"cache_type": "readahead", "block_size": span} if span else {}
         try:
-            with self.fs.open(listed.name, "rb", cache_type="none") as handle:
+            with self.fs.open(listed.name, "rb", **reads) as handle:
                 info = getattr(handle, "details", None) or self.fs.info(listed.name)
                 if (int(info["size"]), _tag(info)) != (listed.size, listed.tag):
                     raise DataError(
@@ -194,10 +196,15 @@ class ShardSet:
     def read(self, unit: int, columns: list[str]) -> Any:
         """Row group ``unit`` of its shard (``columns``), page checksums verified."""
         shard, group = self.units[unit][:2]
-        with self.opened(shard) as handle:
+        footer = self.footers[shard] if self.footers is not None else self.footer(shard)
+        chunks = footer.row_group(group)
+        wanted = [footer.schema.to_arrow_schema().get_field_index(c) for c in columns]
+        ranges = [_chunk_range(chunks.column(i)) for i in wanted]
+        span = max(end for _, end in ranges) - min(start for start, _ in ranges)
+        with self.opened(shard, span) as handle:  # (the footer known: columns read in order)
             try:
                 parquet = _pyarrow().ParquetFile(
-                    handle, pre_buffer=True, page_checksum_verification=True
+                    handle, metadata=footer, page_checksum_verification=True
                 )
                 return parquet.read_row_group(group, columns=columns)
             except Exception as err:  # pyarrow's, the driver's: a damaged or missing group
@@ -285,6 +292,12 @@ class ShardSet:
         return self._ahead
 
 
+def _chunk_range(chunk: Any) -> tuple[int, int]:
+    """Where a column chunk's bytes are in its file: from its dictionary page, if it has one."""
+    start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+    return int(start), int(start + chunk.total_compressed_size)
+
+
 def _alive(folder: str) -> bool:
     """Whether the process whose id ends ``folder``'s name is running."""
     try:
@@ -327,14 +340,16 @@ def _listed(fs: Any, root: str, key: str, shown: str) -> list[Shard]:
 
 
 class ReadAhead:
-    """A thread of the training process fetching the row groups an epoch reaches next into
-    the cache, up to its budget, and deleting the ones behind. Its failures are dropped:
-    the worker that needs that row group reads it itself and says what went wrong."""
+    """Threads of the training process fetching the row groups an epoch reaches next into
+    the cache (eight at once: a store's latency is paid side by side), up to its budget, and
+    deleting the ones behind. Their failures are dropped: the worker that needs that row
+    group reads it itself and says what went wrong."""
 
-    def __init__(self, shards: ShardSet) -> None:
-        self.shards = shards
-        self.wanted: queue.Queue[list[int]] = queue.Queue()
-        threading.Thread(target=self._run, name="glassloop-read-ahead", daemon=True).start()
+    def __init__(self, shards: ShardSet, threads: int = 8) -> None:
+        self.shards, self.generation = shards, 0
+        self.todo: queue.Queue[tuple[int, int]] = queue.Queue()
+        for _ in range(threads):
+            threading.Thread(target=self._run, name="glassloop-read-ahead", daemon=True).start()
 
     def reach(self, windows: list[np.ndarray], current: int) -> None:
         """The epoch is at window ``current`` of ``windows``: keep the one before, this one
@@ -352,14 +367,14 @@ class ReadAhead:
         for path in self.shards.folder.glob("*.arrow"):  # (our names only, never a link)
             if path.name not in kept and not path.is_symlink():
                 path.unlink(missing_ok=True)
-        self.wanted.put(ahead)
+        self.generation += 1  # (what was asked before is no longer fetched)
+        for unit in ahead:
+            self.todo.put((self.generation, unit))
 
     def _run(self) -> None:
         while True:
-            wanted = self.wanted.get()
-            for unit in wanted:
-                if not self.wanted.empty():  # (the epoch moved on: take the newer list)
-                    break
+            generation, unit = self.todo.get()
+            if generation == self.generation:
                 with contextlib.suppress(Exception):
                     self.shards.fetch(unit)
 
