@@ -118,8 +118,9 @@ def png(pixels: np.ndarray, kind: str = "PNG") -> bytes:
 
 def test_images_arrays_and_a_datasets_folder_become_shards(tmp_path: Path) -> None:
     """An image folder (its files' bytes, the folder names, in a seeded order), an .npz of
-    features into a memory:// prefix, an .npz of float images (PNG of their pixels) and a
-    datasets folder whose Image column names files (their bytes)."""
+    features into a memory:// prefix, an .npz of float images (PNG of their pixels), a
+    Parquet file, and a datasets folder whose Image column names files (their bytes; a row
+    without one refused)."""
     rng = np.random.default_rng(0)
     files = {}
     for label, count in (("cat", 4), ("dog", 3)):
@@ -168,6 +169,12 @@ def test_images_arrays_and_a_datasets_folder_become_shards(tmp_path: Path) -> No
     back = rows(shards(tmp_path / "images"))
     decoded = [np.asarray(Image.open(io.BytesIO(b))) for b in back["image"]]
     assert np.array_equal(np.stack(decoded), np.rint(images * 255).astype(np.uint8))
+    one_file = tmp_path / "images" / "part-00000.parquet"  # (a Parquet file, cut again)
+    done = run_glassloop("data", "shard", str(one_file), str(tmp_path / "again"),
+                         "--rows-per-shard", "3")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    found = shards(tmp_path / "again")
+    assert groups(found) == [[3], [3], [1]] and rows(found) == back
 
     datasets = pytest.importorskip("datasets")
     paths = sorted(str(p) for p in (tmp_path / "pets" / "cat").glob("*.png"))
