@@ -246,25 +246,25 @@ class Trainer:
         val_loader: Validation | None = None,
         *,
         epochs: int,
+        batch_size: int | None = None,
         resume: str | Path | None = None,
         allow_config_change: bool = False,
     ) -> History:
         """Train until ``epochs`` epochs are done; return the history, one dict per epoch.
 
-        ``train_loader``: any iterable of batches, iterated exactly as given; ``val_loader``:
-        one, or several by name (:mod:`glassloop.evaluation.validator`). ``resume="auto"``: from the
-        newest valid checkpoint in ``run_dir`` (or fresh without one), exactly (docs/checkpoints.md,
-        "Resume"); a path: from that checkpoint; a job torchrun restarted (its elastic mode)
-        resumes by itself. A stop signal (``stop_signals``) stops it after the current step
-        with a checkpoint and raises :class:`glassloop.Preempted`.
+        ``train_loader``: any iterable of batches, iterated as given, or a Hugging Face dataset
+        (``batch_size`` rows a batch, 64); ``val_loader``: one, or several by name. ``resume``:
+        ``"auto"`` (the newest valid checkpoint in ``run_dir``; none: fresh) or a path, exactly;
+        a job torchrun restarted resumes by itself. A stop signal (``stop_signals``) stops it
+        after the current step with a checkpoint and raises :class:`glassloop.Preempted`.
         """
         if not isinstance(epochs, int) or epochs < 1:
             raise GlassloopError(f"train.epochs must be a positive integer, got {epochs!r}")
         # (a Trainer may fit again) should_stop: set by callbacks to end it after this epoch
         self.should_stop, self._checked_first_batch = False, False
-        if resume is None and distributed.restarted():  # torchrun restarted it: go on
-            resume = "auto"
-        take_loader(train_loader, self.world, self.state)  # sharded; a new Trainer: epoch 0
+        resume = "auto" if resume is None and distributed.restarted() else resume  # (torchrun's)
+        # sharded; a dataset in glassloop's loader (data.hf_datasets); a new Trainer: epoch 0
+        train_loader, val_loader = take_loader(self, train_loader, val_loader, batch_size)
         self._train_loader = train_loader
         lm, peak = self.task == "language-model", peak_flops(self.device, self.precision)
         self.throughput = Throughput(tokens=lm, peak=peak, world=self.world)  # samples/s, MFU
@@ -370,7 +370,7 @@ class Trainer:
             if self.limit_batches and hasattr(train_loader, "finish_epoch"):
                 train_loader.finish_epoch()  # a limited epoch is the first N of its order
             self.throughput.stop()
-        except (RuntimeError, IndexError, ValueError, AssertionError) as err:
+        except (RuntimeError, IndexError, ValueError, AssertionError, TypeError) as err:
             explained = guards.explain(err, batch, state)  # (an assert: torch.optim's only)
             if explained is err:
                 raise

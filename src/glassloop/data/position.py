@@ -10,10 +10,11 @@ import itertools
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch.utils.data import DataLoader
 
+from glassloop.data.hf_datasets import Fitting, fit_loaders
 from glassloop.data.loaders import LoaderPosition, close_workers
 from glassloop.distributed.preemption import StopRequested, StopSignals
 from glassloop.distributed.world import SINGLE, World, check_sharded
@@ -142,21 +143,31 @@ def epoch_batches(
     return batches, epoch_rng
 
 
-def take_loader(loader: Iterable[Any], world: World, state: TrainState) -> None:
-    """``loader`` as ``fit`` takes it for training: not all of it in each of several
-    processes (:func:`~glassloop.distributed.world.check_sharded`); and, when the loop has
-    not begun (a new Trainer), a glassloop loader at the first batch of epoch 0, whatever an
-    earlier ``fit``, ``doctor``, ``lr_find`` or a peek left in it, as in a fresh process (a
-    resume then loads the saved position). A Trainer that has trained goes on from where its
-    loader is: ``fit`` again continues the run."""
-    check_sharded(loader, world)
+def take_loader(
+    trainer: Fitting, loader: Iterable[Any], val: Any, batch_size: int | None
+) -> tuple[Iterable[Any], Any]:
+    """``loader`` (and the validation sets ``val``) as ``fit`` takes them for training: a
+    Hugging Face dataset in glassloop's loader (:func:`~glassloop.data.hf_datasets.
+    fit_loaders`, ``batch_size`` rows); not all of it in each of several processes
+    (:func:`~glassloop.distributed.world.check_sharded`); and, when the loop has not begun (a
+    new Trainer), a glassloop loader at the first batch of epoch 0, whatever an earlier
+    ``fit``, ``doctor``, ``lr_find`` or a peek left in it, as in a fresh process (a resume
+    then loads the saved position). A Trainer that has trained goes on from where its loader
+    is: ``fit`` again continues the run."""
+    loader, val = fit_loaders(trainer, loader, val, batch_size)
+    check_sharded(loader, trainer.world)
+    state = trainer.state
     if isinstance(loader, LoaderPosition) and not (state.epoch or state.batch_in_epoch):
         loader.load_state_dict({"epoch": 0, "batches_consumed": 0})
+    return loader, val
 
 
 def replay_caveat(loader: Iterable[Any], batches: int) -> str | None:
     """A warning when resuming ``batches`` into an epoch of a loader whose order glassloop
-    cannot restore exactly (``None`` when it can)."""
+    cannot restore exactly (``None`` when it can; a loader that knows what its state lacks
+    says it: :meth:`~glassloop.data.hf_datasets.StreamedBatches.resume_caveat`)."""
+    if callable(own := getattr(loader, "resume_caveat", None)):
+        return cast("str | None", own(batches))
     exact = hasattr(loader, "load_state_dict") or isinstance(loader, (DataLoader, list, tuple))
     if not batches or exact:
         return None

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from glassloop.batch import batch_size_of, required_inputs, split_batch, split_inputs
+from glassloop.data.hf_datasets import loader_for
 from glassloop.device import move_to_device
 from glassloop.distributed.fsdp import evenly, is_sharded
-from glassloop.distributed.world import World, distributed_job, gather_objects
+from glassloop.distributed.world import SINGLE, World, distributed_job, gather_objects
 from glassloop.errors import ConfigError, DataError
 from glassloop.evaluation.metric_names import REPORTED, check_metric_name, make_metric
 from glassloop.evaluation.metrics import ClassificationSums, MultilabelSums, RegressionSums
@@ -91,6 +92,7 @@ def evaluate(
     >>> sorted(evaluate(model, data, nn.CrossEntropyLoss()))
     ['accuracy', 'confusion', 'loss', 'report']
     """
+    loader = loader_for(loader, model=model)  # a Hugging Face dataset: its batches
     task = task_of(model, resolve_task(task, loss_fn))
     # (BCELoss, a final nn.Sigmoid: decided at 0.5, never put through a sigmoid again)
     probabilities = outputs_are_probabilities(outputs, model, loss_fn)
@@ -497,7 +499,7 @@ def model_outputs(
     # (FSDP: the processes' batch counts are evened out, which needs a len())
     if is_sharded(model) and not isinstance(data, (torch.Tensor, Sized)):
         raise DataError("data: with train.strategy = 'fsdp', predict needs a len()")
-    batches: Iterable[Any] = data
+    batches: Iterable[Any] = loader_for(data, model=model, batch_size=batch_size, world=SINGLE)
     if isinstance(data, torch.Tensor):
         batches = torch.split(data, batch_size)
     elif isinstance(data, tuple) and data and all(isinstance(t, torch.Tensor) for t in data):
@@ -559,11 +561,11 @@ def evaluate_with(trainer: Evaluating, loader: Iterable[Any]) -> dict[str, Any]:
     """:func:`evaluate` as ``trainer`` evaluates: its evaluated model (the EMA's when there
     is one), loss, task and metrics, under its precision's autocast, on its console's
     validation bar when it draws one."""
-    console = trainer.console
+    console, model = trainer.console, trainer.eval_model
     with autocast(trainer.precision, trainer.device):
         return evaluate(
-            trainer.eval_model,
-            console.validation(loader),
+            model,
+            console.validation(loader_for(loader, model=model)),  # (a dataset: its batches)
             trainer.loss_fn,
             task=trainer.task,
             device=trainer.device,

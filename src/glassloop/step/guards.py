@@ -263,9 +263,10 @@ def check_model(model: nn.Module) -> None:
 def explain(err: Exception, batch: Any, state: TrainState) -> Exception:
     """A torch error as one clear line naming its culprit (``err`` itself when no culprit
     is known): the optimizer (raised in ``torch.optim``, at any step: it names the class and
-    the options that differ from its defaults), the data (a label out of range; the loader
-    at the first batch) or, at the first batch, the model or loss. An error raised by
-    glassloop's own code (its guards included) is never blamed on the user: it is ``err``."""
+    the options that differ from its defaults), the data (a label out of range; a dict
+    batch's key the model does not take; the loader at the first batch) or, at the first
+    batch, the model or loss. An error raised by glassloop's own code (its guards included)
+    is never blamed on the user: it is ``err``."""
     if isinstance(err, GlassloopError):
         return err
     text = " ".join(str(err).split())
@@ -284,6 +285,12 @@ def explain(err: Exception, batch: Any, state: TrainState) -> Exception:
         )
     if isinstance(err, AssertionError) or culprit == "glassloop":
         return err  # an invariant or glassloop's own code: a bug, with its traceback
+    if isinstance(batch, Mapping) and "unexpected keyword argument" in text:  # (a TypeError)
+        return DataError(
+            f"data: {text.rstrip('.')}: a dict batch's keys but the target's are the model's "
+            "keyword arguments; name each input key after an argument of its forward and drop "
+            "the others (or make batches (inputs, target) tuples)"
+        )
     if "out of bounds" in text and "arget" in text:
         return DataError(
             f"data: a label is outside the model's output range ({text}) at {where}; "
