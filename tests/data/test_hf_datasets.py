@@ -381,7 +381,7 @@ def test_data_name_hf_reads_image_and_text_columns(tmp_path: Path) -> None:
     [
         ({"path": ""}, "data: data.name = 'hf' needs data.path"),
         ({"path": "nowhere"}, "data: data.path = 'nowhere' is no folder save_to_disk wrote"),
-        ({"label_column": "kind"}, "(or data.val_path) has no column 'kind' in a split; its columns: a, b, c, label"),
+        ({"label_column": "kind"}, "has no column 'kind' in each split (data.label_column, data.image_column, data.text_column); its columns: a, b, c, label"),
     ],
 )  # fmt: skip
 def test_data_name_hf_refuses_what_it_cannot_read_in_one_line(

@@ -293,38 +293,37 @@ def hf_data(d: DataConfig) -> DiskData | TextData:
     ``Dataset`` or a ``DatasetDict``; Parquet or Arrow files: one, a folder, a glob) as the
     Parquet reader makes them: ``(inputs, class)``, the inputs ``data.image_column``'s
     images, ``data.text_column``'s tokens or every numeric column but ``data.label_column``.
-    Validation rows: ``data.val_path``'s, a ``validation`` split, or a seeded
+    Validation rows: ``data.val_path``'s, a ``validation`` split, or a stratified
     ``data.val_fraction`` of the training rows (a ``test`` split is left alone)."""
     train, val = _splits(d)
     where, label = f"'{d.path}'", d.label_column
     kind, inputs = input_kind(train.data.schema, where, label, d.image_column, d.text_column)
-    for each in train, val:
-        if missing := [c for c in [*inputs, label] if c not in each.column_names]:
-            raise DataError(
-                f"data: {where} (or data.val_path) has no column {missing[0]!r} in a split; "
-                f"its columns: {', '.join(each.column_names)}"
-            )
-    classes = _classes(train, val, label, where)
-    rows = [HFRows(each, kind, inputs, _labels(each, label, classes)) for each in (train, val)]
+    if missing := [c for c in (*inputs, label) for s in (train, val) if c not in s.column_names]:
+        raise DataError(
+            f"data: {where} has no column {missing[0]!r} in each split (data.label_column, "
+            f"data.image_column, data.text_column); its columns: {', '.join(train.column_names)}"
+        )
+    classes, labels = _classes((train, val), label, where)
+    rows = [HFRows(each, kind, inputs, y) for each, y in zip((train, val), labels, strict=True)]
     sample = train.select(range(min(STATS_ROWS, len(train)))).with_format("arrow")[:]
     if kind == "text":
         tokenizer_json = tokenizer_for(d.tokenizer, [sample[inputs[0]].to_pylist()], d.vocab_size)
         from tokenizers import Tokenizer
 
         encoder = Tokenizer.from_str(tokenizer_json)
-        pad_id, size = int(encoder.token_to_id(PAD) or 0), encoder.get_vocab_size()
+        pad_id = int(encoder.token_to_id(PAD) or 0)
         for each in rows:
             each.preprocess = {"tokenizer_json": tokenizer_json, "max_length": d.max_length}
             each.preprocess["pad_id"] = pad_id
-        names = (len(classes), classes, tokenizer_json, d.max_length)
-        return TextData(rows[0], rows[1], size, pad_id, *names)
-    shape: tuple[int, ...]
+        named = (len(classes), classes, tokenizer_json, d.max_length)
+        return TextData(rows[0], rows[1], encoder.get_vocab_size(), pad_id, *named)
+    shape: tuple[int, ...] = (len(inputs),)
     if kind == "image":
         images = _image_bytes(sample.column(inputs[0]))[:1000]
-        image = probe_shape(images[0], d.channels, d.image_size)
-        mean, std = channel_stats([read_image(b, image) for b in images])
+        shape = probe_shape(images[0], d.channels, d.image_size)
+        mean, std = channel_stats([read_image(b, shape) for b in images])
         saved: dict[str, Any] = {"scale": 1 / 255, "mean": mean, "std": std}
-        saved["image_shape"], shape = list(image), image
+        saved["image_shape"] = list(shape)
     else:
         for column in inputs:  # (every row, as the Parquet reader checks each row group)
             check_values(train.data.column(column), column, where)
@@ -332,17 +331,15 @@ def hf_data(d: DataConfig) -> DiskData | TextData:
         spread = values.std(axis=0)
         spread[spread == 0] = 1.0
         saved = {"feature_columns": inputs, "mean": values.mean(0).tolist(), "std": spread.tolist()}
-        shape = (len(inputs),)
-    tensors = {"mean": torch.tensor(saved["mean"]), "std": torch.tensor(saved["std"])}
     for each in rows:
-        each.preprocess = {**saved, **tensors}
+        each.preprocess = {**saved, "mean": torch.tensor(saved["mean"])}
+        each.preprocess["std"] = torch.tensor(saved["std"])
     return DiskData(rows[0], rows[1], saved, classes, shape)
 
 
 class HFRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """The rows of a Hugging Face ``Dataset`` as ``(inputs, class)`` (:func:`hf_data`), a
-    batch read with one Arrow ``take``; ``kind``: as :func:`~glassloop.data.parquet.
-    input_kind` says."""
+    """A Hugging Face ``Dataset``'s rows as ``(inputs, class)`` (:func:`hf_data`), a batch's
+    read as one Arrow ``take``; ``kind``: :func:`~glassloop.data.parquet.input_kind`'s."""
 
     lengths = None  # (texts: no length buckets, they would need every text read first)
 
@@ -368,8 +365,8 @@ class HFRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             inputs = list((torch.from_numpy(values.astype(np.float32)) - p["mean"]) / p["std"])
         elif self.kind == "image":
             mean, std = p["mean"][:, None, None], p["std"][:, None, None]
-            images = _image_bytes(part.column(0))
-            inputs = [(read_image(b, tuple(p["image_shape"])) - mean) / std for b in images]
+            shape = tuple(p["image_shape"])
+            inputs = [(read_image(b, shape) - mean) / std for b in _image_bytes(part.column(0))]
         else:
             if self._tokenizer is None:
                 from tokenizers import Tokenizer
@@ -382,11 +379,10 @@ class HFRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 def _image_bytes(column: Any) -> list[bytes]:
-    """Encoded images: a binary column's, or a Hugging Face ``Image`` column's (``bytes``, or
-    the file at ``path``)."""
+    """A binary column's images, or an ``Image`` column's (its bytes, else its file's)."""
+    images = column.to_pylist()
     return [
-        v if isinstance(v, bytes) else v["bytes"] or Path(v["path"]).read_bytes()
-        for v in column.to_pylist()
+        v if isinstance(v, bytes) else v["bytes"] or Path(v["path"]).read_bytes() for v in images
     ]
 
 
@@ -402,7 +398,7 @@ def _splits(d: DataConfig) -> tuple[Any, Any]:
         held = _load(d.val_path, "data.val_path")
         return train, held.get("validation", next(iter(held.values())))
     if "validation" in sets or d.label_column not in train.column_names:
-        return train, sets.get("validation", train)  # (no label: hf_data says it)
+        return train, sets.get("validation", train)  # (no label: hf_data says so)
     # glassloop's stratified split, its indices in memory (no cache file in the user's folder)
     labels = train.select_columns([d.label_column]).with_format("numpy")[:][d.label_column]
     kept, _, held_out, _ = stratified_split(
@@ -429,32 +425,26 @@ def _load(path: str, key: str) -> dict[str, Any]:
     return dict(datasets.load_dataset(Path(files[0]).suffix[1:], data_files=files))
 
 
-def _classes(train: Any, val: Any, label: str, where: str) -> list[str]:
-    """The class names: a ``ClassLabel``'s, integers ``0..max``, or the strings sorted."""
+def _classes(sets: tuple[Any, ...], label: str, where: str) -> tuple[list[str], list[Any]]:
+    """The class names (a ``ClassLabel``'s, integers ``0..max``, or the strings sorted) and
+    each set's rows' class indices."""
     import pyarrow as pa  # type: ignore[import-untyped]
     import pyarrow.compute as pc  # type: ignore[import-untyped]
 
-    if names := getattr(train.features[label], "names", None):
-        return [str(n) for n in names]
-    columns = [each.data.column(label) for each in (train, val)]
+    columns = [each.select_columns([label]).with_format("arrow")[:].column(0) for each in sets]
     for column in columns:
         check_values(column, label, where, missing="labels")
-    if pa.types.is_integer(columns[0].type):
-        low, high = (min(int(f(c).as_py()) for c in columns) for f in (pc.min, pc.max))
-        if low < 0:
-            raise DataError(f"data: {where} column {label!r}: labels must be class indices >= 0")
-        return [str(c) for c in range(check_class_count(high, len(train) + len(val), where))]
-    if pa.types.is_string(columns[0].type) or pa.types.is_large_string(columns[0].type):
-        return sorted({v for c in columns for v in c.unique().to_pylist()})
-    raise DataError(f"data: {where} column {label!r} holds {columns[0].type}, not class labels")
-
-
-def _labels(data: Any, label: str, classes: list[str]) -> torch.Tensor:
-    """The class index of each row of ``data``, in its order."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    column = data.select_columns([label]).with_format("arrow")[:].column(0)
-    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-        column = pc.index_in(column, value_set=pa.array(classes))
-    return torch.from_numpy(column.to_numpy().astype(np.int64))
+    kind, names = columns[0].type, getattr(sets[0].features[label], "names", None)
+    if names:
+        classes = [str(n) for n in names]
+    elif pa.types.is_integer(kind):
+        if (low := min(pc.min(c).as_py() for c in columns)) < 0:
+            raise DataError(f"data: {where} column {label!r}: labels must be >= 0 (found {low})")
+        high, rows = max(pc.max(c).as_py() for c in columns), sum(map(len, columns))
+        classes = [str(c) for c in range(check_class_count(high, rows, where))]
+    elif pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        classes = sorted({v for c in columns for v in c.unique().to_pylist()})
+        columns = [pc.index_in(c, value_set=pa.array(classes)) for c in columns]
+    else:
+        raise DataError(f"data: {where} column {label!r} holds {kind} values, not class labels")
+    return classes, [torch.from_numpy(c.to_numpy().astype(np.int64)) for c in columns]
