@@ -394,7 +394,15 @@ def test_data_name_hf_refuses_what_it_cannot_read_in_one_line(
     assert "\n" not in str(refused.value)
 
 
-def test_a_stream_says_nothing_at_a_resume_it_restores() -> None:
-    _, _, data = rows(8)
-    loader = loader_for(data.to_iterable_dataset(), model=Net(), batch_size=4)
-    assert isinstance(loader, StreamedBatches) and loader.resume_caveat(1) is None
+def test_a_stream_validates_on_the_same_rows_each_time() -> None:
+    """A stream as a validation set (shuffled through a buffer even) gives the same batches at
+    every validation, also after one cut short (limit_batches); before, each read was another
+    epoch of its shuffle and a cut one left the next to start where it stopped. Its resume
+    caveat is for training: none here."""
+    _, _, data = rows(24)
+    val = data.to_iterable_dataset(num_shards=2).shuffle(seed=0, buffer_size=8)
+    loader = loader_for(val, model=Indexed(), batch_size=4)
+    first = [b["idx"].tolist() for b in loader]
+    next(iter(loader))  # (a validation of limit_batches=1)
+    assert [b["idx"].tolist() for b in loader] == first
+    assert isinstance(loader, StreamedBatches) and loader.resume_caveat(0) is None

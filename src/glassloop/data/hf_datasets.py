@@ -232,24 +232,26 @@ class StreamedBatches:
         self.position: dict[str, Any] | None = None  # (None: the epoch's start)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        training = self.shard == "batches"  # (an evaluation reads it all, the same each time)
         self.dataset.set_epoch(self.epoch)
-        self.dataset.load_state_dict(self.position)  # (Hugging Face's own: read what is left)
+        self.dataset.load_state_dict(self.position if training else None)  # (what is left)
         rows, size, rank = iter(self.dataset), self.world.size, self.world.rank
         while chunk := list(itertools.islice(rows, self.batch_size * size)):
             each, extra = divmod(len(chunk), size)
             begin = rank * each + min(rank, extra)
-            if self.shard == "strided":
+            if not training:
                 mine = chunk[rank::size]
             elif each == 0:
                 break  # (fewer rows than processes: dropped, as every process steps alike)
             else:
                 mine = chunk[begin : begin + each + (rank < extra)]
-            self.position = self.dataset.state_dict()
-            self.batches_consumed += 1
+                self.position = self.dataset.state_dict()  # (after the global batch's rows)
+                self.batches_consumed += 1
             if mine:
                 yield collate_rows(mine)
-        self.epoch += 1
-        self.batches_consumed, self.position = 0, None
+        if training:
+            self.epoch += 1
+            self.batches_consumed, self.position = 0, None
 
     def state_dict(self) -> dict[str, Any]:
         return {
