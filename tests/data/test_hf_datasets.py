@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 datasets = pytest.importorskip("datasets")  # the dev extra; nothing is downloaded
 
+import glassloop  # noqa: E402
 from glassloop import Trainer  # noqa: E402
 from glassloop.data.hf_datasets import StreamedBatches, hf_data, loader_for  # noqa: E402
 from glassloop.data.loaders import epoch_seed  # noqa: E402
@@ -68,7 +69,8 @@ def test_a_dataset_trains_in_glassloops_seeded_order_bit_for_bit(
     """fit(ds, val, batch_size=8): each epoch the seeded permutation of the whole set (what
     make_loader draws from the Trainer's seed), dict rows collated into x and label, the
     column forward does not take ('idx') left out and said once; the weights equal a hand
-    loop's, with and without .with_format("torch"); evaluate and predict take it too. Before:
+    loop's, with and without .with_format("torch"); evaluate, predict, doctor and lr_find
+    take it too. Before:
     the rows were iterated one by one as batches, and model(x=..., idx=...) a TypeError."""
     x, y, data = rows()
     torch.manual_seed(0)
@@ -104,6 +106,9 @@ def test_a_dataset_trains_in_glassloops_seeded_order_bit_for_bit(
         assert again["loss"] == pytest.approx(history[-1]["val_loss"], rel=1e-6)
         with torch.no_grad():
             assert torch.allclose(trainer.predict(given), torch.softmax(hand(x), -1))
+    checks = glassloop.doctor(trainer, data, overfit_steps=2, echo=False)  # (its first batch)
+    assert [c.status for c in checks][:1] == ["PASS"]
+    assert len(glassloop.lr_find(trainer, data, steps=4).lrs) == 4
 
 
 def test_a_hugging_face_model_trains_on_a_tokenized_dataset_with_its_own_loss() -> None:

@@ -21,6 +21,7 @@ from glassloop.batch import split_batch
 from glassloop.config.assemble import Built, build_parts, target_scale_note
 from glassloop.config.optimizers import optimizer_class
 from glassloop.config.schema import Config
+from glassloop.data.hf_datasets import loader_for
 from glassloop.data.splits import Splits
 from glassloop.device import move_to_device
 from glassloop.distributed.world import unwrap_model
@@ -368,7 +369,7 @@ def doctor(
     """
     device = trainer.device
     model = copy.deepcopy(unwrap_model(trainer.model)).to(device)
-    batch = next(iter(loader))
+    batch = next(iter(loader_for(loader, model=model)))  # (a Hugging Face dataset: a batch)
     loss_fn = trainer.loss_fn
     model.eval()
     with torch.no_grad():

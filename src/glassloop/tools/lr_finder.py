@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from glassloop.batch import split_batch
+from glassloop.data.hf_datasets import loader_for
 from glassloop.device import move_to_device
 from glassloop.distributed.world import unwrap_model
 from glassloop.errors import DataError
@@ -81,7 +82,7 @@ def lr_find(
         model,
         optimizer,
         trainer.loss_fn,
-        loader,
+        loader_for(loader, model=model, shuffle=True),  # (a Hugging Face dataset: batches)
         device=trainer.device,
         start=start,
         end=end,
