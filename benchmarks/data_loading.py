@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from glassloop import build, load_config
 from glassloop.data import InMemoryLoader, make_loader, pad_collate
-from glassloop.data.collate import padding_fraction
+from glassloop.data.text import padding_fraction
 
 
 def timed_epoch(loader: Iterable[Any]) -> tuple[float, int]:

@@ -196,7 +196,7 @@ def test_the_loop_does_not_read_the_config() -> None:
 def test_the_top_and_each_folder_keep_their_size() -> None:
     """At most 16 modules and 3,000 lines at the package top (the Trainer and the words every
     part speaks: a new feature lands in its part's folder); a folder at most 12 modules and
-    2,500 lines (FOLDER_BUDGETS: data/ 3,600, checkpoint/ 1,900)."""
+    2,500 lines (FOLDER_BUDGETS: data/ 3,900, checkpoint/ 1,090)."""
     top = sorted(PACKAGE.glob("*.py"))
     assert len(top) <= 16, [p.name for p in top]
     assert sum(len(p.read_text(encoding="utf-8").splitlines()) for p in top) <= 3_000
@@ -207,8 +207,9 @@ def test_the_top_and_each_folder_keep_their_size() -> None:
         assert lines <= FOLDER_BUDGETS.get(folder.name, 2_500), (folder.name, lines)
 
 
-# data/ holds the readers of every kind of data, where it lives; checkpoint/ gave it the room.
-FOLDER_BUDGETS = {"data": 3_600, "checkpoint": 1_900}
+# data/ holds the readers of every kind of data, where it lives (shards on a store, Hugging
+# Face datasets); checkpoint/ gave it the room. Together 4,990 lines (5,500 until 2026-12).
+FOLDER_BUDGETS = {"data": 3_900, "checkpoint": 1_090}
 
 
 def test_the_run_directorys_names_are_spelled_in_one_module() -> None:

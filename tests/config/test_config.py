@@ -100,7 +100,7 @@ def test_resolved_config_round_trips() -> None:
         ),
         (
             ["data.name=imagenet"],
-            "config: data.name must be one of mnist-5k, digits, synthetic, npz, csv, image-folder, mnist, fashion-mnist, cifar10, text-csv, parquet; got 'imagenet'",
+            "config: data.name must be one of mnist-5k, digits, synthetic, npz, csv, image-folder, mnist, fashion-mnist, cifar10, text-csv, parquet, hf; got 'imagenet'",
         ),
         (["optim.momentum=0.9"], "config: unknown key 'optim.momentum' (AdamW accepts:"),
         (["epochs=3"], "config: --set expects section.key=value"),

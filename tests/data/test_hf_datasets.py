@@ -15,6 +15,7 @@ from typing import Any
 import forkserver
 import pytest
 import torch
+from cli_runner import run_glassloop, sets
 from safetensors.torch import load_file
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
@@ -379,6 +380,19 @@ def test_data_name_hf_reads_image_and_text_columns(tmp_path: Path) -> None:
     data = hf_data(DataConfig(name="hf", path=str(tmp_path / "texts"), vocab_size=50))
     ids, _ = data.train[0]
     assert ids.dtype == torch.long and len(ids) == 2 and data.num_classes == 2
+
+
+def test_data_name_hf_trains_and_evaluates_from_the_command(tmp_path: Path) -> None:
+    """data.name = "hf" in a config: the run trains on the saved dataset and eval, in a new
+    process, reads it again the same way."""
+    folder, run = saved_splits(tmp_path), tmp_path / "run"
+    options = [f"data.path={folder}", "data.name=hf", "train.epochs=8", "optim.lr=0.05",
+               "model.hidden=[8]", "train.progress=none", "data.batch_size=8"]  # fmt: skip
+    done = run_glassloop("train", "--run-dir", str(run), *sets(options))
+    assert done.returncode == 0, done.stderr
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["val_accuracy"] > 0.8
+    evaluated = run_glassloop("eval", str(run))
+    assert evaluated.returncode == 0 and "accuracy" in evaluated.stdout, evaluated.stderr
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from glassloop.data import (
     make_loader,
     pad_collate,
 )
-from glassloop.data.collate import padding_fraction
+from glassloop.data.text import padding_fraction
 from glassloop.distributed.world import World
 
 

@@ -20,8 +20,8 @@ from sklearn.datasets import load_digits
 import glassloop
 from glassloop.config.assemble import build
 from glassloop.config.schema import load_config
-from glassloop.data.collate import pad_collate
 from glassloop.data.splits import stratified_split
+from glassloop.data.text import pad_collate
 
 QUICK = ["train.epochs=1", "train.progress=none", "model.hidden=[16]", "data.batch_size=32"]
 

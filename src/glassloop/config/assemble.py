@@ -99,9 +99,14 @@ class Built:
     warnings: list[str] = field(default_factory=list)  # what the command says again at its end
 
 
-def parquet_data(cfg: Config) -> DiskData | TextData:
+def table_data(cfg: Config) -> DiskData | TextData:
     """Parquet shards where they live (a file, a folder, a glob, a URL prefix), streamed
-    through this process's cache of decoded row groups (:mod:`glassloop.data.shards`)."""
+    through this process's cache of decoded row groups (:mod:`glassloop.data.shards`), or a
+    Hugging Face dataset's files (:mod:`glassloop.data.hf_datasets`)."""
+    if cfg.data.name == "hf":
+        from glassloop.data.hf_datasets import hf_data
+
+        return hf_data(cfg.data)
     from glassloop.data.shards import shard_data
 
     return shard_data(cfg.data)
@@ -117,8 +122,8 @@ def lazy_images(cfg: Config) -> DiskData | None:
 
 # The data names that read each path key (data.root: never refused, a download makes it).
 PATH_KEYS = {
-    "path": ("npz", "csv", "image-folder", "parquet", "text-csv"),
-    "tokenizer": ("text-csv", "parquet"),
+    "path": ("npz", "csv", "image-folder", "parquet", "hf", "text-csv"),
+    "tokenizer": ("text-csv", "parquet", "hf"),
     "val_sets": ("npz",),
     "root": (),
 }
@@ -156,7 +161,7 @@ def located(cfg: Config, folder: Path | None) -> Config:
         )
 
     d.path = find("data.path", d.path, d.name in PATH_KEYS["path"])
-    d.val_path = find("data.val_path", d.val_path, d.name == "parquet")
+    d.val_path = find("data.val_path", d.val_path, d.name in ("parquet", "hf"))
     d.tokenizer = find("data.tokenizer", d.tokenizer, d.name in PATH_KEYS["tokenizer"])
     d.root = find("data.root", d.root, needed=False)
     d.val_sets = {
@@ -191,7 +196,7 @@ def build_parts(cfg: Config, *, world: World = SINGLE, files_from: Path | None =
             f"config: data.val_sets reads .npz files (data.name = 'npz'), not {cfg.data.name!r}"
         )
     # Parquet, or image files too many to decode into memory: DiskData (else None).
-    on_disk = parquet_data(cfg) if cfg.data.name == "parquet" else lazy_images(cfg)
+    on_disk = table_data(cfg) if cfg.data.name in ("parquet", "hf") else lazy_images(cfg)
     texts = load_text(cfg.data) if cfg.data.name == "text-csv" else None
     if isinstance(on_disk, TextData):  # a Parquet text column, tokenized as it is read
         texts, on_disk = on_disk, None

@@ -23,7 +23,7 @@ _EXPORTS = {
     "load_splits": "glassloop.data.datasets",
     "loaders_for_splits": "glassloop.data.loaders",
     "make_loader": "glassloop.data.loaders",
-    "pad_collate": "glassloop.data.collate",
+    "pad_collate": "glassloop.data.text",
 }
 
 __all__ = [
@@ -52,7 +52,6 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from glassloop.data.collate import pad_collate
     from glassloop.data.datasets import load_splits
     from glassloop.data.loaders import (
         BucketBatchSampler,
@@ -62,3 +61,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         make_loader,
     )
     from glassloop.data.splits import Splits
+    from glassloop.data.text import pad_collate

@@ -25,14 +25,12 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
-from torch.utils.data import Dataset
 
 from glassloop.batch import TARGET_KEYS
-from glassloop.data.lazy import DiskData, channel_stats, probe_shape, read_image
+from glassloop.data.lazy import STATS_ROWS, DiskData, TableRows, check_values, input_kind, prepared
 from glassloop.data.loaders import LoaderPosition, make_loader
-from glassloop.data.parquet import check_values, input_kind
 from glassloop.data.splits import check_class_count, stratified_split
-from glassloop.data.text import PAD, TextData, tokenizer_for
+from glassloop.data.text import TextData
 from glassloop.distributed.world import SINGLE, World, distributed_job, unwrap_model, world_from_env
 from glassloop.errors import DataError
 
@@ -41,7 +39,6 @@ if TYPE_CHECKING:
     from glassloop.state import TrainState
 
 BATCH = 64  # rows per batch of a dataset given without a batch size (data.batch_size's default)
-STATS_ROWS = 10_000  # training rows the statistics and the tokenizer are taken from (at most)
 
 
 def hf_kind(data: Any) -> str | None:
@@ -306,86 +303,27 @@ def hf_data(d: DataConfig) -> DiskData | TextData:
             f"data.image_column, data.text_column); its columns: {', '.join(train.column_names)}"
         )
     classes, labels = _classes((train, val), label, where)
-    rows = [HFRows(each, kind, inputs, y) for each, y in zip((train, val), labels, strict=True)]
-    sample = train.select(range(min(STATS_ROWS, len(train)))).with_format("arrow")[:]
-    if kind == "text":
-        tokenizer_json = tokenizer_for(d.tokenizer, [sample[inputs[0]].to_pylist()], d.vocab_size)
-        from tokenizers import Tokenizer
-
-        encoder = Tokenizer.from_str(tokenizer_json)
-        pad_id = int(encoder.token_to_id(PAD) or 0)
-        for each in rows:
-            each.preprocess = {"tokenizer_json": tokenizer_json, "max_length": d.max_length}
-            each.preprocess["pad_id"] = pad_id
-        named = (len(classes), classes, tokenizer_json, d.max_length)
-        return TextData(rows[0], rows[1], encoder.get_vocab_size(), pad_id, *named)
-    shape: tuple[int, ...] = (len(inputs),)
-    if kind == "image":
-        images = _image_bytes(sample.column(inputs[0]))[:1000]
-        shape = probe_shape(images[0], d.channels, d.image_size)
-        mean, std = channel_stats([read_image(b, shape) for b in images])
-        saved: dict[str, Any] = {"scale": 1 / 255, "mean": mean, "std": std}
-        saved["image_shape"] = list(shape)
-    else:
+    if kind == "numeric":
         for column in inputs:  # (every row, as the Parquet reader checks each row group)
             check_values(train.data.column(column), column, where)
-        values = np.column_stack([sample.column(c).to_numpy() for c in inputs])
-        spread = values.std(axis=0)
-        spread[spread == 0] = 1.0
-        saved = {"feature_columns": inputs, "mean": values.mean(0).tolist(), "std": spread.tolist()}
-    for each in rows:
-        each.preprocess = {**saved, "mean": torch.tensor(saved["mean"])}
-        each.preprocess["std"] = torch.tensor(saved["std"])
-    return DiskData(rows[0], rows[1], saved, classes, shape)
+    rows = [HFRows(each, kind, inputs, y) for each, y in zip((train, val), labels, strict=True)]
+    sample = train.select(range(min(STATS_ROWS, len(train)))).with_format("arrow")[:]
+    return prepared(d, (rows[0], rows[1]), sample.select(inputs), classes)
 
 
-class HFRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+class HFRows(TableRows):
     """A Hugging Face ``Dataset``'s rows as ``(inputs, class)`` (:func:`hf_data`), a batch's
-    read as one Arrow ``take``; ``kind``: :func:`~glassloop.data.parquet.input_kind`'s."""
-
-    lengths = None  # (texts: no length buckets, they would need every text read first)
+    read as one Arrow ``take``."""
 
     def __init__(self, data: Any, kind: str, columns: list[str], labels: torch.Tensor) -> None:
-        self.data = data.select_columns(columns).with_format("arrow")
-        self.kind, self.columns, self.labels = kind, columns, labels
-        self.preprocess: dict[str, Any] = {}
-        self._tokenizer: Any = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_tokenizer": None}
+        super().__init__(kind, columns)
+        self.data, self.labels = data.select_columns(columns).with_format("arrow"), labels
 
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.__getitems__([index])[0]
-
     def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        part, p = self.data[indices], self.preprocess
-        if self.kind == "numeric":
-            values = np.column_stack([part.column(c).to_numpy() for c in self.columns])
-            inputs = list((torch.from_numpy(values.astype(np.float32)) - p["mean"]) / p["std"])
-        elif self.kind == "image":
-            mean, std = p["mean"][:, None, None], p["std"][:, None, None]
-            shape = tuple(p["image_shape"])
-            inputs = [(read_image(b, shape) - mean) / std for b in _image_bytes(part.column(0))]
-        else:
-            if self._tokenizer is None:
-                from tokenizers import Tokenizer
-
-                self._tokenizer = Tokenizer.from_str(p["tokenizer_json"])
-            cut, pad = p["max_length"], p["pad_id"]
-            encoded = self._tokenizer.encode_batch(part.column(0).to_pylist())
-            inputs = [torch.tensor(e.ids[:cut] or [pad], dtype=torch.long) for e in encoded]
-        return list(zip(inputs, self.labels[indices], strict=True))
-
-
-def _image_bytes(column: Any) -> list[bytes]:
-    """A binary column's images, or an ``Image`` column's (its bytes, else its file's)."""
-    images = column.to_pylist()
-    return [
-        v if isinstance(v, bytes) else v["bytes"] or Path(v["path"]).read_bytes() for v in images
-    ]
+        return list(zip(self.inputs(self.data[indices]), self.labels[indices], strict=True))
 
 
 def _splits(d: DataConfig) -> tuple[Any, Any]:

@@ -22,6 +22,7 @@ DATASET_NAMES = (
     "cifar10",
     "text-csv",
     "parquet",
+    "hf",
 )
 
 
@@ -29,23 +30,25 @@ DATASET_NAMES = (
 class DataConfig:
     """``name``: ``mnist-5k`` (bundled), ``digits`` (scikit-learn), ``synthetic``, ``npz``,
     ``csv`` (tabular), ``image-folder``, ``mnist``, ``fashion-mnist``, ``cifar10`` (files in
-    ``root``); see docs/datasets.md."""
+    ``root``), ``parquet`` (shards where they live), ``hf`` (a Hugging Face dataset's files);
+    see docs/datasets.md."""
 
     name: str = option("mnist-5k", rule=DATASET_NAMES)
     """the data: one of the names above (docs/datasets.md)."""
     path: str = ""
     """npz, csv, text-csv, image-folder: the file or folder to read; parquet: a file, a folder,
-    a glob or a URL prefix (``s3://bucket/train/``) of shards."""
+    a glob or a URL prefix (``s3://bucket/train/``) of shards; hf: a folder ``save_to_disk``
+    wrote, or Parquet/Arrow files (a file, a folder, a glob)."""
     root: str = "data"
     """mnist, fashion-mnist, cifar10: where their files are (or go)."""
     download: bool = False
     """mnist, fashion-mnist: fetch the files with torchvision (glassloop[vision])."""
     label_column: str = "label"
-    """csv, text-csv, parquet: the target column."""
+    """csv, text-csv, parquet, hf: the target column."""
     label_columns: list[str] = field(default_factory=list)
     """csv: several target columns (multilabel, several outputs)."""
     image_column: str = ""
-    """parquet: a column of encoded images (else: text or numbers)."""
+    """parquet, hf: a column of encoded images (else: text or numbers)."""
     in_memory_mb: int = option(4096, rule=AT_LEAST_0)
     """image-folder: larger once decoded, images are read in workers."""
     image_size: int = option(0, rule=Range(0, 2**15))
@@ -53,7 +56,7 @@ class DataConfig:
     channels: int = option(0, rule=(0, 1, 3))
     """image-folder: 1 (grayscale) or 3 (RGB); 0: from the first image."""
     text_column: str = "text"
-    """text-csv; parquet: a string column of this name: texts."""
+    """text-csv; parquet, hf: a string column of this name: texts."""
     tokenizer: str = ""
     """text-csv: a tokenizer.json to use instead of training one."""
     vocab_size: int = option(8000, rule=Range(2, 2**24))
@@ -79,7 +82,7 @@ class DataConfig:
     val_fraction: float = option(0.2, rule=Range(0.0, 1.0, open_low=True, open_high=True))
     """the share held out for validation, for datasets without a fixed validation split."""
     val_path: str = ""
-    """parquet: the validation rows' shards (as ``path``); empty: a seeded split of ``path``."""
+    """parquet, hf: the validation rows (as ``path``); empty: a seeded split of ``path``."""
     shuffle_window: int = option(8, rule=Range(1, 2**20))
     """parquet: row groups whose rows are shuffled together (order: docs/datasets.md)."""
     cache_mb: int = option(1024, rule=Range(1, 2**30), resume_safe=True)

@@ -46,18 +46,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
-from glassloop.data.lazy import DiskData, channel_stats, probe_shape, read_image
+from glassloop.data.lazy import STATS_ROWS, DiskData, TableRows, check_values, input_kind, prepared
 from glassloop.data.loaders import EpochSampler, epoch_seed
 from glassloop.data.options import DataConfig
-from glassloop.data.text import PAD, TextData, tokenizer_for
+from glassloop.data.splits import check_class_count
+from glassloop.data.text import TextData
 from glassloop.errors import DataError
 from glassloop.storage.atomic import atomic_path, refuse_link
 from glassloop.storage.file_names import is_url
 from glassloop.storage.redaction import redact, remember_secrets
 
-STATS_ROWS = 10_000  # training rows the statistics and the tokenizer are taken from (at most)
 LABEL = "__label__"  # the class index column of a cached row group
 
 
@@ -206,7 +205,8 @@ class ShardSet:
                 parquet = _pyarrow().ParquetFile(
                     handle, metadata=footer, page_checksum_verification=True
                 )
-                return parquet.read_row_group(group, columns=columns)
+                # (in this thread: Arrow's own pool of threads kept what they decoded)
+                return parquet.read_row_group(group, columns=columns, use_threads=False)
             except Exception as err:  # pyarrow's, the driver's: a damaged or missing group
                 first = str(err).splitlines()[0] if str(err) else type(err).__name__
                 raise DataError(
@@ -243,8 +243,8 @@ class ShardSet:
             return path
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            with refuse_link(path.with_suffix(".lock")).open("a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            with refuse_link(path.with_suffix(".claim")).open("a") as claim:
+                fcntl.flock(claim, fcntl.LOCK_EX)
                 if not path.is_file():
                     table = self.checked(unit, self.read(unit, self.columns))
                     with (
@@ -264,8 +264,6 @@ class ShardSet:
     def checked(self, unit: int, table: Any) -> Any:
         """The row group with its labels as class indices and its inputs checked (numbers
         present and finite, texts UTF-8): one line naming the shard, group, column and row."""
-        from glassloop.data.parquet import check_values
-
         shard, group = self.units[unit][:2]
         where = f"'{self.name(shard)}' row group {group}"
         label = self.columns[-1]
@@ -372,24 +370,23 @@ class ReadAhead:
             self.todo.put((self.generation, unit))
 
     def _run(self) -> None:
+        import pyarrow as pa
+
         while True:
             generation, unit = self.todo.get()
             if generation == self.generation:
                 with contextlib.suppress(Exception):
                     self.shards.fetch(unit)
+                # The decoded pages given back: mimalloc kept those of each reading thread,
+                # and the training process grew with the data read (+220 MiB at 20x the cache).
+                pa.default_memory_pool().release_unused()
 
 
-class ShardRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+class ShardRows(TableRows):
     """The training (or validation) rows of a :class:`ShardSet`: ``counts[u]`` rows of row
     group ``u`` (``val`` of them held out with a seeded choice per row group when
-    ``held_out`` is set), indexed ``0..len-1`` in row group order.
-
-    ``kind``: ``"numeric"`` (``features``, standardised with ``mean``/``std``), ``"image"``
-    (one column of encoded images: decoded to ``shape``, standardised per channel) or
-    ``"text"`` (token ids, cut at ``max_length``, by the tokenizer in ``tokenizer_json``)."""
-
-    lengths = None  # (texts: no length buckets, they would need every text read first)
-    labels = torch.zeros(0, dtype=torch.int64)  # the first rows' (what doctor looks at)
+    ``held_out`` is set), indexed ``0..len-1`` in row group order; ``labels``: the first
+    rows' (what doctor looks at)."""
 
     def __init__(self, shards: ShardSet, *, validation: bool, held_out: float, seed: int) -> None:
         self.shards, self.validation, self.held_out, self.seed = shards, validation, held_out, seed
@@ -397,12 +394,8 @@ class ShardRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         val = np.rint(rows * held_out).astype(np.int64)
         self.counts = val if validation else rows - val
         self.starts = np.concatenate([[0], np.cumsum(self.counts)])
-        self.kind, self.columns = "numeric", list(shards.columns[:-1])
-        self.preprocess: dict[str, Any] = {}
-        self._tokenizer: Any = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_tokenizer": None}
+        super().__init__("numeric", list(shards.columns[:-1]))
+        self.labels = torch.zeros(0, dtype=torch.int64)
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -420,9 +413,6 @@ class ShardRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         val = n - int(self.counts[unit]) if not self.validation else int(self.counts[unit])
         return np.sort(chosen[:val] if self.validation else chosen[val:])
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.__getitems__([index])[0]
-
     def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A batch's rows, read a row group at a time (one ``take`` each)."""
         at = np.asarray(indices, dtype=np.int64)
@@ -436,24 +426,6 @@ class ShardRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             for i, x, y in zip(where, self.inputs(part), labels, strict=True):
                 out[i] = (x, y)
         return out
-
-    def inputs(self, part: Any) -> list[torch.Tensor]:
-        p = self.preprocess
-        if self.kind == "numeric":
-            values = np.column_stack([part.column(c).to_numpy() for c in self.columns])
-            x = (torch.from_numpy(values.astype(np.float32)) - p["mean"]) / p["std"]
-            return list(x)
-        if self.kind == "image":
-            shape = tuple(p["image_shape"])
-            mean, std = p["mean"][:, None, None], p["std"][:, None, None]
-            return [(read_image(b, shape) - mean) / std for b in part.column(0).to_pylist()]
-        if self._tokenizer is None:
-            from tokenizers import Tokenizer
-
-            self._tokenizer = Tokenizer.from_str(p["tokenizer_json"])
-        cut, pad = p["max_length"], p["pad_id"]
-        encoded = self._tokenizer.encode_batch(part.column(0).to_pylist())
-        return [torch.tensor(e.ids[:cut] or [pad], dtype=torch.long) for e in encoded]
 
 
 class ShardSampler(EpochSampler):
@@ -520,8 +492,6 @@ class ShardSampler(EpochSampler):
 def shard_data(d: DataConfig) -> DiskData | TextData:
     """The training and validation rows of ``data.path`` (and ``data.val_path``), the
     classes, the preprocessing saved with the weights, and the text kit for a text column."""
-    from glassloop.data.parquet import class_names, input_kind
-
     if not d.path:
         raise DataError("data: data.name = 'parquet' needs data.path (a file, folder, glob or URL)")
     common = {"cache_mb": d.cache_mb, "window": d.shuffle_window}
@@ -561,32 +531,49 @@ def shard_data(d: DataConfig) -> DiskData | TextData:
             f"{biggest / 2**20:,.0f} MB decoded, over data.cache_mb = {d.cache_mb}: raise "
             "data.cache_mb or lower data.shuffle_window"
         )
-    sample = _first_rows(train)
     for rows in (train, val):
         rows.kind, rows.columns = kind, inputs
-    if kind == "text":
-        return _texts(d, train, val, sample, classes)
-    if kind == "image":
-        first = sample.column(0)[0].as_py()
-        shape = probe_shape(first, d.channels, d.image_size)
-        images = [read_image(b, shape) for b in sample.column(0).to_pylist()[:1000]]
-        mean, std = channel_stats(images)
-        saved: dict[str, Any] = {"scale": 1 / 255, "mean": mean, "std": std}
-        saved["image_shape"] = list(shape)
-        input_shape: tuple[int, ...] = shape
-    else:
-        values = np.column_stack([sample.column(c).to_numpy() for c in inputs])
-        spread = values.std(axis=0)
-        spread[spread == 0] = 1.0
-        saved = {"feature_columns": inputs, "mean": values.mean(0).tolist(), "std": spread.tolist()}
-        input_shape = (len(inputs),)
-    for rows in (train, val):
-        rows.preprocess = {
-            **saved,
-            "mean": torch.tensor(saved["mean"], dtype=torch.float32),
-            "std": torch.tensor(saved["std"], dtype=torch.float32),
-        }
-    return DiskData(train, val, saved, classes, input_shape)
+    sample = _first_rows(train)
+    return prepared(d, (train, val), sample, classes)
+
+
+def class_names(sets: list[ShardSet], label: str) -> list[str]:
+    """The classes of the label column over every row group: integer labels ``0..max`` from
+    the row groups' statistics where they have them (read otherwise); strings sorted, read
+    from the label column alone. A label of 10**12 is refused before a name is built."""
+    import pyarrow.types as pt  # type: ignore[import-untyped]
+
+    kind = sets[0].schema.field(label).type
+    where = f"{sets[0].shown} column {label!r}"
+    rows = sum(u[2] for each in sets for u in each.units)
+    if pt.is_integer(kind):
+        low, high = 0, -1
+        for each in sets:
+            for unit, (shard, group, *_) in enumerate(each.units):
+                column = (
+                    each.footers[shard]
+                    .row_group(group)
+                    .column(each.footers[shard].schema.to_arrow_schema().get_field_index(label))
+                )
+                stats = column.statistics
+                if stats is not None and stats.has_min_max:
+                    low, high = min(low, stats.min), max(high, stats.max)
+                else:
+                    values = each.read(unit, [label]).column(0).to_numpy(zero_copy_only=False)
+                    low, high = min(low, int(values.min())), max(high, int(values.max()))
+        if low < 0:
+            raise DataError(f"data: {where}: labels must be class indices >= 0 (found {low})")
+        return [str(c) for c in range(check_class_count(int(high), rows, where))]
+    if pt.is_string(kind) or pt.is_large_string(kind):
+        found: set[str] = set()
+        for each in sets:
+            with ThreadPoolExecutor(16) as pool:
+                units = range(len(each.units))
+                for part in pool.map(each.read, units, [[label]] * len(units)):
+                    check_values(part.column(0), label, where, missing="labels")
+                    found.update(part.column(0).unique().to_pylist())
+        return sorted(found)
+    raise DataError(f"data: {where} holds {kind} values, not class labels (integers or strings)")
 
 
 def _first_rows(rows: ShardRows) -> Any:
@@ -605,23 +592,3 @@ def _first_rows(rows: ShardRows) -> Any:
     sample = pa.concat_tables(parts)
     rows.labels = torch.from_numpy(sample.column(LABEL).to_numpy().astype(np.int64))
     return sample.select(rows.columns)
-
-
-def _texts(
-    d: DataConfig, train: ShardRows, val: ShardRows, sample: Any, classes: list[str]
-) -> TextData:
-    texts = sample.column(0).to_pylist()
-    tokenizer_json = tokenizer_for(d.tokenizer, [texts], d.vocab_size)
-    from tokenizers import Tokenizer
-
-    encoder = Tokenizer.from_str(tokenizer_json)
-    pad = encoder.token_to_id(PAD)
-    pad_id = 0 if pad is None else int(pad)
-    for rows in (train, val):
-        rows.preprocess = {
-            "tokenizer_json": tokenizer_json,
-            "max_length": d.max_length,
-            "pad_id": pad_id,
-        }
-    vocab = encoder.get_vocab_size()
-    return TextData(train, val, vocab, pad_id, len(classes), classes, tokenizer_json, d.max_length)

@@ -14,10 +14,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from glassloop.data.collate import pad_collate
 from glassloop.data.datasets import load_arrays
 from glassloop.data.files import IMAGE_SUFFIXES, is_float, read_csv_rows
 from glassloop.data.lazy import open_image
+from glassloop.data.text import pad_collate
 from glassloop.errors import DataError
 from glassloop.evaluation.evaluate import predict as predict_probs
 from glassloop.storage.atomic import atomic_path, open_own
