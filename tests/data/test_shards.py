@@ -112,13 +112,19 @@ def test_a_resume_reads_only_the_row_groups_left(tmp_path: Path) -> None:
     current = int(np.searchsorted(ends, at, side="right"))
     passed = {int(u) for w in windows[:current] for u in w}
     assert passed and fetched and not passed & set(fetched), (passed, fetched)
+    # A shard rewritten between the run and its resume: refused, never a mix of two versions.
+    saved = resumed.state_dict()
+    memory = fsspec.filesystem("memory")
+    memory.pipe("/resume/part-00002.parquet", memory.cat("/resume/part-00001.parquet"))
+    with pytest.raises(glassloop.DataError, match="are not those the run trained on"):
+        ResumableLoader(shard_data(config).train, batch_size=8).load_state_dict(saved)
 
 
 def test_a_bucket_of_shards_resumes_bitwise_and_a_bad_shard_is_one_line(tmp_path: Path) -> None:
     """Shards in a bucket of a real S3 server on 127.0.0.1, read by loader workers: killed
     with SIGKILL after step 11 and resumed in a new process, the final weights, optimizer
     state and every reported number equal the straight run's (verify-resume). Then each bad
-    shard is one line naming it, exit 2: not Parquet, a page that fails its checksum, a
+    shard is one line naming it, exit 2: not Parquet, truncated, a page that fails its checksum, a
     missing column, one deleted or rewritten after the run listed it, a bucket that refuses."""
     local = write_shards(tmp_path / "d")
     with local_s3("data") as env:
@@ -137,6 +143,7 @@ def test_a_bucket_of_shards_resumes_bitwise_and_a_bad_shard_is_one_line(tmp_path
         damaged[300] ^= 0x40  # (in a data page of the first row group)
         cases = {
             b"not parquet at all": "is not a readable Parquet file",
+            good[: len(good) // 2]: "is not a readable Parquet file",  # (truncated)
             bytes(damaged): "row group 0 cannot be decoded",
             pq_bytes(pa.table({"a": [1.0, 2.0], "label": [0, 1]})): "has no column 'b'",
         }

@@ -154,9 +154,17 @@ class LoaderPosition:
             "offset": self.sampler.offset,
             "processes": self.sampler.world.size,
             "run_batch": self.run_batch or self.global_batch,
+            **getattr(self.sampler, "version", {}),  # (shards: what the order is drawn from)
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        ours = getattr(self.sampler, "version", {}).get("data_version")
+        if state.get("data_version", ours) != ours:
+            raise DataError(
+                f"data: the shards at {getattr(self.sampler, 'shown', '')} are not those the run "
+                "trained on (one added, removed or rewritten since): a resume would mix two data "
+                "sets; restore them, or start a new run"
+            )
         self.epoch = int(state["epoch"])
         self.batches_consumed = int(state["batches_consumed"])
         self.sampler.offset = int(state.get("offset", 0))

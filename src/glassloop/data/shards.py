@@ -94,6 +94,14 @@ class ShardSet:
     def __init__(self, path: str, key: str, *, cache_mb: int, window: int) -> None:
         import fsspec
 
+        _pyarrow()  # (a missing pyarrow: the line saying what to install)
+        import pyarrow as pa
+
+        if "ARROW_DEFAULT_MEMORY_POOL" not in os.environ:  # (unless one was chosen)
+            # Arrow's mimalloc kept the pages each reading thread freed: the training process
+            # grew with the data read (337 -> 449-559 MiB at 20x the cache; the system
+            # allocator's: 318 MiB). Set before a loader worker is forked: theirs too.
+            pa.set_memory_pool(pa.system_memory_pool())
         remember_secrets(path)
         self.path, self.shown, self.url = path, f"'{redact(path)}'", is_url(path)
         try:
@@ -114,6 +122,7 @@ class ShardSet:
         ]
         self.window, self.budget = window, cache_mb << 20
         self.columns: list[str] = []  # what a cached row group keeps (set by use())
+        self.version = 0
         self.classes: list[str] = []
         self.folder = Path()
         self._tables: OrderedDict[int, Any] = OrderedDict()  # this process's mapped ones
@@ -143,6 +152,7 @@ class ShardSet:
         listing = "\n".join(f"{s.name} {s.size} {s.tag}" for s in self.shards)
         key = f"{listing}\n{columns}\n{classes}".encode()
         digest = hashlib.sha256(key).hexdigest()[:16]
+        self.version = int(digest[:15], 16)  # (in a checkpoint: a resume reads this data set)
         # This process's own folder, removed when it exits; one a dead process left is removed
         # here (a file another process wrote is never read: no damaged leftover is taken).
         self.folder = refuse_link(cache_dir() / "shards") / f"{digest}-{os.getpid()}"
@@ -370,16 +380,11 @@ class ReadAhead:
             self.todo.put((self.generation, unit))
 
     def _run(self) -> None:
-        import pyarrow as pa
-
         while True:
             generation, unit = self.todo.get()
             if generation == self.generation:
                 with contextlib.suppress(Exception):
                     self.shards.fetch(unit)
-                # The decoded pages given back: mimalloc kept those of each reading thread,
-                # and the training process grew with the data read (+220 MiB at 20x the cache).
-                pa.default_memory_pool().release_unused()
 
 
 class ShardRows(TableRows):
@@ -435,6 +440,14 @@ class ShardSampler(EpochSampler):
     def __init__(self, rows: ShardRows, num_samples: int, **options: Any) -> None:
         super().__init__(num_samples, **options)
         self.rows = rows
+
+    @property
+    def version(self) -> dict[str, int]:
+        return {"data_version": self.rows.shards.version}
+
+    @property
+    def shown(self) -> str:
+        return self.rows.shards.shown
 
     def windows(self) -> list[np.ndarray]:
         units = np.flatnonzero(self.rows.counts)
