@@ -59,6 +59,7 @@ _EXPORTS = {
     "report_run": "glassloop.tools.run_evaluation",
     "save_weights": "glassloop.storage.weights",
     "seed_everything": "glassloop.rng",
+    "tune": "glassloop.search.sweep",
 }
 
 __all__ = [
@@ -99,6 +100,7 @@ __all__ = [
     "report_run",
     "save_weights",
     "seed_everything",
+    "tune",
 ]
 
 
@@ -126,6 +128,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from glassloop.loop import Trainer
     from glassloop.options import CheckpointConfig, RunInfo, TrackingConfig, TrainOptions
     from glassloop.rng import seed_everything
+    from glassloop.search.sweep import tune
     from glassloop.state import TrainState
     from glassloop.step.guards import NonFinitePolicy
     from glassloop.storage.hugging_face import export_hf

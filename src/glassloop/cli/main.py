@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from glassloop.cli.data_commands import add_data_commands, cmd_data
 from glassloop.cli.launch import is_worker, launch_torchrun, worker_finished, worker_started
+from glassloop.cli.tune_command import add_tune_command, cmd_tune
 
 # (No torch in either: `glassloop --help` stays fast.)
 from glassloop.run_dir import layout
@@ -336,6 +337,7 @@ def make_parser() -> Parser:
         "Python: glassloop.export_hf(model, folder, merged=True))",
     )
     add_data_commands(commands, positive_int)
+    add_tune_command(commands, positive_int)
     return parser
 
 
@@ -774,6 +776,7 @@ def run_command(argv: Sequence[str] | None = None) -> int:
         "runs": cmd_runs,
         "export": cmd_export,
         "data": cmd_data,
+        "tune": cmd_tune,
     }
     try:
         with contextlib.ExitStack() as held:  # (a remote run's local copy, while read)

@@ -1,0 +1,277 @@
+"""A sweep, an Optuna study whose trials are normal glassloop runs (each a ``glassloop train``
+subprocess writing ``SWEEP_DIR/trial-NNNN/``), up to ``workers`` at once.
+
+::
+
+    SWEEP_DIR/
+      study.db            the study (optuna's RDB storage on SQLite)
+      trial-0003/         a normal run directory: config.json, metrics.jsonl, checkpoints/
+      trial-0003.log      what the trial's process printed
+
+The same call on the same folder continues the sweep: finished, pruned and failed trials are
+kept; a trial still "running" in the study (its sweep was killed) is resumed from its newest
+checkpoint with ``glassloop train --run-dir SWEEP_DIR/trial-NNNN --resume``, never restarted;
+new trials are asked for until the study holds ``trials``.
+
+Why SQLite and not optuna's JournalStorage: one process writes the study, this one. The
+trials are plain training processes that write only their run directories; the sweep reads
+their epoch rows and reports them itself. With one writer SQLite's lock is never contended,
+and study.db is one file that ``optuna.load_study`` and optuna-dashboard open as it is
+(JournalStorage is for several processes writing one study, which never happens here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from glassloop.distributed.preemption import die_with_parent
+from glassloop.errors import GlassloopError
+from glassloop.run_dir import layout
+from glassloop.search.space import Space, read_space, require_optuna
+from glassloop.storage.atomic import atomic_path
+
+if TYPE_CHECKING:
+    import optuna
+
+STUDY = "study.db"
+STUDY_NAME = "glassloop"
+POLL_S = 0.1  # how often the running trials' metrics.jsonl are read (a few bytes each)
+STOP_WAIT_S = 120  # a stopped trial's checkpoint write; then it is killed
+
+
+class SweepStopped(Exception):
+    """The sweep stopped on a signal; its running trials were stopped with a checkpoint and
+    stay "running" in the study, for the same command to resume."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+def tune(
+    config: str | Path | None,
+    space: str | Path,
+    *,
+    trials: int,
+    sweep_dir: str | Path,
+    workers: int = 1,
+    overrides: Sequence[str] = (),
+    say: Callable[[str], None] = print,
+) -> optuna.Study:
+    """Search ``space`` (a SPACE.toml, :mod:`glassloop.search.space`) over runs of ``config``
+    with ``overrides``; the study, once it holds ``trials`` trials, finished, pruned or failed.
+
+    >>> study = glassloop.tune("my.toml", "s.toml", trials=20, sweep_dir="sw")  # doctest: +SKIP
+    >>> study.best_trial.number, study.best_value  # doctest: +SKIP
+    (7, 0.1734)
+    """
+    optuna = require_optuna()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # (the sweep says each trial itself)
+    if trials < 1 or workers < 1:
+        raise GlassloopError(f"tune: trials and workers must be 1 or more, got {trials}, {workers}")
+    checked = read_space(space, config, overrides)  # (every mistake: before anything is written)
+    folder = Path(sweep_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    study = optuna.create_study(
+        storage=f"sqlite:///{folder.resolve() / STUDY}",
+        study_name=STUDY_NAME,
+        direction=checked.direction,
+        sampler=optuna.samplers.TPESampler(seed=checked.seed),
+        pruner=checked.pruner,
+        load_if_exists=True,
+    )
+    study.set_user_attr("metric", checked.metric)
+    Sweep(study, checked, config, list(overrides), folder, say).run(trials, workers)
+    return study  # type: ignore[no-any-return]
+
+
+@dataclass
+class Trial:
+    """A trial's process and what the sweep has read of its epoch rows."""
+
+    trial: optuna.Trial
+    run_dir: Path
+    process: subprocess.Popen[bytes]
+    reported: set[int]  # epochs already reported to the study (a resumed trial's too)
+    read: int = 0  # bytes of metrics.jsonl read
+    last: float | None = None  # the metric at the newest epoch
+    epoch: int = 0
+    pruned: bool = False
+    log: Any = field(default=None, repr=False)
+
+
+class Sweep:
+    """Runs the study's trials as subprocesses: starts, reads, prunes, resumes, stops them."""
+
+    def __init__(
+        self,
+        study: optuna.Study,
+        space: Space,
+        config: str | Path | None,
+        overrides: list[str],
+        folder: Path,
+        say: Callable[[str], None],
+    ) -> None:
+        self.study, self.space, self.folder, self.say = study, space, folder, say
+        self.config, self.overrides = config, overrides
+        self.signum: int = 0
+
+    def run(self, trials: int, workers: int) -> None:
+        """Keep ``workers`` trials running until the study holds ``trials``; on SIGTERM or
+        SIGINT stop the running ones (each saves a checkpoint) and raise :class:`SweepStopped`."""
+        optuna = require_optuna()
+        running_state = (optuna.trial.TrialState.RUNNING,)
+        waiting = self.study.get_trials(states=running_state)  # (its sweep was killed)
+        running: list[Trial] = []
+        with self._signals():
+            try:
+                while not self.signum:
+                    while len(running) < workers and (waiting or len(self.study.trials) < trials):
+                        if waiting:  # (optuna's Trial of a stored one: its private id)
+                            old = waiting.pop(0)
+                            again = optuna.trial.Trial(self.study, old._trial_id)
+                            running.append(self._start(again, set(old.intermediate_values)))
+                        else:
+                            running.append(self._start(self.study.ask(), set()))
+                    if not running:
+                        return
+                    for trial in running:
+                        self._read(trial)
+                    for trial in [t for t in running if t.process.poll() is not None]:
+                        self._finish(trial)
+                        running.remove(trial)
+                    time.sleep(POLL_S)
+            finally:
+                self._stop(running)
+        raise SweepStopped(self.signum)
+
+    def _start(self, trial: optuna.Trial, reported: set[int]) -> Trial:
+        """A new trial's run, or a trial of a killed sweep resumed from its checkpoint."""
+        run_dir = self.folder / f"trial-{trial.number:04d}"
+        values = self.space.overrides(trial)  # (a resumed trial: the values it was given)
+        train = [sys.executable, "-m", "glassloop", "train"]
+        if (run_dir / layout.CONFIG).is_file():
+            command = [*train, "--run-dir", str(run_dir), "--resume"]  # (its own config.json)
+            self.say(f"trial {trial.number}: resumed from its newest checkpoint ({run_dir})")
+        else:
+            config = [] if self.config is None else [str(self.config)]
+            sets = [f"--set={item}" for item in [*self.overrides, *values]]
+            command = [*train, *config, *sets, "--run-dir", str(run_dir)]
+            self.say(f"trial {trial.number}: {' '.join(values)} ({run_dir})")
+        log = (self.folder / f"{run_dir.name}.log").open("ab")
+        # Its own process group: Ctrl-C reaches the sweep alone, which stops each trial with
+        # one SIGTERM (a second signal would abort a trial's checkpoint write); and it dies
+        # with the sweep (a kill -9 of the sweep leaves no trial training on).
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+        return Trial(trial, run_dir, process, reported, log=log)
+
+    def _read(self, trial: Trial) -> None:
+        """Report the trial's new epoch rows to the study; stop it (SIGTERM: it saves a
+        checkpoint) when the pruner says so."""
+        path = trial.run_dir / layout.METRICS_JSONL
+        try:
+            with path.open("rb") as rows:
+                rows.seek(trial.read)
+                text = rows.read()
+        except FileNotFoundError:
+            return
+        whole = text[: text.rfind(b"\n") + 1]  # (a row being written: read next time)
+        trial.read += len(whole)
+        for line in whole.decode("utf-8").splitlines():
+            row = json.loads(line)
+            value = row.get(self.space.metric)
+            if (
+                row.get("kind") != "epoch"
+                or not isinstance(value, int | float)
+                or math.isnan(value)
+            ):
+                continue
+            trial.last, trial.epoch = float(value), int(row["epoch"])
+            if trial.epoch in trial.reported or trial.pruned:
+                continue
+            trial.trial.report(trial.last, step=trial.epoch)
+            trial.reported.add(trial.epoch)
+            if trial.trial.should_prune() and trial.process.poll() is None:
+                trial.pruned = True
+                trial.process.send_signal(signal.SIGTERM)
+
+    def _finish(self, trial: Trial) -> None:
+        """Tell the study how the trial's process ended."""
+        optuna = require_optuna()
+        self._read(trial)  # (the rows written after the last read)
+        trial.log.close()
+        number, code, metric = trial.trial.number, trial.process.returncode, self.space.metric
+        if trial.pruned:
+            self.study.tell(trial.trial, state=optuna.trial.TrialState.PRUNED)
+            mark_pruned(trial.run_dir)
+            self.say(f"trial {number}: pruned at epoch {trial.epoch} ({metric} {trial.last:.6g})")
+        elif code == 0 and trial.last is not None:
+            self.study.tell(trial.trial, trial.last)
+            self.say(f"trial {number}: {metric} {trial.last:.6g}")
+        elif code in (128 + signal.SIGTERM, 128 + signal.SIGINT) and self.signum:
+            return  # (stopped with the sweep: still running in the study, resumed next time)
+        else:
+            why = f"exit code {code}" if code else f"no {metric} in its epoch rows"
+            self.study.tell(trial.trial, state=optuna.trial.TrialState.FAIL)
+            self.say(f"trial {number}: failed ({why}; see {trial.run_dir}.log)")
+
+    def _stop(self, running: list[Trial]) -> None:
+        """Stop the running trials, one SIGTERM each (they checkpoint and exit), and wait."""
+        for trial in running:
+            if trial.process.poll() is None:
+                trial.process.send_signal(signal.SIGTERM)
+        for trial in running:
+            try:
+                trial.process.wait(timeout=STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                trial.process.kill()
+                trial.process.wait()
+            trial.log.close()
+
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        """SIGTERM and SIGINT set ``self.signum``; the loop stops at its next turn (never in
+        the middle of a write to the study)."""
+        previous: dict[signal.Signals, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, self._handle)
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = int(signum)
+
+
+def mark_pruned(run_dir: Path) -> None:
+    """run.json's status "pruned", the rest of it as the run wrote it at its stop (its process
+    has exited: nothing else writes the file), so ``glassloop runs`` shows it."""
+    path = run_dir / layout.STATUS
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        info = {}
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps({**info, "status": "pruned"}, indent=1) + "\n", encoding="utf-8")
