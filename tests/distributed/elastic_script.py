@@ -1,12 +1,13 @@
 """One launch of the elastic-resume chain (test_elastic.py): train runs fed by glassloop's
-own loader (DDP, and FSDP2), and by a ``DataLoader`` over a ``DistributedSampler``, each
+own loader (DDP, and FSDP2), by Parquet shards streamed through glassloop's shard reader
+(``data.name = "parquet"``), and by a ``DataLoader`` over a ``DistributedSampler``, each
 resumed from its run directory, recording the sample ids every step trains on, and stopped by
 a real SIGTERM to rank 0 alone at a chosen moment. Run under torchrun (any number of
 processes) or as a plain script (one process):
 
     python elastic_script.py ROOT LAUNCH KIND=STOP ...
 
-``KIND``: ``glassloop``, ``fsdp`` or ``dataloader``; ``STOP``: ``step:K`` (SIGTERM after
+``KIND``: ``glassloop``, ``fsdp``, ``shards`` or ``dataloader``; ``STOP``: ``step:K`` (SIGTERM after
 step K), ``validation:N`` (inside the N-th validation) or ``none``. Each sample's id is its
 input's first column, which the model does not read.
 """
@@ -44,6 +45,36 @@ def data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([ids, torch.randn(n, 5, generator=g)], 1), torch.randint(
         0, 3, (n,), generator=g
     )
+
+
+def write_shards(root: Path) -> None:
+    """The training samples as Parquet shards of 50 rows in row groups of 10 (columns ``id``,
+    ``f0..f4``, ``label``), and the validation samples in their own."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for name, (x, y) in (("train", data(SAMPLES, 1)), ("val", data(60, 2))):
+        (root / "shards" / name).mkdir(parents=True)
+        columns = {"id": x[:, 0].numpy(), **{f"f{j}": x[:, j + 1].numpy() for j in range(5)}}
+        table = pa.table({**columns, "label": y.numpy()})
+        for i in range(0, len(y), 50):
+            pq.write_table(table.slice(i, 50), root / "shards" / name / f"part-{i:05d}.parquet",
+                           row_group_size=10)  # fmt: skip
+
+
+def shard_rows(root: Path) -> Any:
+    """The training shards as glassloop reads ``data.path`` (a window of 2 row groups), the
+    id column left as it is (the others standardised): the sample ids stay readable."""
+    from glassloop.data.options import DataConfig
+    from glassloop.data.shards import shard_data
+
+    os.environ["GLASSLOOP_CACHE_DIR"] = str(root / "cache")
+    folder = root.parent / "shards"  # (written once by the test, beside the runs)
+    config = DataConfig(name="parquet", path=str(folder / "train"), val_path=str(folder / "val"),
+                        shuffle_window=2)  # fmt: skip
+    rows = shard_data(config).train
+    rows.preprocess["mean"][0], rows.preprocess["std"][0] = 0.0, 1.0
+    return rows
 
 
 class Net(nn.Module):
@@ -93,6 +124,9 @@ def train(
     if kind in ("glassloop", "fsdp"):  # built as a config builds it: data.batch_size per process
         loader: Any = make_loader((x, y), batch_size=start_batch, shuffle=True, seed=3,
                                   world=world)  # fmt: skip
+    elif kind == "shards":
+        loader = make_loader(shard_rows(root), batch_size=start_batch, shuffle=True, seed=3,
+                             world=world, num_workers=0)  # fmt: skip
     else:  # the user's own: they pass the global batch's share
         sampler = DistributedSampler(TensorDataset(x, y), num_replicas=world.size,
                                      rank=world.rank, shuffle=True, seed=3)  # fmt: skip

@@ -1,6 +1,7 @@
 """Resume at another number of processes with the same sample stream (issue 35, item 2): a run
 stopped at 2 processes, resumed at 1, stopped again, finished at 3 (gloo on CPU, torchrun),
-fed by glassloop's own loader (DDP and FSDP2) and by a ``DataLoader`` over a
+fed by glassloop's own loader (DDP and FSDP2), by Parquet shards streamed by glassloop's
+shard reader (issue 60: a window of row groups at a time) and by a ``DataLoader`` over a
 ``DistributedSampler``. Every step trains on the same global batch as the one-process run's,
 so each epoch sees every sample once, and the weights and every reported number equal that
 run's to fp32 rounding (the gradients add up in another order). The first stops are SIGTERMs
@@ -23,7 +24,7 @@ from safetensors.torch import load_file
 from glassloop.step.throughput import TIMING
 
 SCRIPT = Path(__file__).with_name("elastic_script.py")
-KINDS = ("glassloop", "fsdp", "dataloader")
+KINDS = ("glassloop", "fsdp", "shards", "dataloader")
 
 
 def launch(root: Path, name: str, processes: int, *stops: str) -> str:
@@ -45,6 +46,7 @@ def reference(root: Path) -> None:
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    script.write_shards(root.parent)
     for kind in KINDS:
         assert script.train(root, kind, "ref", "none", start_batch=24) == "finished"
 
@@ -79,10 +81,12 @@ def test_two_then_one_then_three_processes_keep_the_global_batch_and_the_sample_
 ) -> None:
     reference(tmp_path / "ref")
     cut = tmp_path / "cut"
-    first = launch(cut, "a", 2, "glassloop=validation:2", "fsdp=validation:3", "dataloader=step:6")
+    first = launch(cut, "a", 2, "glassloop=validation:2", "fsdp=validation:3", "shards=step:7",
+                   "dataloader=step:6")  # fmt: skip
     assert "glassloop: stopped after step 8, owed 'step'" in first  # step 8's validation
     assert "fsdp: stopped after step 10, owed 'epoch'" in first  # epoch 1's
-    second = launch(cut, "b", 1, "glassloop=step:13", "fsdp=step:11", "dataloader=step:12")
+    second = launch(cut, "b", 1, "glassloop=step:13", "fsdp=step:11", "shards=step:14",
+                    "dataloader=step:12")  # fmt: skip
     for kind in KINDS:
         assert f"{kind}: stopped after step" in second
     assert "(written by 2 process(es)) with 1" in second
