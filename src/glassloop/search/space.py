@@ -179,10 +179,10 @@ def _param(
             raise ConfigError(
                 f"{name}: [space] {key!r}: low, high, step: numbers; log: true or false; got {spec}"
             )
-        if not low < high or (step is not None and (step <= 0 or log)):
-            raise ConfigError(
-                f"{name}: [space] {key!r}: needs low < high, a step > 0 and no log; got {spec}"
-            )
+        if not low < high:
+            raise ConfigError(f"{name}: [space] {key!r}: low must be below high, got {spec}")
+        if step is not None and (step <= 0 or log):
+            raise ConfigError(f"{name}: [space] {key!r}: step must be > 0, without log; got {spec}")
         tried = [(f"low = {low}", low), (f"high = {high}", high)]
     for what, value in tried:  # (every check of the config applies: names, types, ranges)
         try:

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 STUDY = "study.db"
 STUDY_NAME = "glassloop"
 POLL_S = 0.1  # how often the running trials' metrics.jsonl are read (a few bytes each)
+TAIL = 256  # bytes of metrics.jsonl compared before reading on (a row holds a step number)
 STOP_WAIT_S = 120  # a stopped trial's checkpoint write; then it is killed
 
 
@@ -107,6 +108,7 @@ class Trial:
     process: subprocess.Popen[bytes]
     reported: set[int]  # epochs already reported to the study (a resumed trial's too)
     read: int = 0  # bytes of metrics.jsonl read
+    tail: bytes = b""  # the last bytes read: still there, or the file was rewritten
     last: float | None = None  # the metric at the newest epoch
     epoch: int = 0
     pruned: bool = False
@@ -190,23 +192,36 @@ class Sweep:
         path = trial.run_dir / layout.METRICS_JSONL
         try:
             with path.open("rb") as rows:
-                rows.seek(trial.read)
+                rows.seek(max(trial.read - TAIL, 0))
+                if rows.read(min(trial.read, TAIL)) != trial.tail:
+                    # Rewritten since the last read (a resumed run drops the rows after its
+                    # checkpoint): read from the start again; reported epochs are skipped.
+                    trial.read, trial.tail = 0, b""
+                    rows.seek(0)
                 text = rows.read()
         except FileNotFoundError:
             return
         whole = text[: text.rfind(b"\n") + 1]  # (a row being written: read next time)
-        trial.read += len(whole)
-        for line in whole.decode("utf-8").splitlines():
-            row = json.loads(line)
-            value = row.get(self.space.metric)
-            if (
-                row.get("kind") != "epoch"
-                or not isinstance(value, int | float)
-                or math.isnan(value)
-            ):
+        trial.read, trial.tail = trial.read + len(whole), (trial.tail + whole)[-TAIL:]
+        metric = self.space.metric
+        for line in whole.decode("utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # (a line cut short by a kill, dropped by the resumed run)
+            if row.get("kind") != "epoch" or trial.pruned:
                 continue
+            if metric not in row:  # (a name the config allows but the runs never write)
+                names = ", ".join(k for k in row if k.startswith(("val_", "train_")))
+                raise GlassloopError(
+                    f"tune: the trials' epoch rows have no {metric!r} (they have {names}); "
+                    "set metric in the space file"
+                )
+            value = row[metric]
+            if not isinstance(value, int | float) or math.isnan(value):
+                continue  # (non-finite: written as null)
             trial.last, trial.epoch = float(value), int(row["epoch"])
-            if trial.epoch in trial.reported or trial.pruned:
+            if trial.epoch in trial.reported:
                 continue
             trial.trial.report(trial.last, step=trial.epoch)
             trial.reported.add(trial.epoch)

@@ -1,0 +1,182 @@
+"""glassloop tune: a bad space is one line before any trial; a sweep killed with kill -9 and
+run again ends with its N trials, the killed trial resumed from its checkpoint (each epoch
+once, its weights those of a straight run of its config.json, bit for bit); a median pruner
+stops a trial that falls behind, and run.json says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+from cli_runner import run_glassloop
+from safetensors.torch import load_file
+
+BASE = """
+[data]
+name = "synthetic"
+num_samples = 4096
+num_features = 4
+batch_size = 16
+[model]
+hidden = [32]
+[train]
+epochs = 15
+progress = "none"
+"""
+SPACE = """
+[space]
+"optim.lr" = { low = 1e-3, high = 1e-1, log = true }
+"model.hidden" = { choices = [[32], [16, 16]] }
+"""
+
+
+def write(folder: Path, base: str = BASE, space: str = SPACE) -> tuple[Path, Path]:
+    (folder / "base.toml").write_text(base, encoding="utf-8")
+    (folder / "space.toml").write_text(space, encoding="utf-8")
+    return folder / "base.toml", folder / "space.toml"
+
+
+def epochs_of(run: Path) -> list[int]:
+    rows = (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [row["epoch"] for row in map(json.loads, rows) if row["kind"] == "epoch"]
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (
+            '"optim.learning_rate" = { low = 1e-4, high = 1e-1 }',
+            "'optim.learning_rate' low = 0.0001: config: unknown key 'optim.learning_rate' "
+            "(did you mean 'optim.lr'?)",
+        ),
+        ('"optim.lr" = { low = -1.0, high = 0.1 }', "optim.lr must be > 0, got -1.0"),
+        ('"optim.lr" = { low = 0.1, high = 0.01 }', "low must be below high"),
+        (
+            '"train.precision" = { choices = ["32", "fp64"] }',
+            "choice \"fp64\": config: train.precision must be one of 32, bf16, fp16; got 'fp64'",
+        ),
+    ],
+)
+def test_a_bad_space_is_one_line_before_any_trial(tmp_path: Path, entry: str, message: str) -> None:
+    config, space = write(tmp_path, space=f"[space]\n{entry}\n")
+    sweep = tmp_path / "sweep"
+    done = run_glassloop(
+        "tune", str(config), "--space", str(space), "--trials", "2", "--sweep-dir", str(sweep)
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+    assert done.stdout == "" and not sweep.exists()
+
+
+def tune_command(folder: Path, trials: int, workers: int) -> list[str]:
+    config, space = folder / "base.toml", folder / "space.toml"
+    sweep = ["--sweep-dir", str(folder / "sweep"), "--workers", str(workers)]
+    return ["tune", str(config), "--space", str(space), "--trials", str(trials), *sweep]
+
+
+def wait_for_a_checkpoint_mid_run(sweep: Path, proc: subprocess.Popen[bytes]) -> Path:
+    """A trial that has saved a checkpoint and is still training (its run.json: running)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the sweep ended before a trial had a checkpoint mid-run"
+        for run in sorted(sweep.glob("trial-*/")):
+            status = (
+                json.loads((run / "run.json").read_text()) if (run / "run.json").is_file() else {}
+            )
+            if (run / "checkpoints" / "latest").is_file() and status.get("status") == "running":
+                return run
+        time.sleep(0.02)
+    raise AssertionError("no trial had a checkpoint and was still running within 60 s")
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """A sweep of 3 trials, 2 at a time, killed (kill -9 of its process group) while a trial
+    is mid-run, then the same command again: (the folder, the killed trial, its output)."""
+    folder = tmp_path_factory.mktemp("tune")
+    write(folder)
+    command = tune_command(folder, trials=3, workers=2)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "glassloop", *command],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        killed = wait_for_a_checkpoint_mid_run(folder / "sweep", proc)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    done = run_glassloop(*command)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return folder, killed, done.stdout
+
+
+def test_a_killed_sweep_ends_with_its_trials_and_names_the_best(
+    killed_and_resumed: tuple[Path, Path, str],
+) -> None:
+    folder, _, out = killed_and_resumed
+    storage = f"sqlite:///{folder / 'sweep' / 'study.db'}"
+    study = optuna.load_study(study_name="glassloop", storage=storage)
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 3
+    best = study.best_trial
+    config = folder / "sweep" / f"trial-{best.number:04d}" / "config.json"
+    last = out.splitlines()[-2:]
+    assert last[0].startswith(f"best trial: {best.number}, val_loss {best.value:.6g}"), out
+    assert last[1].startswith(f"its config: {config}"), out
+    assert all(
+        epochs_of(folder / "sweep" / f"trial-{n:04d}") == list(range(1, 16)) for n in range(3)
+    )
+
+
+def test_the_killed_trial_was_resumed_and_its_config_reproduces_it(
+    killed_and_resumed: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    """Not restarted: each epoch once, and the weights of a straight run of its config.json."""
+    _, killed, out = killed_and_resumed
+    number = int(killed.name.removeprefix("trial-"))
+    assert f"trial {number}: resumed from its newest checkpoint ({killed})" in out, out
+    log = killed.with_name(f"{killed.name}.log").read_text(encoding="utf-8")
+    resumed = re.search(r"resumed from '.*checkpoints/step-\d+' at step (\d+)", log)
+    assert resumed is not None and int(resumed[1]) > 0, log
+    assert epochs_of(killed) == list(range(1, 16))
+    straight = tmp_path / "straight"
+    done = run_glassloop("train", str(killed / "config.json"), "--run-dir", str(straight))
+    assert done.returncode == 0, done.stderr
+    ours, theirs = weights(killed / "model.safetensors"), weights(straight / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
+def test_the_median_pruner_stops_a_trial_that_falls_behind(tmp_path: Path) -> None:
+    """lr 1e-9 learns nothing: behind the median of the trials before it at epoch 1, it is
+    stopped (SIGTERM: a checkpoint) long before its 15 epochs. train.seed 10: the sampler's
+    first two draws are 0.05, then 1e-9."""
+    space = (
+        'pruner = { name = "median", n_startup_trials = 1, n_warmup_steps = 0 }\n'
+        '[space]\n"optim.lr" = { choices = [0.05, 1e-9] }\n'
+    )
+    write(tmp_path, base=BASE + "seed = 10\n", space=space)
+    done = run_glassloop(*tune_command(tmp_path, trials=2, workers=1))
+    assert done.returncode == 0, done.stdout + done.stderr
+    sweep = tmp_path / "sweep"
+    study = optuna.load_study(study_name="glassloop", storage=f"sqlite:///{sweep / 'study.db'}")
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "PRUNED"], done.stdout
+    assert study.trials[1].params == {"optim.lr": "1e-09"}
+    pruned = sweep / "trial-0001"
+    assert json.loads((pruned / "run.json").read_text())["status"] == "pruned"
+    assert len(epochs_of(pruned)) < 15 and (pruned / "checkpoints" / "latest").is_file()
+    assert "trial 1: pruned at epoch 1" in done.stdout
