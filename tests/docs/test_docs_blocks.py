@@ -24,7 +24,7 @@ ROOT = Path(__file__).parents[2]
 FILES = ["README.md", "docs/index.md", "docs/getting-started.md", "docs/python-api.md",
          "docs/training.md", "docs/checkpoints.md", "docs/tools.md", "docs/guarantees.md",
          "docs/exit-codes.md", "docs/development.md", "docs/datasets.md", "docs/distributed.md",
-         "docs/recipes.md", "docs/benchmarks.md", "docs/tracking.md", "docs/storage.md"]  # fmt: skip
+         "docs/recipes.md", "docs/benchmarks.md", "docs/tracking.md", "docs/storage.md", "docs/search.md"]  # fmt: skip
 S3_DOCS = "docs/storage.md"  # its blocks run against a local S3 server (tests/s3_server.py)
 # Blocks not run, by file and their first line (or a line of the block), with the reason.
 NOT_RUN = {
