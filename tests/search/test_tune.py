@@ -180,3 +180,47 @@ def test_the_median_pruner_stops_a_trial_that_falls_behind(tmp_path: Path) -> No
     assert json.loads((pruned / "run.json").read_text())["status"] == "pruned"
     assert len(epochs_of(pruned)) < 15 and (pruned / "checkpoints" / "latest").is_file()
     assert "trial 1: pruned at epoch 1" in done.stdout
+
+
+def test_sigterm_stops_the_trials_with_a_checkpoint_and_prints_the_continue_command(
+    tmp_path: Path,
+) -> None:
+    """The sweep's stop: each running trial gets one SIGTERM (it saves a checkpoint, run.json
+    "interrupted"), stays running in the study for the same command to resume; exit 143."""
+    write(tmp_path)
+    command = tune_command(tmp_path, trials=2, workers=1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "glassloop", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        run = wait_for_a_checkpoint_mid_run(tmp_path / "sweep", proc)
+        proc.send_signal(signal.SIGTERM)  # (the sweep alone: it stops its trials)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, out + err
+    assert f"glassloop: continue the sweep with: glassloop {' '.join(command)}" in err, err
+    assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
+    storage = f"sqlite:///{tmp_path / 'sweep' / 'study.db'}"
+    study = optuna.load_study(study_name="glassloop", storage=storage)
+    assert [t.state.name for t in study.trials] == ["RUNNING"]
+
+
+def test_without_optuna_tune_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write(tmp_path)
+    monkeypatch.setitem(sys.modules, "optuna", None)  # (import optuna: ImportError)
+    done = run_glassloop(*tune_command(tmp_path, trials=1, workers=1))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "pip install 'glassloop[search]'" in done.stderr
+    probe = "import sys; from glassloop.cli.main import make_parser; print('optuna' in sys.modules)"
+    help_only = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert help_only.stdout.strip() == "False"
