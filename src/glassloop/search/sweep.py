@@ -31,10 +31,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from glassloop.distributed.preemption import die_with_parent
 from glassloop.errors import GlassloopError
@@ -100,19 +100,19 @@ def tune(
 
 
 @dataclass
-class Trial:
-    """A trial's process and what the sweep has read of its epoch rows."""
+class Running:
+    """A running trial: its process and what the sweep has read of its epoch rows."""
 
     trial: optuna.Trial
     run_dir: Path
     process: subprocess.Popen[bytes]
+    log: BinaryIO  # what the process prints: DIR/trial-NNNN.log
     reported: set[int]  # epochs already reported to the study (a resumed trial's too)
     read: int = 0  # bytes of metrics.jsonl read
     tail: bytes = b""  # the last bytes read: still there, or the file was rewritten
     last: float | None = None  # the metric at the newest epoch
     epoch: int = 0
     pruned: bool = False
-    log: Any = field(default=None, repr=False)
 
 
 class Sweep:
@@ -137,7 +137,7 @@ class Sweep:
         optuna = require_optuna()
         running_state = (optuna.trial.TrialState.RUNNING,)
         waiting = self.study.get_trials(states=running_state)  # (its sweep was killed)
-        running: list[Trial] = []
+        running: list[Running] = []
         with self._signals():
             try:
                 while not self.signum:
@@ -160,7 +160,7 @@ class Sweep:
                 self._stop(running)
         raise SweepStopped(self.signum)
 
-    def _start(self, trial: optuna.Trial, reported: set[int]) -> Trial:
+    def _start(self, trial: optuna.Trial, reported: set[int]) -> Running:
         """A new trial's run, or a trial of a killed sweep resumed from its checkpoint."""
         run_dir = self.folder / f"trial-{trial.number:04d}"
         values = self.space.overrides(trial)  # (a resumed trial: the values it was given)
@@ -184,9 +184,9 @@ class Sweep:
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
-        return Trial(trial, run_dir, process, reported, log=log)
+        return Running(trial, run_dir, process, log, reported)
 
-    def _read(self, trial: Trial) -> None:
+    def _read(self, trial: Running) -> None:
         """Report the trial's new epoch rows to the study; stop it (SIGTERM: it saves a
         checkpoint) when the pruner says so."""
         path = trial.run_dir / layout.METRICS_JSONL
@@ -229,7 +229,7 @@ class Sweep:
                 trial.pruned = True
                 trial.process.send_signal(signal.SIGTERM)
 
-    def _finish(self, trial: Trial) -> None:
+    def _finish(self, trial: Running) -> None:
         """Tell the study how the trial's process ended."""
         optuna = require_optuna()
         self._read(trial)  # (the rows written after the last read)
@@ -249,7 +249,7 @@ class Sweep:
             self.study.tell(trial.trial, state=optuna.trial.TrialState.FAIL)
             self.say(f"trial {number}: failed ({why}; see {trial.run_dir}.log)")
 
-    def _stop(self, running: list[Trial]) -> None:
+    def _stop(self, running: list[Running]) -> None:
         """Stop the running trials, one SIGTERM each (they checkpoint and exit), and wait."""
         for trial in running:
             if trial.process.poll() is None:
