@@ -65,6 +65,10 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
         ('"optim.lr" = { low = -1.0, high = 0.1 }', "optim.lr must be > 0, got -1.0"),
         ('"optim.lr" = { low = 0.1, high = 0.01 }', "low must be below high"),
         (
+            '"optim.weight_decay" = { low = 0.0, high = 0.1, log = true }',
+            "'optim.weight_decay': `low > 0` must hold for `log=True`, but got (low=0.0, high=0.1)",
+        ),
+        (
             '"train.precision" = { choices = ["32", "fp64"] }',
             "choice \"fp64\": config: train.precision must be one of 32, bf16, fp16; got 'fp64'",
         ),

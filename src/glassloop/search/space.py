@@ -181,8 +181,6 @@ def _param(
             )
         if not low < high:
             raise ConfigError(f"{name}: [space] {key!r}: low must be below high, got {spec}")
-        if step is not None and (step <= 0 or log):
-            raise ConfigError(f"{name}: [space] {key!r}: step must be > 0, without log; got {spec}")
         tried = [(f"low = {low}", low), (f"high = {high}", high)]
     for what, value in tried:  # (every check of the config applies: names, types, ranges)
         try:
@@ -195,6 +193,14 @@ def _param(
     whole = all(isinstance(v, int) for v in numbers) and not isinstance(
         current.get(section, {}).get(leaf), float
     )
+    kinds = require_optuna().distributions
+    try:  # (optuna's own rules: low > 0 on a log scale; a step > 0, not with log)
+        if whole:
+            kinds.IntDistribution(low, high, log=log, step=1 if step is None else step)
+        else:
+            kinds.FloatDistribution(low, high, log=log, step=step)
+    except ValueError as err:
+        raise ConfigError(f"{name}: [space] {key!r}: {err}") from None
     return Param(key, float(low), float(high), log, None if step is None else float(step), whole)
 
 
