@@ -20,6 +20,8 @@ import torch
 from cli_runner import run_glassloop
 from safetensors.torch import load_file
 
+from glassloop.search.sweep import Sweep
+
 BASE = """
 [data]
 name = "synthetic"
@@ -228,3 +230,15 @@ def test_without_optuna_tune_says_what_to_install(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
     )
     assert help_only.stdout.strip() == "False"
+
+
+def test_a_killed_trial_resumes_trusted_only_with_the_sweeps_own_model(tmp_path: Path) -> None:
+    """A trial of a sweep whose config names a model class resumes with --trust-code (its
+    config.json names that class); a trial folder naming other code gets no trust, and
+    train refuses it in one line."""
+    sweep = Sweep(None, None, None, ["model.target=net.py:Net"], tmp_path, print)  # type: ignore[arg-type]
+    run = tmp_path / "trial-0000"
+    run.mkdir()
+    for target, expected in (("net.py:Net", ["--trust-code"]), ("subprocess:Popen", [])):
+        (run / "config.json").write_text(json.dumps({"model": {"target": target}}))
+        assert sweep._trust(run) == expected

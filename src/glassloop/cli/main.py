@@ -3,7 +3,7 @@ its nine subcommands (train, verify-resume, eval, predict, doctor, report, confi
 export), each a few calls into the library; ``main`` maps the library's errors to the exit
 codes listed once, in ``EPILOG`` (``glassloop --help`` prints them). Supervising torchrun for
 ``train --nproc`` is :mod:`glassloop.cli.launch`; the ``data`` commands are
-:mod:`glassloop.cli.data_commands`.
+:mod:`glassloop.cli.data_commands`, ``tune`` is :mod:`glassloop.cli.tune_command`.
 """
 
 from __future__ import annotations

@@ -160,13 +160,25 @@ class Sweep:
                 self._stop(running)
         raise SweepStopped(self.signum)
 
+    def _trust(self, run_dir: Path) -> list[str]:
+        """``--trust-code`` for a trial's resume when its config.json names the model class
+        that this sweep's own config (the command line's) names, else nothing: a trial folder
+        planted or copied from elsewhere naming other code is refused by ``train`` (exit 2)."""
+        from glassloop.config.schema import load_config
+
+        ours = load_config(self.config, self.overrides, trust_code=True).model.target
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+            written = json.loads((run_dir / layout.CONFIG).read_text())["model"]["target"]
+            return ["--trust-code"] if ours and written == ours else []
+        return []
+
     def _start(self, trial: optuna.Trial, reported: set[int]) -> Running:
         """A new trial's run, or a trial of a killed sweep resumed from its checkpoint."""
         run_dir = self.folder / f"trial-{trial.number:04d}"
         values = self.space.overrides(trial)  # (a resumed trial: the values it was given)
         train = [sys.executable, "-m", "glassloop", "train"]
         if (run_dir / layout.CONFIG).is_file():
-            command = [*train, "--run-dir", str(run_dir), "--resume"]  # (its own config.json)
+            command = [*train, "--run-dir", str(run_dir), "--resume", *self._trust(run_dir)]
             self.say(f"trial {trial.number}: resumed from its newest checkpoint ({run_dir})")
         else:
             config = [] if self.config is None else [str(self.config)]
