@@ -138,6 +138,7 @@ def test_a_killed_sweep_ends_with_its_trials_and_names_the_best(
     storage = f"sqlite:///{folder / 'sweep' / 'study.db'}"
     study = optuna.load_study(study_name="glassloop", storage=storage)
     assert [t.state.name for t in study.trials] == ["COMPLETE"] * 3
+    assert len({str(t.params) for t in study.trials}) == 3  # (continued: no trial drawn again)
     best = study.best_trial
     config = folder / "sweep" / f"trial-{best.number:04d}" / "config.json"
     last = out.splitlines()[-2:]
@@ -146,6 +147,13 @@ def test_a_killed_sweep_ends_with_its_trials_and_names_the_best(
     assert all(
         epochs_of(folder / "sweep" / f"trial-{n:04d}") == list(range(1, 16)) for n in range(3)
     )
+    # The report: the history, each parameter against the metric, a row per trial.
+    index = folder / "sweep" / "report" / "index.html"
+    assert f"report: {index}" in out, out
+    page = index.read_text()
+    assert page.count("<tr>") == 4 and f"{best.value:.6g}" in page, page
+    for image in ("history.png", "param-1.png", "param-2.png"):
+        assert f'src="{image}"' in page and (index.parent / image).read_bytes()[:4] == b"\x89PNG"
 
 
 def test_the_killed_trial_was_resumed_and_its_config_reproduces_it(

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from glassloop.distributed.preemption import die_with_parent
 from glassloop.errors import GlassloopError
 from glassloop.run_dir import layout
+from glassloop.search.report import sweep_report
 from glassloop.search.space import Space, read_space, require_optuna
 from glassloop.storage.atomic import atomic_path
 
@@ -90,12 +91,15 @@ def tune(
         storage=f"sqlite:///{folder.resolve() / STUDY}",
         study_name=STUDY_NAME,
         direction=checked.direction,
-        sampler=optuna.samplers.TPESampler(seed=checked.seed),
         pruner=checked.pruner,
         load_if_exists=True,
     )
     study.set_user_attr("metric", checked.metric)
+    # A continued sweep's sampler seeded anew past the trials it holds: the same seed again
+    # drew the first trials' values again (trial 2 of a killed sweep was trial 0 once more).
+    study.sampler = optuna.samplers.TPESampler(seed=checked.seed + len(study.trials))
     Sweep(study, checked, config, list(overrides), folder, say).run(trials, workers)
+    say(f"report: {sweep_report(study, folder)}")
     return study  # type: ignore[no-any-return]
 
 
