@@ -59,7 +59,7 @@ _EXPORTS = {
     "report_run": "glassloop.tools.run_evaluation",
     "save_weights": "glassloop.storage.weights",
     "seed_everything": "glassloop.rng",
-    "tune": "glassloop.search.sweep",
+    "tune": "glassloop.tuning.sweep",
 }
 
 __all__ = [
@@ -128,7 +128,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from glassloop.loop import Trainer
     from glassloop.options import CheckpointConfig, RunInfo, TrackingConfig, TrainOptions
     from glassloop.rng import seed_everything
-    from glassloop.search.sweep import tune
     from glassloop.state import TrainState
     from glassloop.step.guards import NonFinitePolicy
     from glassloop.storage.hugging_face import export_hf
@@ -139,3 +138,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from glassloop.tools.prediction import Predictor
     from glassloop.tools.run_evaluation import RunEvaluation, evaluate_run, report_run
     from glassloop.tracking.runs import load_run
+    from glassloop.tuning.sweep import tune

@@ -1,5 +1,5 @@
 """``glassloop tune``: a hyperparameter search, each trial a normal run
-(:func:`glassloop.search.sweep.tune`). Declared and run here; :func:`add_tune_command` adds it
+(:func:`glassloop.tuning.sweep.tune`). Declared and run here; :func:`add_tune_command` adds it
 to the parser of :mod:`glassloop.cli.main`."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     """The sweep, a line per trial; last, the best trial, its metric and its config."""
     from glassloop.errors import GlassloopError
     from glassloop.run_dir import layout
-    from glassloop.search.sweep import STUDY, SweepStopped, tune
+    from glassloop.tuning.sweep import STUDY, SweepStopped, tune
 
     try:
         study = tune(

@@ -82,7 +82,7 @@ class Param:
 
 @dataclass(frozen=True)
 class Space:
-    """SPACE.toml, checked: what :func:`glassloop.search.sweep.tune` searches."""
+    """SPACE.toml, checked: what :func:`glassloop.tuning.sweep.tune` searches."""
 
     metric: str
     direction: str  # "minimize" or "maximize"

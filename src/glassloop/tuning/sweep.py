@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from glassloop.distributed.preemption import die_with_parent
 from glassloop.errors import GlassloopError
 from glassloop.run_dir import layout
-from glassloop.search.report import sweep_report
-from glassloop.search.space import Space, read_space, require_optuna
 from glassloop.storage.atomic import atomic_path
+from glassloop.tuning.report import sweep_report
+from glassloop.tuning.space import Space, read_space, require_optuna
 
 if TYPE_CHECKING:
     import optuna
@@ -73,7 +73,7 @@ def tune(
     overrides: Sequence[str] = (),
     say: Callable[[str], None] = print,
 ) -> optuna.Study:
-    """Search ``space`` (a SPACE.toml, :mod:`glassloop.search.space`) over runs of ``config``
+    """Search ``space`` (a SPACE.toml, :mod:`glassloop.tuning.space`) over runs of ``config``
     with ``overrides``; the study, once it holds ``trials`` trials, finished, pruned or failed.
 
     >>> study = glassloop.tune("my.toml", "s.toml", trials=20, sweep_dir="sw")  # doctest: +SKIP

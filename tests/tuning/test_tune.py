@@ -20,7 +20,7 @@ import torch
 from cli_runner import run_glassloop
 from safetensors.torch import load_file
 
-from glassloop.search.sweep import Sweep
+from glassloop.tuning.sweep import Sweep
 
 BASE = """
 [data]

@@ -1,4 +1,0 @@
-"""Hyperparameter search (``glassloop tune``, :func:`glassloop.tune`), an Optuna study whose
-trials are normal glassloop runs (:mod:`glassloop.search.sweep`) over the keys, ranges and
-choices of a SPACE.toml (:mod:`glassloop.search.space`). Optuna is imported only here, when a
-sweep starts: ``pip install 'glassloop[search]'``."""
