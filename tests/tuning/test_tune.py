@@ -93,7 +93,13 @@ def tune_command(folder: Path, trials: int, workers: int) -> list[str]:
     return ["tune", str(config), "--space", str(space), "--trials", str(trials), *sweep]
 
 
-def wait_for_a_checkpoint_mid_run(sweep: Path, proc: subprocess.Popen[bytes]) -> Path:
+def start_sweep(command: list[str], output: int) -> subprocess.Popen[str]:
+    """The sweep in a process group of its own (a kill of the group takes its trials too)."""
+    return subprocess.Popen([sys.executable, "-m", "glassloop", *command], stdout=output,
+                            stderr=output, text=True, start_new_session=True)  # fmt: skip
+
+
+def wait_for_a_checkpoint_mid_run(sweep: Path, proc: subprocess.Popen[str]) -> Path:
     """A trial that has saved a checkpoint and is still training (its run.json: running)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -115,12 +121,7 @@ def killed_and_resumed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
     folder = tmp_path_factory.mktemp("tune")
     write(folder)
     command = tune_command(folder, trials=3, workers=2)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "glassloop", *command],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc = start_sweep(command, subprocess.DEVNULL)
     try:
         killed = wait_for_a_checkpoint_mid_run(folder / "sweep", proc)
     finally:
@@ -203,13 +204,7 @@ def test_sigterm_stops_the_trials_with_a_checkpoint_and_prints_the_continue_comm
     "interrupted"), stays running in the study for the same command to resume; exit 143."""
     write(tmp_path)
     command = tune_command(tmp_path, trials=2, workers=1)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "glassloop", *command],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_sweep(command, subprocess.PIPE)
     try:
         run = wait_for_a_checkpoint_mid_run(tmp_path / "sweep", proc)
         proc.send_signal(signal.SIGTERM)  # (the sweep alone: it stops its trials)

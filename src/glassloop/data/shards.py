@@ -357,6 +357,9 @@ class ReadAhead:
     def __init__(self, shards: ShardSet, threads: int = 8) -> None:
         self.shards, self.generation = shards, 0
         self.todo: queue.Queue[tuple[int, int]] = queue.Queue()
+        self.libc: Any = None  # glibc, once: what gives back a row group's freed pages
+        with contextlib.suppress(OSError):
+            self.libc = ctypes.CDLL("libc.so.6")
         for _ in range(threads):
             threading.Thread(target=self._run, name="glassloop-read-ahead", daemon=True).start()
 
@@ -386,15 +389,10 @@ class ReadAhead:
             if generation == self.generation:
                 with contextlib.suppress(Exception):
                     self.shards.fetch(unit)
-                _trim()
-
-
-def _trim() -> None:
-    """Give the pages a row group's reading freed back to the system: glibc keeps them in
-    each reading thread's arena, and the training process grew with the data read (350 ->
-    538 MiB at 20x the cache; trimmed: 345). Elsewhere than glibc: nothing to do."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+                # glibc keeps the pages each reading thread freed in its arena: the process
+                # grew with the data read (350 -> 538 MiB at 20x the cache; trimmed: 345).
+                if self.libc is not None:
+                    self.libc.malloc_trim(0)
 
 
 class ShardRows(TableRows):

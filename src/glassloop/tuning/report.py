@@ -6,6 +6,7 @@ trials (state, parameters, metric, run directory). Figures as the run report mak
 from __future__ import annotations
 
 import html
+import itertools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ def sweep_report(study: optuna.Study, folder: Path) -> Path:
         figure = Figure(figsize=(6, 4))
         axis = figure.subplots()
         axis.plot(list(value), list(value.values()), "o", label="trial")
-        best = [better(list(value.values())[: i + 1]) for i in range(len(done))]
+        best = list(itertools.accumulate(value.values(), better))  # (the best so far)
         axis.step([t.number for t in done], best, where="post", label="best so far")
         axis.set(xlabel="trial", ylabel=metric, title="Optimization history")
         axis.legend()

@@ -16,10 +16,8 @@ bad key, range end or choice is the config's own one-line error ("did you mean .
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,15 +25,12 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from glassloop.best import monitor_mode
-from glassloop.config.schema import load_config, to_dict
+from glassloop.config.schema import load_config, read_file, to_dict
 from glassloop.errors import ConfigError, GlassloopError
+from glassloop.rules import suggest
 
 if TYPE_CHECKING:
     import optuna
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 TOP_KEYS = ("metric", "direction", "pruner", "space")
 PRUNERS = {"none": "NopPruner", "median": "MedianPruner", "hyperband": "HyperbandPruner"}
@@ -110,7 +105,7 @@ def read_space(path: str | Path, config: str | Path | None, overrides: Sequence[
     """
     optuna = require_optuna()
     name = Path(path).name
-    raw = _read_toml(Path(path))
+    raw = read_file(Path(path))  # (a config file's limits: size, UTF-8, nesting)
     for key in raw:
         if key not in TOP_KEYS:
             raise ConfigError(f"{name}: unknown key {key!r}{_did_you_mean(key, TOP_KEYS)}")
@@ -138,15 +133,6 @@ def read_space(path: str | Path, config: str | Path | None, overrides: Sequence[
     return Space(
         metric, direction, _pruner(name, raw.get("pruner", "none"), optuna), params, cfg.train.seed
     )
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"tune: space file '{path}' not found")
-    try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"tune: '{path}' is not valid TOML: {err}") from None
 
 
 def _param(
@@ -227,5 +213,5 @@ def _pruner(name: str, spec: Any, optuna: ModuleType) -> optuna.pruners.BasePrun
 
 
 def _did_you_mean(word: str, known: Sequence[str]) -> str:
-    close = difflib.get_close_matches(word, known, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"
+    guess = suggest(word, list(known))
+    return f" (did you mean {guess!r}?)" if guess else f" (known: {', '.join(known)})"

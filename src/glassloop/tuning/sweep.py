@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from glassloop.distributed.preemption import die_with_parent
 from glassloop.errors import GlassloopError
 from glassloop.run_dir import layout
-from glassloop.storage.atomic import atomic_path
+from glassloop.storage.serialization import write_json
+from glassloop.tracking.runs import read_json_object
 from glassloop.tuning.report import sweep_report
 from glassloop.tuning.space import Space, read_space, require_optuna
 
@@ -171,10 +172,9 @@ class Sweep:
         from glassloop.config.schema import load_config
 
         ours = load_config(self.config, self.overrides, trust_code=True).model.target
-        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-            written = json.loads((run_dir / layout.CONFIG).read_text())["model"]["target"]
-            return ["--trust-code"] if ours and written == ours else []
-        return []
+        model = read_json_object(run_dir / layout.CONFIG).get("model")
+        written = model.get("target") if isinstance(model, dict) else None
+        return ["--trust-code"] if ours and written == ours else []
 
     def _start(self, trial: optuna.Trial, reported: set[int]) -> Running:
         """A new trial's run, or a trial of a killed sweep resumed from its checkpoint."""
@@ -300,9 +300,4 @@ def mark_pruned(run_dir: Path) -> None:
     """run.json's status "pruned", the rest of it as the run wrote it at its stop (its process
     has exited: nothing else writes the file), so ``glassloop runs`` shows it."""
     path = run_dir / layout.STATUS
-    try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        info = {}
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps({**info, "status": "pruned"}, indent=1) + "\n", encoding="utf-8")
+    write_json(path, {**read_json_object(path), "status": "pruned"})
