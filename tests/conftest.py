@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 from _pytest.nodeid import NodeId
@@ -35,3 +37,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
         if names and "@" not in item.nodeid.rpartition("]")[2]:
             item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    """A local Ray cluster on 127.0.0.1 (2 CPUs) for one test module; its address (for
+    ``RAY_ADDRESS``). What Ray changes in this process (its imports and ``ray.init`` set
+    environment variables and a SIGTERM handler, and keep them after ``ray.shutdown()``) is
+    put back, for the tests this worker runs next."""
+    environment, sigterm = dict(os.environ), signal.getsignal(signal.SIGTERM)
+    import ray
+
+    # Ray's controller takes a report every 2 s by default (a worker's next report waits for
+    # it): the tests' runs report every few steps.
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.05"
+    context = ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=100 * 2**20,
+        _node_ip_address="127.0.0.1",
+    )
+    try:
+        yield str(context.address_info["gcs_address"])
+    finally:
+        ray.shutdown()
+        os.environ.clear()
+        os.environ.update(environment)
+        signal.signal(signal.SIGTERM, sigterm)

@@ -16,7 +16,6 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,30 +37,13 @@ KILL_AT = 40  # rank 1 dies after step 40 (in epoch 3), after step 36's checkpoi
 TIMING = ("seconds", "samples_per_s", "checkpoint_s")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """A local Ray cluster for this module; what Ray changes in this process (its imports
-    and ``ray.init`` set environment variables and a SIGTERM handler, and keep them after
-    ``ray.shutdown()``) is put back, for the tests this worker runs next."""
-    environment, sigterm = dict(os.environ), signal.getsignal(signal.SIGTERM)
-    import ray
+@pytest.fixture(scope="module", autouse=True)
+def by_value(ray_cluster: str) -> None:
+    """Ray pickles the training functions below by reference unless told: its workers cannot
+    import this test module."""
     import ray.cloudpickle
 
-    # Ray pickles the training functions below by reference unless told: its workers cannot
-    # import this test module.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    os.environ["OMP_NUM_THREADS"] = "1"  # (the workers inherit it: one thread each)
-    # Ray's controller takes a report every 2 s by default (a worker's next report waits for
-    # it): these runs report every few steps.
-    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.05"
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        os.environ.clear()
-        os.environ.update(environment)
-        signal.signal(signal.SIGTERM, sigterm)
 
 
 def fit(function: Any, config: dict[str, Any], storage: Path, failures: int = 0) -> Any:
@@ -111,7 +93,7 @@ def reported(result: Any) -> list[dict[str, Any]]:
 
 
 def test_a_worker_killed_mid_epoch_is_restarted_by_ray_and_the_run_ends_bitwise(
-    ray_cluster: None, tmp_path: Path
+    ray_cluster: str, tmp_path: Path
 ) -> None:
     config = {"overrides": OVERRIDES}
     straight = fit(train_loop_per_worker, {**config, "run_dir": str(tmp_path / "a")}, tmp_path)
@@ -174,7 +156,7 @@ def ray_logs() -> str:
 
 
 def test_the_docs_example_runs_as_written(
-    ray_cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+    ray_cluster: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     page = (Path(__file__).parents[2] / "docs" / "distributed.md").read_text(encoding="utf-8")
     [code] = [c for c in re.findall(r"^```python\n(.*?)^```", page, re.S | re.M) if "Ray" in c]

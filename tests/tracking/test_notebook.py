@@ -2,8 +2,8 @@
 
 * docs/quick-start.ipynb runs: ``fit`` shows tqdm's widget bar and one line per epoch, no step
   lines; the history, the trainer and an evaluation come back as HTML tables, the run read
-  back with its report's curves; every number and the weights equal the same code run as a
-  script.
+  back with its report's curves, a sweep's trials (``glassloop.tune``) as a table; every
+  number and the weights equal the same code run as a script.
 * "Interrupt kernel" mid-run checkpoints the last step; running the same cell again (the same trainer
   object) resumes and ends with the uninterrupted run's weights and rows, bit for bit; once
   more after the end, it says in one line that the run is finished.
@@ -77,7 +77,7 @@ def test_the_quick_start_notebook_shows_a_live_bar_and_tables(tmp_path: Path) ->
     NotebookClient(notebook, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path / "kernel")}}).execute()  # fmt: skip
     code = [c for c in notebook.cells if c.cell_type == "code"]
-    _, fit, history, trainer, evaluation, read_back = code
+    _, fit, history, trainer, evaluation, read_back, sweep, trials = code
     # the bar: tqdm's widget (epoch bars and validation bars), one line per epoch, no step line
     shown = [o for o in fit.outputs if o.output_type == "display_data"]
     assert shown and all(WIDGET in o.data for o in shown)
@@ -106,6 +106,16 @@ def test_the_quick_start_notebook_shows_a_live_bar_and_tables(tmp_path: Path) ->
     # the run read back: its summary, and its report's curves inline
     [view] = [o.data["text/html"] for o in read_back.outputs if "text/html" in o.get("data", {})]
     assert view.count("<img") >= 4 and "finished" in view
+    # the sweep: a line per trial, the best last; its trials as a table; the script's numbers
+    said = texts(sweep)
+    assert "best trial: " in said and "sweeps/notebook/report/index.html" in said, said
+    [table] = [o.data["text/html"] for o in trials.outputs if "text/html" in o.get("data", {})]
+    assert table.count("COMPLETE") == 3 and "params_optim.lr" in table, table
+    for n in range(3):
+        trial = f"sweeps/notebook/trial-{n:04d}"
+        assert rows(tmp_path / "kernel" / trial) == rows(script / trial)
+        [last] = [row for row in rows(script / trial) if row["kind"] == "epoch"][-1:]
+        assert f"trial {n}: val_loss {last['val_loss']:.6g}" in said, said
 
 
 def test_interrupting_the_kernel_mid_run_and_running_the_cell_again_resumes_bitwise(

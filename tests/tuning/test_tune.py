@@ -195,6 +195,20 @@ def test_the_median_pruner_stops_a_trial_that_falls_behind(tmp_path: Path) -> No
     assert json.loads((pruned / "run.json").read_text())["status"] == "pruned"
     assert len(epochs_of(pruned)) < 15 and (pruned / "checkpoints" / "latest").is_file()
     assert "trial 1: pruned at epoch 1" in done.stdout
+    # glassloop runs DIR: a row per trial, its status, its last epoch's metric, its values
+    listed = run_glassloop("runs", str(sweep)).stdout.splitlines()
+    rows = [(t.number, t.intermediate_values[max(t.intermediate_values)]) for t in study.trials]
+    assert [line.split() for line in listed] == [
+        ["trial", "status", "epoch", "val_loss", "params"],
+        ["trial-0000", "finished", "15", f"{rows[0][1]:.4g}", "optim.lr=0.05"],
+        [
+            "trial-0001",
+            "pruned",
+            str(len(epochs_of(pruned))),
+            f"{rows[1][1]:.4g}",
+            "optim.lr=1e-09",
+        ],
+    ], listed
 
 
 def test_sigterm_stops_the_trials_with_a_checkpoint_and_prints_the_continue_command(

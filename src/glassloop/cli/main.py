@@ -291,7 +291,9 @@ def make_parser() -> Parser:
         "runs",
         help="list run directories with status, last step and best metric",
         description="List the run directories under DIR (default runs/): finished, "
-        "interrupted, failed or running/killed, the last step and the best metric.",
+        "interrupted, failed or running/killed, the last step and the best metric. A sweep's "
+        "folder (glassloop tune --sweep-dir DIR): a row per trial, its status, metric and "
+        "the values it was given.",
     )
     runs.add_argument(
         "root", nargs="?", default="runs", metavar="DIR", help="default: runs/; or a URL"
@@ -631,6 +633,11 @@ def cmd_runs(args: argparse.Namespace) -> int:
     root = Path(args.root)
     if not root.is_dir():
         raise GlassloopError(f"runs: '{root}' is not a directory")
+    if (root / "sweep.json").is_file() and not args.tracking:
+        from glassloop.tuning.report import list_trials
+
+        print(list_trials(root))
+        return EXIT_OK
     summaries = list_runs(root)
     listed = format_runs(summaries, name=lambda path: as_shown(str(path), args))
     print(listed if summaries else as_shown(f"no runs under '{root}'", args))

@@ -8,7 +8,6 @@ import argparse
 import shlex
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 
@@ -59,22 +58,28 @@ def add_tune_command(
         metavar="KEY=VALUE",
         help="override a config key in every trial (repeatable), as for train",
     )
+    tune.add_argument(
+        "--backend",
+        choices=("optuna", "ray"),
+        default="optuna",
+        help="optuna (default): trials as processes on this machine; ray: Ray Tune on the "
+        "Ray cluster RAY_ADDRESS names (else a local one), checkpoints in DIR/ray",
+    )
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """The sweep, a line per trial; last, the best trial, its metric and its config."""
-    from glassloop.errors import GlassloopError
-    from glassloop.run_dir import layout
-    from glassloop.tuning.sweep import STUDY, SweepStopped, tune
+    from glassloop.tuning.sweep import SweepStopped, tune
 
     try:
-        study = tune(
+        tune(
             args.config,
             args.space,
             trials=args.trials,
             sweep_dir=args.sweep_dir,
             workers=args.workers,
             overrides=args.overrides,
+            backend=args.backend,
             say=lambda line: print(line, flush=True),
         )
     except SweepStopped as stop:
@@ -82,17 +87,4 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"glassloop: tune {stop}; the running trials saved a checkpoint", file=sys.stderr)
         print(f"glassloop: continue the sweep with: {again}", file=sys.stderr)
         return stop.exit_code
-    states = [t.state.name.lower() for t in study.trials]
-    counts = ", ".join(
-        f"{states.count(s)} {s}" for s in ("complete", "pruned", "fail") if s in states
-    )
-    print(f"sweep: {len(states)} trials ({counts}) in {Path(args.sweep_dir) / STUDY}")
-    if "complete" not in states:
-        raise GlassloopError(f"tune: no trial completed (their logs: {args.sweep_dir}/*.log)")
-    best = study.best_trial
-    metric = study.user_attrs.get("metric", "value")
-    config = Path(args.sweep_dir) / f"trial-{best.number:04d}" / layout.CONFIG
-    values = ", ".join(f"{key}={value}" for key, value in best.params.items())
-    print(f"best trial: {best.number}, {metric} {best.value:.6g} ({values})")
-    print(f"its config: {config} (glassloop train {config} reproduces it)")
     return 0

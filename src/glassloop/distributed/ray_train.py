@@ -45,7 +45,8 @@ class RayReport(Callback):
     waited for before Ray copies it. Without a run directory only the rows are reported, and
     Ray's ``Result`` (which keeps the rows reported with a checkpoint) has none."""
 
-    def __init__(self) -> None:
+    def __init__(self, tune: bool = False) -> None:
+        self.tune = tune  # a Ray Tune trial's: ray.tune.report, not ray.train.report
         self.pending: dict[str, Any] | None = None  # a row not reported yet
         self.validation: dict[str, Any] | None = None  # the last mid-epoch row taken
         self.reported_step = -1  # the step of the last checkpoint handed to Ray
@@ -86,14 +87,16 @@ class RayReport(Callback):
         """``ray.train.report`` of the pending row (or, for a checkpoint alone, where the run
         stands) with the checkpoint at ``path`` (rank 0's)."""
         import ray.train
+        import ray.tune
 
+        api = ray.tune if self.tune else ray.train  # (each has its own Checkpoint class)
         state = trainer.state
         row = self.pending or {"kind": "checkpoint", "epoch": state.epoch, "step": state.step}
         metrics = {k: v for k, v in row.items() if is_number(v) or isinstance(v, str)}
         checkpoint = None
         if path is not None and trainer.world.is_main:
-            checkpoint = ray.train.Checkpoint.from_directory(str(path))
-        ray.train.report(metrics, checkpoint=checkpoint)
+            checkpoint = api.Checkpoint.from_directory(str(path))
+        api.report(metrics, checkpoint=checkpoint)
         self.pending = None
         if path is not None:
             self.reported_step = state.step

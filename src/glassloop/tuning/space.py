@@ -7,8 +7,8 @@ bad key, range end or choice is the config's own one-line error ("did you mean .
 
     metric = "val_loss"      # default: checkpoint.monitor, else val_loss
     direction = "minimize"   # default: as checkpoint.mode says (max for accuracy, F1, ...)
-    pruner = "median"        # "none" | "median" | "hyperband", or a table:
-                             # { name = "median", n_startup_trials = 1 } (optuna's options)
+    pruner = "median"        # "none" | "median" | "hyperband" | "asha", or a table:
+                             # { name = "median", n_startup_trials = 1 } (the class's options)
     [space]
     "optim.lr" = { low = 1e-4, high = 3e-1, log = true }   # also: step = ...
     "model.hidden" = { choices = [[16], [32], [64, 64]] }
@@ -16,6 +16,7 @@ bad key, range end or choice is the config's own one-line error ("did you mean .
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 from collections.abc import Sequence
@@ -33,19 +34,24 @@ if TYPE_CHECKING:
     import optuna
 
 TOP_KEYS = ("metric", "direction", "pruner", "space")
-PRUNERS = {"none": "NopPruner", "median": "MedianPruner", "hyperband": "HyperbandPruner"}
+# Each pruner's class in optuna.pruners, and in ray.tune.schedulers (--backend ray).
+PRUNERS = {
+    "none": ("NopPruner", "FIFOScheduler"),
+    "median": ("MedianPruner", "MedianStoppingRule"),
+    "hyperband": ("HyperbandPruner", "AsyncHyperBandScheduler"),
+    "asha": ("SuccessiveHalvingPruner", "ASHAScheduler"),
+}
 
 
-def require_optuna() -> ModuleType:
-    """optuna, imported here and only here (``glassloop --help`` never imports it), or one
-    line naming the extra that installs it."""
+def require(name: str, extra: str) -> Any:
+    """``optuna`` or ``ray.tune``, imported only when a sweep starts (``glassloop --help``
+    never imports them), or one line naming the extra that installs it."""
     try:
-        import optuna
+        return importlib.import_module(name)
     except ImportError:
         raise GlassloopError(
-            "tune: optuna is not installed; install it with pip install 'glassloop[search]'"
+            f"tune: {name} is not installed; install it with pip install 'glassloop[{extra}]'"
         ) from None
-    return optuna
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,7 @@ class Space:
 
     metric: str
     direction: str  # "minimize" or "maximize"
-    pruner: optuna.pruners.BasePruner
+    pruner: Any  # an optuna pruner, or Ray's scheduler for --backend ray
     params: tuple[Param, ...]
     seed: int  # the config's train.seed: the sampler's, so a sweep's draws repeat
 
@@ -89,10 +95,21 @@ class Space:
         """The trial's values as ``--set`` items (``optim.lr=0.0123``)."""
         return [f"{p.key}={json.dumps(p.suggest(trial))}" for p in self.params]
 
+    def suggest_all(self, trial: optuna.Trial) -> None:
+        """Draw every key's value for ``trial`` (Ray's OptunaSearch reads them from it)."""
+        for param in self.params:
+            param.suggest(trial)
 
-def read_space(path: str | Path, config: str | Path | None, overrides: Sequence[str] = ()) -> Space:
+
+def read_space(
+    path: str | Path,
+    config: str | Path | None,
+    overrides: Sequence[str] = (),
+    backend: str = "optuna",
+) -> Space:
     """Read and check ``path`` against the config (``config`` with ``overrides``); every
-    mistake is a :class:`~glassloop.errors.ConfigError` of one line.
+    mistake is a :class:`~glassloop.errors.ConfigError` of one line. ``backend="ray"``: the
+    pruner is Ray Tune's scheduler on the epoch.
 
     >>> import tempfile, pathlib
     >>> file = pathlib.Path(tempfile.mkdtemp()) / "s.toml"
@@ -103,7 +120,7 @@ def read_space(path: str | Path, config: str | Path | None, overrides: Sequence[
     ...     print(err)
     s.toml: [space] 'optim.lrr' low = 1: config: unknown key 'optim.lrr' (did you mean 'optim.lr'?)
     """
-    optuna = require_optuna()
+    optuna = require("optuna", "search")
     name = Path(path).name
     raw = read_file(Path(path))  # (a config file's limits: size, UTF-8, nesting)
     for key in raw:
@@ -130,9 +147,22 @@ def read_space(path: str | Path, config: str | Path | None, overrides: Sequence[
     params = tuple(
         _param(name, key, spec, config, overrides, current) for key, spec in table.items()
     )
-    return Space(
-        metric, direction, _pruner(name, raw.get("pruner", "none"), optuna), params, cfg.train.seed
-    )
+    mode = "min" if direction == "minimize" else "max"
+    ray = {"time_attr": "epoch", "metric": metric, "mode": mode}
+    # Ray's on the epoch, the config's epochs the longest a trial trains; one that gets there
+    # is not stopped (stop_last_trials) but ends its run: its final save and run.json.
+    last = {"max_t": cfg.train.epochs, "stop_last_trials": False}
+    defaults = {
+        "none": {},
+        "median": {**ray, "grace_period": 1},
+        "hyperband": {**ray, **last, "brackets": 3},
+        "asha": {**ray, **last},
+    }
+    ray_backend = backend == "ray"
+    home = require("ray.tune.schedulers", "ray") if ray_backend else optuna.pruners
+    spec = raw.get("pruner", "none")
+    pruner = _pruner(name, spec, home, int(ray_backend), defaults if ray_backend else {})
+    return Space(metric, direction, pruner, params, cfg.train.seed)
 
 
 def _param(
@@ -179,7 +209,7 @@ def _param(
     whole = all(isinstance(v, int) for v in numbers) and not isinstance(
         current.get(section, {}).get(leaf), float
     )
-    kinds = require_optuna().distributions
+    kinds = require("optuna", "search").distributions
     try:  # (optuna's own rules: low > 0 on a log scale; a step > 0, not with log)
         if whole:
             kinds.IntDistribution(low, high, log=log, step=1 if step is None else step)
@@ -190,16 +220,20 @@ def _param(
     return Param(key, float(low), float(high), log, None if step is None else float(step), whole)
 
 
-def _pruner(name: str, spec: Any, optuna: ModuleType) -> optuna.pruners.BasePruner:
-    """``"median"`` or ``{ name = "median", n_startup_trials = 1 }``: optuna's pruner, its
-    options checked by name against its signature."""
+def _pruner(
+    name: str, spec: Any, home: ModuleType, which: int, defaults: dict[str, dict[str, Any]]
+) -> Any:
+    """``"median"`` or ``{ name = "median", n_startup_trials = 1 }``: the pruner's class in
+    ``home`` (``PRUNERS[kind][which]``) made with ``defaults[kind]`` and the options, each
+    checked by name against its signature."""
     options = dict(spec) if isinstance(spec, dict) else {"name": spec}
     kind = options.pop("name", None)
     if kind not in PRUNERS:
         raise ConfigError(
             f"{name}: pruner must be one of {', '.join(map(repr, PRUNERS))}, got {kind!r}"
         )
-    cls = getattr(optuna.pruners, PRUNERS[kind])
+    cls = getattr(home, PRUNERS[kind][which])
+    options = {**defaults.get(kind, {}), **options}
     known = list(inspect.signature(cls).parameters)
     for option in options:
         if option not in known:
@@ -207,7 +241,7 @@ def _pruner(name: str, spec: Any, optuna: ModuleType) -> optuna.pruners.BasePrun
                 f"{name}: pruner {kind!r} has no option {option!r}{_did_you_mean(option, known)}"
             )
     try:
-        return cls(**options)  # type: ignore[no-any-return]
+        return cls(**options)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{name}: pruner {kind!r}: {err}") from None
 

@@ -22,27 +22,24 @@ and study.db is one file that ``optuna.load_study`` and optuna-dashboard open as
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from glassloop.distributed.preemption import die_with_parent
+from glassloop.distributed.preemption import StopSignals, die_with_parent
 from glassloop.errors import GlassloopError
 from glassloop.run_dir import layout
-from glassloop.storage.serialization import write_json
 from glassloop.tracking.runs import read_json_object
-from glassloop.tuning.report import sweep_report
-from glassloop.tuning.space import Space, read_space, require_optuna
+from glassloop.tuning.ray_sweep import run_ray_sweep
+from glassloop.tuning.report import TrialRecord, mark_pruned, summarise, write_index
+from glassloop.tuning.space import Space, read_space, require
 
 if TYPE_CHECKING:
     import optuna
@@ -60,7 +57,6 @@ class SweepStopped(Exception):
 
     def __init__(self, signum: int) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum = signum
         self.exit_code = 128 + signum
 
 
@@ -72,36 +68,48 @@ def tune(
     sweep_dir: str | Path,
     workers: int = 1,
     overrides: Sequence[str] = (),
+    backend: str = "optuna",
     say: Callable[[str], None] = print,
-) -> optuna.Study:
+) -> Any:
     """Search ``space`` (a SPACE.toml, :mod:`glassloop.tuning.space`) over runs of ``config``
-    with ``overrides``; the study, once it holds ``trials`` trials, finished, pruned or failed.
+    with ``overrides``; the optuna study, once it holds ``trials`` trials, finished, pruned or
+    failed (``backend="ray"``: Ray Tune's ``ResultGrid``, :mod:`glassloop.tuning.ray_sweep`).
+    Its last lines (``say``) name its report, the best trial, its metric and its config.
 
     >>> study = glassloop.tune("my.toml", "s.toml", trials=20, sweep_dir="sw")  # doctest: +SKIP
     >>> study.best_trial.number, study.best_value  # doctest: +SKIP
     (7, 0.1734)
     """
-    optuna = require_optuna()
+    optuna = require("optuna", "search")
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # (the sweep says each trial itself)
     if trials < 1 or workers < 1:
         raise GlassloopError(f"tune: trials and workers must be 1 or more, got {trials}, {workers}")
-    checked = read_space(space, config, overrides)  # (every mistake: before anything is written)
+    if backend not in ("optuna", "ray"):
+        raise GlassloopError(f"tune: backend must be 'optuna' or 'ray', got {backend!r}")
+    checked = read_space(space, config, overrides, backend)  # (before anything is written)
     folder = Path(sweep_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    study = optuna.create_study(
-        storage=f"sqlite:///{folder.resolve() / STUDY}",
-        study_name=STUDY_NAME,
-        direction=checked.direction,
-        pruner=checked.pruner,
-        load_if_exists=True,
-    )
-    study.set_user_attr("metric", checked.metric)
-    # A continued sweep's sampler seeded anew past the trials it holds: the same seed again
-    # drew the first trials' values again (trial 2 of a killed sweep was trial 0 once more).
-    study.sampler = optuna.samplers.TPESampler(seed=checked.seed + len(study.trials))
-    Sweep(study, checked, config, list(overrides), folder, say).run(trials, workers)
-    say(f"report: {sweep_report(study, folder)}")
-    return study  # type: ignore[no-any-return]
+    write_index(folder, backend, checked.metric, checked.direction, [p.key for p in checked.params])
+    if backend == "ray":
+        result, records = run_ray_sweep(checked, config, overrides, folder, trials, workers, say)
+    else:
+        result = optuna.create_study(
+            storage=f"sqlite:///{folder.resolve() / STUDY}",
+            study_name=STUDY_NAME,
+            direction=checked.direction,
+            pruner=checked.pruner,
+            load_if_exists=True,
+        )
+        result.set_user_attr("metric", checked.metric)
+        # A continued sweep's sampler seeded anew past the trials it holds: the same seed
+        # again drew the first trials' values again (trial 2 of a killed sweep was trial 0).
+        result.sampler = optuna.samplers.TPESampler(seed=checked.seed + len(result.trials))
+        Sweep(result, checked, config, list(overrides), folder, say).run(trials, workers)
+        records = [
+            TrialRecord(t.number, t.state.name.lower(), t.params, t.value) for t in result.trials
+        ]
+    summarise(records, checked.metric, checked.direction, folder, say)
+    return result
 
 
 @dataclass
@@ -134,18 +142,18 @@ class Sweep:
     ) -> None:
         self.study, self.space, self.folder, self.say = study, space, folder, say
         self.config, self.overrides = config, overrides
-        self.signum: int = 0
+        self.signals = StopSignals(["TERM", "INT"])  # (a second one: abort, as train does)
 
     def run(self, trials: int, workers: int) -> None:
         """Keep ``workers`` trials running until the study holds ``trials``; on SIGTERM or
         SIGINT stop the running ones (each saves a checkpoint) and raise :class:`SweepStopped`."""
-        optuna = require_optuna()
+        optuna = require("optuna", "search")
         running_state = (optuna.trial.TrialState.RUNNING,)
         waiting = self.study.get_trials(states=running_state)  # (its sweep was killed)
         running: list[Running] = []
-        with self._signals():
+        with self.signals:
             try:
-                while not self.signum:
+                while not self.signals.received:
                     while len(running) < workers and (waiting or len(self.study.trials) < trials):
                         if waiting:  # (optuna's Trial of a stored one: its private id)
                             old = waiting.pop(0)
@@ -163,7 +171,7 @@ class Sweep:
                     time.sleep(POLL_S)
             finally:
                 self._stop(running)
-        raise SweepStopped(self.signum)
+        raise SweepStopped(self.signals.received or 0)
 
     def _trust(self, run_dir: Path) -> list[str]:
         """``--trust-code`` for a trial's resume when its config.json names the model class
@@ -247,7 +255,7 @@ class Sweep:
 
     def _finish(self, trial: Running) -> None:
         """Tell the study how the trial's process ended."""
-        optuna = require_optuna()
+        optuna = require("optuna", "search")
         self._read(trial)  # (the rows written after the last read)
         trial.log.close()
         number, code, metric = trial.trial.number, trial.process.returncode, self.space.metric
@@ -258,7 +266,7 @@ class Sweep:
         elif code == 0 and trial.last is not None:
             self.study.tell(trial.trial, trial.last)
             self.say(f"trial {number}: {metric} {trial.last:.6g}")
-        elif code in (128 + signal.SIGTERM, 128 + signal.SIGINT) and self.signum:
+        elif code in (128 + signal.SIGTERM, 128 + signal.SIGINT) and self.signals.received:
             return  # (stopped with the sweep: still running in the study, resumed next time)
         else:
             why = f"exit code {code}" if code else f"no {metric} in its epoch rows"
@@ -277,27 +285,3 @@ class Sweep:
                 trial.process.kill()
                 trial.process.wait()
             trial.log.close()
-
-    @contextlib.contextmanager
-    def _signals(self) -> Iterator[None]:
-        """SIGTERM and SIGINT set ``self.signum``; the loop stops at its next turn (never in
-        the middle of a write to the study)."""
-        previous: dict[signal.Signals, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                previous[sig] = signal.signal(sig, self._handle)
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.signum = int(signum)
-
-
-def mark_pruned(run_dir: Path) -> None:
-    """run.json's status "pruned", the rest of it as the run wrote it at its stop (its process
-    has exited: nothing else writes the file), so ``glassloop runs`` shows it."""
-    path = run_dir / layout.STATUS
-    write_json(path, {**read_json_object(path), "status": "pruned"})
