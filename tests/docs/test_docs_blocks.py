@@ -63,6 +63,8 @@ NOT_RUN = {
     "extra has wandb",
     ("docs/storage.md", "pip install 'glassloop[cloud]'"): "installs (network); the dev "
     "extra has s3fs",
+    ("docs/search.md", "--backend ray"): "needs a Ray cluster and a shared folder: "
+    "tests/tuning/test_tune_ray.py runs the command on the Ray cluster it starts",
 }
 BENCHMARKS = "benchmarks/"  # run by hand (minutes each); their results are in benchmarks.md
 
