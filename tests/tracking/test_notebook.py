@@ -110,8 +110,8 @@ def test_the_quick_start_notebook_shows_a_live_bar_and_tables(tmp_path: Path) ->
     said = texts(sweep)
     assert "best trial: " in said and "sweeps/notebook/report/index.html" in said, said
     [table] = [o.data["text/html"] for o in trials.outputs if "text/html" in o.get("data", {})]
-    assert table.count("COMPLETE") == 3 and "params_optim.lr" in table, table
-    for n in range(3):
+    assert table.count("COMPLETE") == 2 and "params_optim.lr" in table, table
+    for n in range(2):
         trial = f"sweeps/notebook/trial-{n:04d}"
         assert rows(tmp_path / "kernel" / trial) == rows(script / trial)
         [last] = [row for row in rows(script / trial) if row["kind"] == "epoch"][-1:]

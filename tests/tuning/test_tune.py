@@ -31,7 +31,7 @@ batch_size = 16
 [model]
 hidden = [32]
 [train]
-epochs = 15
+epochs = 8
 progress = "none"
 """
 SPACE = """
@@ -146,7 +146,7 @@ def test_a_killed_sweep_ends_with_its_trials_and_names_the_best(
     assert last[0].startswith(f"best trial: {best.number}, val_loss {best.value:.6g}"), out
     assert last[1].startswith(f"its config: {config}"), out
     assert all(
-        epochs_of(folder / "sweep" / f"trial-{n:04d}") == list(range(1, 16)) for n in range(3)
+        epochs_of(folder / "sweep" / f"trial-{n:04d}") == list(range(1, 9)) for n in range(3)
     )
     # The report: the history, each parameter against the metric, a row per trial.
     index = folder / "sweep" / "report" / "index.html"
@@ -167,7 +167,7 @@ def test_the_killed_trial_was_resumed_and_its_config_reproduces_it(
     log = killed.with_name(f"{killed.name}.log").read_text(encoding="utf-8")
     resumed = re.search(r"resumed from '.*checkpoints/step-\d+' at step (\d+)", log)
     assert resumed is not None and int(resumed[1]) > 0, log
-    assert epochs_of(killed) == list(range(1, 16))
+    assert epochs_of(killed) == list(range(1, 9))
     straight = tmp_path / "straight"
     done = run_glassloop("train", str(killed / "config.json"), "--run-dir", str(straight))
     assert done.returncode == 0, done.stderr
@@ -178,7 +178,7 @@ def test_the_killed_trial_was_resumed_and_its_config_reproduces_it(
 
 def test_the_median_pruner_stops_a_trial_that_falls_behind(tmp_path: Path) -> None:
     """lr 1e-9 learns nothing: behind the median of the trials before it at epoch 1, it is
-    stopped (SIGTERM: a checkpoint) long before its 15 epochs. train.seed 10: the sampler's
+    stopped (SIGTERM: a checkpoint) long before its 8 epochs. train.seed 10: the sampler's
     first two draws are 0.05, then 1e-9."""
     space = (
         'pruner = { name = "median", n_startup_trials = 1, n_warmup_steps = 0 }\n'
@@ -193,14 +193,14 @@ def test_the_median_pruner_stops_a_trial_that_falls_behind(tmp_path: Path) -> No
     assert study.trials[1].params == {"optim.lr": "1e-09"}
     pruned = sweep / "trial-0001"
     assert json.loads((pruned / "run.json").read_text())["status"] == "pruned"
-    assert len(epochs_of(pruned)) < 15 and (pruned / "checkpoints" / "latest").is_file()
+    assert len(epochs_of(pruned)) < 8 and (pruned / "checkpoints" / "latest").is_file()
     assert "trial 1: pruned at epoch 1" in done.stdout
     # glassloop runs DIR: a row per trial, its status, its last epoch's metric, its values
     listed = run_glassloop("runs", str(sweep)).stdout.splitlines()
     rows = [(t.number, t.intermediate_values[max(t.intermediate_values)]) for t in study.trials]
     assert [line.split() for line in listed] == [
         ["trial", "status", "epoch", "val_loss", "params"],
-        ["trial-0000", "finished", "15", f"{rows[0][1]:.4g}", "optim.lr=0.05"],
+        ["trial-0000", "finished", "8", f"{rows[0][1]:.4g}", "optim.lr=0.05"],
         [
             "trial-0001",
             "pruned",
