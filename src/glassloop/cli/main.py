@@ -307,11 +307,14 @@ def make_parser() -> Parser:
 
     export = commands.add_parser(
         "export",
-        help="write a run's weights: one safetensors file that rebuilds the model, or a "
-        "Hugging Face folder",
+        help="write a run's model: safetensors weights, a Hugging Face folder, an ONNX file "
+        "or a torch.export program",
         description="Export weights only (no optimizer state) with the model's description in "
         "the safetensors metadata; glassloop.load_model(FILE) rebuilds the model from it. "
-        "--format hf: a run of a transformers or peft model as a folder in their layout.",
+        "--format hf: a run of a transformers or peft model as a folder in their layout. "
+        "--format onnx / torch-export: the model with its task's activation (what predict "
+        "prints), checked against the model on a validation batch and on batches of 1 and 7; "
+        "refused (exit 2, nothing written) above --atol.",
     )
     export.add_argument(
         "source",
@@ -323,15 +326,32 @@ def make_parser() -> Parser:
         "-o",
         required=True,
         metavar="PATH",
-        help="the .safetensors file to write (--format hf: the new folder)",
+        help="the .safetensors file to write (--format hf: the new folder; onnx: model.onnx; "
+        "torch-export: model.pt2)",
     )
     export.add_argument(
         "--format",
-        choices=("glassloop", "hf"),
+        choices=("glassloop", "hf", "onnx", "torch-export"),
         default="glassloop",
         help="glassloop: one file that glassloop.load_model rebuilds; hf: a folder that "
-        "transformers' from_pretrained (a peft run: PeftModel.from_pretrained) loads",
+        "transformers' from_pretrained (a peft run: PeftModel.from_pretrained) loads; onnx: "
+        "for onnxruntime (pip install 'glassloop[export]'); torch-export: torch.export.load",
     )
+    export.add_argument(
+        "--atol",
+        type=float,
+        default=1e-4,
+        metavar="A",
+        help="onnx, torch-export: the largest absolute difference to the model allowed "
+        "(default 1e-4, for fp32)",
+    )
+    export.add_argument(
+        "--quantize",
+        choices=("int8",),
+        help="onnx: onnxruntime's dynamic int8 quantization, with the validation accuracy "
+        "before and after",
+    )
+    add_trust_option(export)
     export.add_argument(
         "--merged",
         action="store_true",
@@ -575,8 +595,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     if args.top_k < 1:
         raise GlassloopError("predict: --top-k must be >= 1")
-    predictor = Predictor.from_path(args.source, trust_code=args.trust_code)
-    sources, probs = predictor.predict_files(args.inputs)
+    if args.source.endswith(".onnx"):  # (onnxruntime and numpy: no torch on this path)
+        from glassloop.serving.onnx_predictor import OnnxPredictor
+
+        onnx = OnnxPredictor(args.source)
+        sources, probs = onnx.predict_files(args.inputs)
+        predictor: Any = onnx
+    else:
+        predictor = Predictor.from_path(args.source, trust_code=args.trust_code)
+        sources, probs = predictor.predict_files(args.inputs)
     for warning in predictor.warnings:
         print(warning, file=sys.stderr)
     predictions = predictor.top_k(sources, probs, args.top_k)
@@ -658,6 +685,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     from glassloop.tools.export import export_model
 
     with writing("export", Path(args.output).parent, "nothing was written"):
+        if args.format in ("onnx", "torch-export"):
+            from glassloop.serving.run_export import export_run
+
+            export_run(
+                args.source,
+                args.output,
+                args.format,
+                atol=args.atol,
+                quantize=args.quantize,
+                trust_code=args.trust_code,
+            )
+            return EXIT_OK
         if args.format == "hf":
             from glassloop.tools.export import export_run_hf
 

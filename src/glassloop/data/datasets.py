@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from glassloop.data.options import DataConfig
+from glassloop.data.raw_files import load_arrays
 from glassloop.data.splits import (
     Splits,
     check_class_count,
@@ -139,76 +140,6 @@ def synthetic(cfg: DataConfig) -> Splits:
     x = centres[y] + rng.normal(0.0, 1.0, size=(cfg.num_samples, cfg.num_features))
     n_val = max(1, round(cfg.num_samples * cfg.val_fraction))
     return from_arrays(x[n_val:], y[n_val:], x[:n_val], y[:n_val], cfg.num_classes)
-
-
-def load_arrays(path: Path, who: str) -> dict[str, np.ndarray]:
-    """Every array of a ``.npz`` (or the one of a ``.npy``, as ``"arr_0"``), never unpickling;
-    an empty, truncated or foreign file is one :class:`DataError`, and so is an array that
-    is not rows of numbers (:func:`check_array_headers`: before anything is allocated)."""
-    check_array_headers(path, who)
-    try:
-        loaded = np.load(path, allow_pickle=False)  # never unpickles
-        if isinstance(loaded, np.lib.npyio.NpzFile):
-            with loaded:
-                return {k: np.asarray(loaded[k]) for k in loaded.files}
-        return {"arr_0": np.asarray(loaded)}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as err:
-        raise DataError(
-            f"{who}: '{path}' is not a readable {path.suffix} file: {err or type(err).__name__}"
-        ) from err
-
-
-# The kinds of numbers glassloop reads from an array file: booleans, integers, floats.
-NUMBER_KINDS = "biuf"
-
-
-def check_array_headers(path: Path, who: str) -> None:
-    """Each array's header in a ``.npy`` or ``.npz`` file, read before its data: rows (not
-    one value, a 0-d array), of numbers (not strings, objects or complex values, which
-    numpy would turn into a float array with a warning, keeping the real part), and no
-    more bytes than the file holds (a header claiming (10**12, 10**6) float32 values made
-    numpy try to allocate 3.47 EiB before it compared that with the file)."""
-    try:
-        if zipfile.is_zipfile(path):
-            with zipfile.ZipFile(path) as archive:
-                for info in archive.infolist():
-                    if info.filename.endswith(".npy"):
-                        with archive.open(info) as handle:
-                            name = info.filename.removesuffix(".npy")
-                            _check_header(handle, info.file_size, f"'{path}' array {name!r}", who)
-        else:
-            with path.open("rb") as handle:
-                _check_header(handle, path.stat().st_size, f"'{path}'", who)
-    except DataError:
-        raise
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
-        raise DataError(
-            f"{who}: '{path}' is not a readable {path.suffix} file: {err or type(err).__name__}"
-        ) from err
-
-
-def _check_header(handle: Any, size: int, what: str, who: str) -> None:
-    major, _ = np.lib.format.read_magic(handle)
-    read = (
-        np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-    )
-    shape, _, dtype = read(handle)  # (numpy's own reader: it checks the header's form)
-    if dtype.kind not in NUMBER_KINDS:
-        complex_ = dtype.kind == "c"
-        kind = "complex numbers" if complex_ else f"{dtype} values, not numbers"
-        how = "x.real, if its real part is what you mean" if complex_ else "x.astype(np.float32)"
-        raise DataError(
-            f"{who}: {what} holds {kind}; glassloop reads integers, floats or booleans: "
-            f"convert it first ({how})"
-        )
-    if shape == ():
-        raise DataError(f"{who}: {what} holds a single value (a 0-d array), not rows of samples")
-    claimed = int(np.prod(shape, dtype=object)) * dtype.itemsize
-    if claimed > size - handle.tell():
-        raise DataError(
-            f"{who}: {what} claims {shape} {dtype} values ({claimed:,} bytes), more than the "
-            f"file holds ({size:,} bytes): truncated or crafted"
-        )
 
 
 def npz(cfg: DataConfig, task: str = "classification") -> Splits:

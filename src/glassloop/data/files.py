@@ -9,15 +9,15 @@ either unpickle (CIFAR-10's python batches) or need torchvision, which is option
 
 from __future__ import annotations
 
-import csv
 import gzip
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from glassloop.data.lazy import open_image, probe_shape
+from glassloop.data.lazy import probe_shape
 from glassloop.data.options import DataConfig
+from glassloop.data.raw_files import IMAGE_SUFFIXES, is_float, open_image, read_csv_rows
 from glassloop.data.splits import (
     Splits,
     check_class_count,
@@ -30,7 +30,6 @@ from glassloop.errors import DataError
 if TYPE_CHECKING:
     from glassloop.data.lazy import DiskData
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
 # Per-dataset pixel statistics (training sets, pixels in [0, 1]).
 STATS = {
     "mnist": ([0.1307], [0.3081]),
@@ -129,28 +128,6 @@ def tabular_csv(cfg: DataConfig, task: str = "classification") -> Splits:
     return from_arrays(
         (x_tr - mean) / std, y_tr, (x_va - mean) / std, y_va, names, scale, values=not labels
     )
-
-
-def read_csv_rows(path: Path) -> list[list[str]]:
-    """The rows of a CSV file, which must be UTF-8 text."""
-    try:
-        with path.open(newline="", encoding="utf-8") as handle:
-            return list(csv.reader(handle))
-    except UnicodeDecodeError as err:
-        raise DataError(
-            f"data: '{path}' is not UTF-8 text (byte {err.start}); save it as UTF-8"
-        ) from err
-    except csv.Error as err:
-        raise DataError(f"data: '{path}' is not a readable CSV file: {err}") from err
-
-
-def is_float(value: str) -> bool:
-    """Whether a CSV cell reads as a number."""
-    try:
-        float(value)
-    except ValueError:
-        return False
-    return True
 
 
 def _existing(path: str, what: str) -> Path:

@@ -16,10 +16,7 @@ one ``text_column`` of strings (tokenized in the worker); the target is ``label_
 
 from __future__ import annotations
 
-import contextlib
 import io
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from glassloop.data.raw_files import open_image
 from glassloop.errors import DataError
 
 if TYPE_CHECKING:
@@ -94,38 +92,6 @@ def read_image(source: Path | bytes, shape: tuple[int, int, int]) -> torch.Tenso
         image = image.resize((width, height))
     pixels = np.asarray(image, dtype=np.float32) / 255.0
     return torch.from_numpy(pixels.reshape(pixels.shape[0], pixels.shape[1], -1)).permute(2, 0, 1)
-
-
-@contextlib.contextmanager
-def open_image(path: Path | io.BytesIO, who: str) -> Iterator[Any]:
-    """Pillow's ``Image.open``, with every way an image file can fail (unreadable, not an
-    image, truncated or corrupt data while decoding in the ``with`` block, a decompression
-    bomb: a small file that claims billions of pixels, a PNG text chunk too large) turned
-    into one :class:`DataError` line. Pillow only warns between 89M and 179M pixels; here
-    that is an error too."""
-    import struct
-    import zlib
-
-    from PIL import Image
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as opened:
-                yield opened
-    except (
-        OSError,
-        ValueError,
-        SyntaxError,
-        EOFError,
-        IndexError,
-        struct.error,
-        zlib.error,
-        Image.DecompressionBombError,
-        Image.DecompressionBombWarning,
-    ) as err:
-        name = "image bytes" if isinstance(path, io.BytesIO) else f"image '{path}'"
-        raise DataError(f"{who}: cannot read {name}: {err}") from err
 
 
 def probe_shape(source: Path | bytes, channels: int, size: int) -> tuple[int, int, int]:

@@ -153,26 +153,48 @@ def made_in_python(config: Any) -> bool:
 def _evaluated(
     source: Path, overrides: Sequence[str], trust_code: bool
 ) -> tuple[Built, Weights, dict[str, Any]]:
-    """Rebuild the data and model of the run that made ``source`` from its recorded config
-    and evaluate its weights (the EMA weights for an EMA run) on its validation data;
-    returns the parts, the weights and the result."""
-    from glassloop.config.assemble import build_parts
-    from glassloop.config.schema import apply_override, from_dict, require_trust
+    """Rebuild the run that made ``source`` (:func:`rebuilt`) and evaluate its weights on
+    its validation data; returns the parts, the weights and the result."""
     from glassloop.evaluation.evaluate import evaluate
     from glassloop.precision import autocast
+
+    parts, weights = rebuilt(source, overrides, trust_code)
+    with autocast(parts.config.train.precision, parts.device):  # as training evaluated
+        result = evaluate(
+            parts.model,
+            parts.val_loader,
+            parts.loss_fn,
+            task=parts.task,
+            device=parts.device,
+            ignore_index=parts.config.train.ignore_index,
+            metrics=parts.config.train.metrics,
+        )
+    return parts, weights, result
+
+
+def rebuilt(
+    source: str | Path, overrides: Sequence[str] = (), trust_code: bool = False, who: str = "eval"
+) -> tuple[Built, Weights]:
+    """The data and model of the run that made ``source``, rebuilt from its recorded config
+    with ``overrides``, its weights (the EMA weights for an EMA run) loaded: what ``eval``
+    evaluates and ``export`` exports."""
+    from glassloop.config.assemble import build_parts
+    from glassloop.config.schema import apply_override, from_dict, require_trust
     from glassloop.storage.weights import load_onto
     from glassloop.tools.export import check_on_meta, model_description, read_weights
     from glassloop.tracking.provenance import recorded_folder
+
+    source = Path(source)
 
     weights = read_weights(source)
     config = weights.config
     if config is None:
         raise GlassloopError(
-            f"eval: '{source}' does not say which data it was trained on (no config)"
+            f"{who}: '{source}' does not say which data it was trained on (no config)"
         )
     if made_in_python(config):
         raise GlassloopError(
-            f"eval: '{source}' was trained from Python (Trainer(..., run_dir=...)): no file "
+            f"{who}: '{source}' was trained from Python (Trainer(..., run_dir=...)): no file "
             "says how to rebuild its model and data. Evaluate it in Python: "
             "glassloop.load_weights(model, 'RUN_DIR/model.safetensors') and "
             "glassloop.evaluate(model, loader, loss_fn)"
@@ -186,15 +208,5 @@ def _evaluated(
     # (Its relative paths, from here or from where the run was started.)
     parts = build_parts(cfg, files_from=recorded_folder(weights.path))
     load_onto(parts.model, weights.tensors, weights.path, weights.base)  # (a frozen base: its own)
-    model = parts.model.to(parts.device)
-    with autocast(parts.config.train.precision, parts.device):  # as training evaluated
-        result = evaluate(
-            model,
-            parts.val_loader,
-            parts.loss_fn,
-            task=parts.task,
-            device=parts.device,
-            ignore_index=parts.config.train.ignore_index,
-            metrics=parts.config.train.metrics,
-        )
-    return parts, weights, result
+    parts.model.to(parts.device)
+    return parts, weights

@@ -228,7 +228,7 @@ def _npz_tables(path: Path) -> Tables:
     images as PNG bytes in ``image``; ``y`` as ``label``."""
     import numpy as np
 
-    from glassloop.data.datasets import load_arrays
+    from glassloop.data.raw_files import load_arrays
 
     pa, _ = _pyarrow()
     arrays = load_arrays(path, SAY)
@@ -305,8 +305,8 @@ def _image_folder(root: Path) -> Reader:
     import numpy as np
 
     from glassloop.data.files import image_listing
-    from glassloop.data.lazy import open_image
     from glassloop.data.options import DataConfig
+    from glassloop.data.raw_files import open_image
 
     names, listings = image_listing(DataConfig(name="image-folder", path=str(root)))
     if len(listings) > 1:

@@ -1,0 +1,70 @@
+"""``glassloop predict model.onnx INPUTS``: an ONNX file that ``glassloop export`` wrote, run
+by onnxruntime on raw inputs read as ``glassloop predict RUN`` reads them (the file's own
+description of its inputs, :class:`glassloop.tools.prediction.Inputs`), with numpy alone:
+nothing on this path imports torch (``tests/serving/test_export.py`` runs it with torch
+made unimportable)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from glassloop.errors import GlassloopError
+from glassloop.tools.prediction import Inputs
+
+METADATA = "glassloop.model"  # the ONNX metadata key holding the model's description
+
+
+def require_onnxruntime() -> Any:
+    """onnxruntime, or one line naming the extra that installs it."""
+    try:
+        import onnxruntime
+    except ImportError:
+        raise GlassloopError(
+            "onnx: onnxruntime is not installed; install it with pip install 'glassloop[export]'"
+        ) from None
+    return onnxruntime
+
+
+class OnnxPredictor(Inputs):
+    """An ONNX file and the description ``glassloop export`` put in its metadata."""
+
+    def __init__(self, path: str | Path) -> None:
+        onnxruntime = require_onnxruntime()
+        try:
+            self.session = onnxruntime.InferenceSession(
+                str(path), providers=["CPUExecutionProvider"]
+            )
+        except Exception as err:  # (onnxruntime's own errors: not a file it can run)
+            raise GlassloopError(
+                f"predict: '{path}' is not an ONNX file onnxruntime runs: {err}"
+            ) from None
+        spec = self.session.get_modelmeta().custom_metadata_map.get(METADATA)
+        try:
+            description = json.loads(spec or "")
+            shape = description["input_shape"]
+            if not (isinstance(shape, list) and all(isinstance(d, int) and d > 0 for d in shape)):
+                raise ValueError(f"input_shape = {shape!r}")
+        except (ValueError, KeyError, TypeError) as err:
+            raise GlassloopError(
+                f"predict: '{path}' does not describe its inputs (no usable {METADATA!r} "
+                f"metadata: {err}); export it with glassloop export --format onnx"
+            ) from None
+        super().__init__(description)
+
+    def outputs(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        """The file's output (the task's prediction: its activation is inside the file)."""
+        feed = {}
+        for value in self.session.get_inputs():
+            given, length = inputs[value.name], value.shape[1] if len(value.shape) > 1 else None
+            if isinstance(length, int) and given.ndim == 2 and given.shape[1] != length:
+                # Token ids padded (or cut) to the file's fixed length, as it was exported.
+                fill = int(self.spec.get("pad_id", 0)) if value.name == "input_ids" else 0
+                padded = np.full((len(given), length), fill, dtype=given.dtype)
+                padded[:, : min(length, given.shape[1])] = given[:, :length]
+                given = padded
+            feed[value.name] = given
+        return np.asarray(self.session.run(None, feed)[0])
