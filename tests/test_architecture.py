@@ -196,7 +196,8 @@ def test_the_loop_does_not_read_the_config() -> None:
 def test_the_top_and_each_folder_keep_their_size() -> None:
     """At most 16 modules and 3,000 lines at the package top (the Trainer and the words every
     part speaks: a new feature lands in its part's folder); a folder at most 12 modules and
-    2,500 lines (FOLDER_BUDGETS: data/ 3,900, checkpoint/ 1,090, tuning/ 900, cli/ 1,500)."""
+    2,500 lines (FOLDER_BUDGETS: data/ 3,900, checkpoint/ 1,090, tuning/ 900, cli/ 1,500,
+    serving/ 450, config/ 1,700)."""
     top = sorted(PACKAGE.glob("*.py"))
     assert len(top) <= 16, [p.name for p in top]
     assert sum(len(p.read_text(encoding="utf-8").splitlines()) for p in top) <= 3_000
@@ -210,8 +211,16 @@ def test_the_top_and_each_folder_keep_their_size() -> None:
 # data/ holds the readers of every kind of data, where it lives (shards on a store, Hugging
 # Face datasets); checkpoint/ gave it the room. Together 4,990 lines (5,500 until 2026-12).
 # tuning/ (the sweep and its space) came with cli/ lowered from 2,500 to 1,500: together
-# 2,400 lines (5,000 until 2026-12-06).
-FOLDER_BUDGETS = {"data": 3_900, "checkpoint": 1_090, "tuning": 900, "cli": 1_500}
+# 2,400 lines (5,000 until 2026-12-06). serving/ (exported files, the ONNX predictor) came
+# with config/ lowered from 2,500 to 1,700: together 2,150 lines.
+FOLDER_BUDGETS = {
+    "data": 3_900,
+    "checkpoint": 1_090,
+    "tuning": 900,
+    "cli": 1_500,
+    "serving": 450,
+    "config": 1_700,
+}
 
 
 def test_the_run_directorys_names_are_spelled_in_one_module() -> None:

@@ -48,6 +48,8 @@ _EXPORTS = {
     "evaluate_run": "glassloop.tools.run_evaluation",
     "export_hf": "glassloop.storage.hugging_face",
     "export_model": "glassloop.tools.export",
+    "export_onnx": "glassloop.serving.exported",
+    "export_program": "glassloop.serving.exported",
     "export_run_hf": "glassloop.tools.export",
     "format_report": "glassloop.evaluation.metrics",
     "load_config": "glassloop.config.schema",
@@ -89,6 +91,8 @@ __all__ = [
     "evaluate_run",
     "export_hf",
     "export_model",
+    "export_onnx",
+    "export_program",
     "export_run_hf",
     "format_report",
     "load_config",
@@ -128,6 +132,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from glassloop.loop import Trainer
     from glassloop.options import CheckpointConfig, RunInfo, TrackingConfig, TrainOptions
     from glassloop.rng import seed_everything
+    from glassloop.serving.exported import export_onnx, export_program
     from glassloop.state import TrainState
     from glassloop.step.guards import NonFinitePolicy
     from glassloop.storage.hugging_face import export_hf

@@ -246,7 +246,6 @@ class EpochRecord:
     def load_state_dict(
         self, state: dict[str, Any], device: torch.device, world: World | None = None
     ) -> None:
-        steps = state
         per_rank = state.get("epoch_per_rank") or [state]  # (one process: its own, at the top)
         size, rank = (world.size, world.rank) if world is not None else (1, 0)
         # This process's own steps, or, written by another number of processes, merged.

@@ -217,14 +217,10 @@ def outputs_are_probabilities(outputs: str, model: nn.Module | None, loss_fn: An
         raise ConfigError(f"outputs must be one of {', '.join(OUTPUTS)}; got {outputs!r}")
     if outputs != "auto":
         return outputs == "probabilities"
-    return takes_probabilities(loss_fn) or (model is not None and ends_in_activation(model))
-
-
-def ends_in_activation(model: nn.Module) -> bool:
-    """Whether the last module ``model`` registers (its last layer, as a model is written
-    top to bottom) is an ``nn.Sigmoid`` or ``nn.Softmax``."""
-    leaves = [m for m in model.modules() if next(m.children(), None) is None]
-    return bool(leaves) and isinstance(leaves[-1], (nn.Sigmoid, nn.Softmax))
+    modules = model.modules() if model is not None else ()
+    leaves = [m for m in modules if next(m.children(), None) is None]  # (the last: its last layer)
+    last_is_activation = bool(leaves) and isinstance(leaves[-1], (nn.Sigmoid, nn.Softmax))
+    return takes_probabilities(loss_fn) or last_is_activation
 
 
 def predicted_task(task: str, loss_fn: Any, evaluated: Mapping[str, Any] | None) -> str:

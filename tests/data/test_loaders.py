@@ -147,7 +147,7 @@ def test_bucketed_loader_resumes_mid_epoch() -> None:
 
 
 def test_augmentation_is_seeded_per_batch_and_resumes_exactly() -> None:
-    from glassloop.data.augment import BatchAugment
+    from glassloop.data.loaders import BatchAugment
 
     x = torch.arange(2 * 16.0).view(2, 1, 4, 4).repeat(16, 1, 1, 1)
     y = torch.arange(32)

@@ -226,4 +226,6 @@ def test_texts_through_the_tokenizer(tmp_path: Path) -> None:
         batch.pop("labels")
         expected = run.trainer.predict([batch])
         text = rows[int(dataset.rows_of(0)[n])][0]
-        assert torch.allclose(predictor.predict_texts([text]), expected, atol=2e-5), text
+        assert torch.allclose(
+            torch.from_numpy(predictor.predict_texts([text])), expected, atol=2e-5
+        ), text

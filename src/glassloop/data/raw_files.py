@@ -122,17 +122,23 @@ def _check_header(handle: Any, size: int, what: str, who: str) -> None:
         )
 
 
-def read_csv_rows(path: Path) -> list[list[str]]:
-    """The rows of a CSV file, which must be UTF-8 text."""
+@contextlib.contextmanager
+def reading_text(path: Path) -> Iterator[None]:
+    """Reading ``path`` as UTF-8 text (a CSV file, JSON lines): each failure one line."""
     try:
-        with path.open(newline="", encoding="utf-8") as handle:
-            return list(csv.reader(handle))
+        yield
     except UnicodeDecodeError as err:
         raise DataError(
             f"data: '{path}' is not UTF-8 text (byte {err.start}); save it as UTF-8"
         ) from err
     except csv.Error as err:
         raise DataError(f"data: '{path}' is not a readable CSV file: {err}") from err
+
+
+def read_csv_rows(path: Path) -> list[list[str]]:
+    """The rows of a CSV file, which must be UTF-8 text."""
+    with reading_text(path), path.open(newline="", encoding="utf-8") as handle:
+        return list(csv.reader(handle))
 
 
 def is_float(value: str) -> bool:

@@ -19,6 +19,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
 from glassloop.data.options import DataConfig
+from glassloop.data.raw_files import reading_text
 from glassloop.data.splits import stratified_split
 from glassloop.errors import DataError
 
@@ -85,14 +86,8 @@ class TextData:
 
 def read_texts(path: Path, text_column: str, label_column: str) -> tuple[list[str], list[str]]:
     """Texts and labels from a CSV with a header or a JSONL file (one object per line)."""
-    try:
+    with reading_text(path):
         records = _records(path)
-    except UnicodeDecodeError as err:
-        raise DataError(
-            f"data: '{path}' is not UTF-8 text (byte {err.start}); save it as UTF-8"
-        ) from err
-    except csv.Error as err:
-        raise DataError(f"data: '{path}' is not a readable CSV file: {err}") from err
     if not records:
         raise DataError(f"data: '{path}' holds no texts")
     for column in (text_column, label_column):

@@ -31,7 +31,7 @@ prediction:tools.prediction lr_finder:tools.lr_finder checklist:tools.checklist
 verify_resume:tools.verify_resume run_evaluation:tools.run_evaluation
 run_log:tracking.run_log sinks:tracking.sinks console:tracking.console
 summary:tracking.summary report:tracking.report runs:tracking.runs
-provenance:tracking.provenance launched:tracking.launched
+provenance:tracking.provenance launched:tracking.launched data.augment:data.loaders
 """
 MOVED = dict(pair.split(":") for pair in MOVED_TEXT.split())
 
