@@ -113,7 +113,7 @@ def export_onnx(
     import onnxruntime
 
     served, program, batches = _traced(model, example, task)
-    with _quiet():
+    with quiet():
         onnx_program = torch.onnx.export(program, dynamo=True, verbose=False)
     assert onnx_program is not None
     graph = onnx_program.model.graph
@@ -148,7 +148,7 @@ def _traced(
     # token ids are padded to that length; a unidirectional GRU never sees the padding).
     batch = torch.export.Dim("batch", min=1)
     try:
-        with _quiet(), torch.no_grad():
+        with quiet(), torch.no_grad():
             program = torch.export.export(
                 served,
                 tuple(inputs.values()),
@@ -224,16 +224,16 @@ def _where(err: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """torch's export loggers (graphs, registrations, fallbacks) held to errors: the export
-    says what matters in its own lines."""
-    logger = logging.getLogger("torch")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # (torch's own deprecations)
+def quiet() -> Iterator[None]:
+    """The exporters' log records (torch's graphs and fallbacks, onnxruntime's advice) and
+    torch's own deprecation warnings held back: the export says what matters in its own
+    lines, and a refusal is one."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:  # (a failed trace also prints its graph to stderr itself)
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore", FutureWarning)
             warnings.filterwarnings("ignore", "The tensor attributes")  # (a GRU's, traced)
             yield
     finally:
-        logger.setLevel(level)
+        logging.disable(previous)

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from glassloop.batch import split_batch
+from glassloop.data.loaders import LoaderPosition
 from glassloop.errors import GlassloopError
-from glassloop.serving.exported import ATOL, Exported, export_onnx, export_program
+from glassloop.serving.exported import ATOL, Exported, export_onnx, export_program, quiet
 from glassloop.storage.atomic import atomic_path
 from glassloop.tools.run_evaluation import rebuilt
 
@@ -40,6 +41,8 @@ def export_run(
     parts, weights = rebuilt(source, trust_code=trust_code, who="export")
     model = parts.model.cpu().eval()
     batch = next(iter(parts.val_loader))
+    if isinstance(parts.val_loader, LoaderPosition):  # (the peek undone: scores read it all)
+        parts.val_loader.load_state_dict({"epoch": 0, "batches_consumed": 0})
     (args, kwargs), _ = split_batch(batch)
     example: Any = args[0].cpu() if args and not kwargs else {k: v.cpu() for k, v in kwargs.items()}
     description = json.loads(weights.metadata.get("glassloop.model", "{}"))
@@ -63,8 +66,9 @@ def export_run(
             "lengths); glassloop predict tokenizes and pads text lines with it"
         )
     if quantize:
-        before, after = quantize_int8(Path(done.path), parts.val_loader, parts.task)
-        say(f"quantized to int8: validation {after}, before {before}")
+        name, before, after = quantize_int8(Path(done.path), parts.val_loader, parts.task)
+        size = Path(done.path).stat().st_size
+        say(f"quantized to int8 ({size:,} bytes): validation {name} {before} before, {after} after")
     return done
 
 
@@ -75,7 +79,7 @@ def _pad(value: torch.Tensor, length: int, fill: int) -> torch.Tensor:
     return padded
 
 
-def quantize_int8(path: Path, loader: Any, task: str) -> tuple[str, str]:
+def quantize_int8(path: Path, loader: Any, task: str) -> tuple[str, str, str]:
     """Replace the ONNX file at ``path`` with onnxruntime's dynamic int8 quantization of it;
     the validation accuracy (another task: the mean absolute output) before and after."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -83,11 +87,12 @@ def quantize_int8(path: Path, loader: Any, task: str) -> tuple[str, str]:
     from glassloop.serving.onnx_predictor import OnnxPredictor
 
     scores = []
-    with atomic_path(path) as tmp:
+    with atomic_path(path) as tmp, quiet():
         quantize_dynamic(path, tmp, weight_type=QuantType.QInt8)
         for file in (path, tmp):
             scores.append(_score(OnnxPredictor(file), loader, task))
-    return scores[0], scores[1]
+    name = "accuracy" if task == "classification" else "mean absolute output"
+    return name, scores[0], scores[1]
 
 
 def _score(predictor: Any, loader: Any, task: str) -> str:
@@ -103,5 +108,5 @@ def _score(predictor: Any, loader: Any, task: str) -> str:
             right += int((out.argmax(-1) == torch.as_tensor(target).numpy()).sum())
             total += len(out)
     if task == "classification":
-        return f"accuracy {100 * right / max(total, 1):.2f}%"
-    return f"mean absolute output {float(np.mean(outputs)):.6g}"
+        return f"{100 * right / max(total, 1):.2f}%"
+    return f"{float(np.mean(outputs)):.6g}"
