@@ -68,7 +68,7 @@ class Served(nn.Module):
 def export_program(
     model: nn.Module,
     path: str | Path,
-    example: torch.Tensor | Mapping[str, torch.Tensor],
+    example: Any,
     *,
     task: str = "classification",
     description: dict[str, Any] | None = None,
@@ -100,7 +100,7 @@ def export_program(
 def export_onnx(
     model: nn.Module,
     path: str | Path,
-    example: torch.Tensor | Mapping[str, torch.Tensor],
+    example: Any,
     *,
     task: str = "classification",
     description: dict[str, Any] | None = None,
@@ -136,7 +136,7 @@ def export_onnx(
 
 
 def _traced(
-    model: nn.Module, example: torch.Tensor | Mapping[str, torch.Tensor], task: str
+    model: nn.Module, example: Any, task: str
 ) -> tuple[Served, torch.export.ExportedProgram, list[dict[str, torch.Tensor]]]:
     """The served model, its program (``torch.export``, non-strict, dynamic batch) and the
     batches to check it on: ``example`` and batches of 1 and 7 rows cut from it (repeated)."""
@@ -192,9 +192,12 @@ def _compare(
     return largest
 
 
-def inputs_of(example: torch.Tensor | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A batch by name: ``{"input": x}``, or a text model's ``input_ids``, ... as given."""
-    return {"input": example} if isinstance(example, torch.Tensor) else dict(example)
+def inputs_of(example: Any) -> dict[str, torch.Tensor]:
+    """A batch by name: ``{"input": x}``, or a text model's ``input_ids``, ... as given
+    (tensors or numpy arrays)."""
+    if isinstance(example, Mapping):
+        return {str(key): torch.as_tensor(value) for key, value in example.items()}
+    return {"input": torch.as_tensor(example)}
 
 
 def _call(module: Callable[..., torch.Tensor], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
