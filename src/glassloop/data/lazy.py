@@ -16,7 +16,6 @@ one ``text_column`` of strings (tokenized in the worker); the target is ``label_
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,11 +46,9 @@ class DiskData:
         class_names: list[str],
         input_shape: tuple[int, ...],
     ) -> None:
-        self.train, self.val = train, val
-        self.preprocessing = preprocessing
-        self.class_names = class_names
+        self.train, self.val, self.preprocessing = train, val, preprocessing
+        self.class_names, self.input_shape = class_names, input_shape
         self.num_classes = len(class_names)
-        self.input_shape = input_shape
 
 
 class ImageFiles(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -76,17 +73,15 @@ class ImageFiles(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return len(self.files)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (read_image(self.files[index], self.shape) - self.mean) / self.std, self.labels[
-            index
-        ]
+        image = read_image(self.files[index], self.shape)
+        return (image - self.mean) / self.std, self.labels[index]
 
 
 def read_image(source: Path | bytes, shape: tuple[int, int, int]) -> torch.Tensor:
     """An image file (or its encoded bytes) as a float tensor ``(C, H, W)`` in [0, 1],
     resized to ``shape`` (a height of 0 keeps the image's size)."""
     channels, height, width = shape
-    opened_from = io.BytesIO(source) if isinstance(source, bytes) else source
-    with open_image(opened_from, "data") as opened:
+    with open_image(source, "data") as opened:
         image = opened.convert("L" if channels == 1 else "RGB")
     if height and (image.height, image.width) != (height, width):
         image = image.resize((width, height))
@@ -96,8 +91,7 @@ def read_image(source: Path | bytes, shape: tuple[int, int, int]) -> torch.Tenso
 
 def probe_shape(source: Path | bytes, channels: int, size: int) -> tuple[int, int, int]:
     """``(C, H, W)``: ``channels`` and ``size`` (a square) when given, else the image's own."""
-    opened_from = io.BytesIO(source) if isinstance(source, bytes) else source
-    with open_image(opened_from, "data") as opened:
+    with open_image(source, "data") as opened:
         channels = channels or (1 if opened.mode in ("L", "1", "I", "I;16") else 3)
         height, width = (size, size) if size else opened.size[::-1]
     return channels, height, width

@@ -21,7 +21,7 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
 
 
 @contextlib.contextmanager
-def open_image(path: Path | io.BytesIO, who: str) -> Iterator[Any]:
+def open_image(path: Path | bytes, who: str) -> Iterator[Any]:
     """Pillow's ``Image.open``, with every way an image file can fail (unreadable, not an
     image, truncated or corrupt data while decoding in the ``with`` block, a decompression
     bomb: a small file that claims billions of pixels, a PNG text chunk too large) turned
@@ -35,7 +35,7 @@ def open_image(path: Path | io.BytesIO, who: str) -> Iterator[Any]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as opened:
+            with Image.open(io.BytesIO(path) if isinstance(path, bytes) else path) as opened:
                 yield opened
     except (
         OSError,
@@ -48,7 +48,7 @@ def open_image(path: Path | io.BytesIO, who: str) -> Iterator[Any]:
         Image.DecompressionBombError,
         Image.DecompressionBombWarning,
     ) as err:
-        name = "image bytes" if isinstance(path, io.BytesIO) else f"image '{path}'"
+        name = "image bytes" if isinstance(path, bytes) else f"image '{path}'"
         raise DataError(f"{who}: cannot read {name}: {err}") from err
 
 
@@ -143,8 +143,7 @@ def read_csv_rows(path: Path) -> list[list[str]]:
 
 def is_float(value: str) -> bool:
     """Whether a CSV cell reads as a number."""
-    try:
+    with contextlib.suppress(ValueError):
         float(value)
-    except ValueError:
-        return False
-    return True
+        return True
+    return False
