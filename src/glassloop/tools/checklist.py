@@ -363,7 +363,7 @@ def doctor(
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Softmax(dim=1))
     >>> trainer = glassloop.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
     ...                             torch.nn.CrossEntropyLoss(), progress="none")
-    >>> data = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))]
+    >>> data = [(torch.randn(8, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]))]  # (every class)
     >>> [c.status for c in glassloop.doctor(trainer, data, overfit_steps=5, echo=False)][:2]
     ['PASS', 'FAIL']
     """
