@@ -25,7 +25,7 @@ from glassloop.tuning.sweep import Sweep
 BASE = """
 [data]
 name = "synthetic"
-num_samples = 4096
+num_samples = 2048
 num_features = 4
 batch_size = 16
 [model]
