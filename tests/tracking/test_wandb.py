@@ -127,8 +127,13 @@ def test_an_offline_run_holds_params_metrics_files_weights_status_and_a_resume_c
     assert json.loads(first["summary"]["status"]) == "finished" and first["exits"] == [0]
 
     # W&B names an offline run's folder by the second it started and the run id: a resume
-    # within the same second would write over the first part's folder.
-    time.sleep(1.1)
+    # within the same second would write over the first part's folder. Wait for the next.
+    [folder] = run.glob("wandb/offline-run-*")
+    started = folder.name.split("-")[2]  # (offline-run-YYYYMMDD_HHMMSS-id)
+    deadline = time.monotonic() + 5
+    while time.strftime("%Y%m%d_%H%M%S") <= started:
+        assert time.monotonic() < deadline, f"the clock's second after {started}"
+        time.sleep(0.01)
     trainer(run, tracking).fit(batches(), batches(), epochs=3, resume="auto")
     wandb.teardown()
     # Offline, W&B cannot rewind: one line says which steps keep their first values.
