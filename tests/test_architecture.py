@@ -197,7 +197,7 @@ def test_the_top_and_each_folder_keep_their_size() -> None:
     """At most 16 modules and 3,000 lines at the package top (the Trainer and the words every
     part speaks: a new feature lands in its part's folder); a folder at most 12 modules and
     2,500 lines (FOLDER_BUDGETS: data/ 3,900, checkpoint/ 1,090, tuning/ 900, cli/ 1,500,
-    serving/ 460, config/ 1,690)."""
+    serving/ 490, config/ 1,660)."""
     top = sorted(PACKAGE.glob("*.py"))
     assert len(top) <= 16, [p.name for p in top]
     assert sum(len(p.read_text(encoding="utf-8").splitlines()) for p in top) <= 3_000
@@ -212,14 +212,14 @@ def test_the_top_and_each_folder_keep_their_size() -> None:
 # Face datasets); checkpoint/ gave it the room. Together 4,990 lines (5,500 until 2026-12).
 # tuning/ (the sweep and its space) came with cli/ lowered from 2,500 to 1,500: together
 # 2,400 lines (5,000 until 2026-12-06). serving/ (exported files, the ONNX predictor) came
-# with config/ lowered from 2,500 to 1,690: together 2,150 lines.
+# with config/ lowered from 2,500 to 1,660: together 2,150 lines.
 FOLDER_BUDGETS = {
     "data": 3_900,
     "checkpoint": 1_090,
     "tuning": 900,
     "cli": 1_500,
-    "serving": 460,
-    "config": 1_690,
+    "serving": 490,
+    "config": 1_660,
 }
 
 

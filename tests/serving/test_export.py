@@ -144,14 +144,48 @@ def test_a_forward_that_branches_on_a_value_is_refused_naming_its_line(tmp_path:
     line = BRANCHY.splitlines().index("        if float(x.sum()) > 0:") + 1
     assert f"branchy.py:{line}: if float(x.sum()) > 0:" in refused.stderr, refused.stderr
     assert not (tmp_path / "m.onnx").exists()
-    # The Python API, on a model built in Python
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-    x = torch.randn(5, 4)
-    done_py = glassloop.export_onnx(model, tmp_path / "py.onnx", x)
-    assert done_py.largest_difference <= 1e-4 and done_py.batch_sizes == (5, 1, 7)
-    session = onnxruntime.InferenceSession(str(tmp_path / "py.onnx"))
-    got = session.run(None, {"input": x[:2].numpy()})[0]
-    assert np.allclose(got, glassloop.predict(model, x[:2]).numpy(), atol=1e-6)
+    # The Python API, on a model built in Python: what predict computes, a model ending in a
+    # sigmoid too (no second one), from an example of one row (the batch axis stays dynamic)
+    for name, model, task in [
+        ("py", nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), "classification"),
+        ("sig", nn.Sequential(nn.Linear(4, 3), nn.Sigmoid()), "multilabel"),
+    ]:
+        x = torch.randn(5, 4)
+        done_py = glassloop.export_onnx(model, tmp_path / f"{name}.onnx", x, task=task)
+        assert done_py.largest_difference <= 1e-4 and done_py.batch_sizes == (5, 1, 7)
+        session = onnxruntime.InferenceSession(str(tmp_path / f"{name}.onnx"))
+        got = session.run(None, {"input": x[:2].numpy()})[0]
+        assert np.allclose(got, glassloop.predict(model, x[:2], task=task).numpy(), atol=1e-6)
+    one = glassloop.export_program(model, tmp_path / "one.pt2", torch.randn(1, 4), task=task)
+    assert one.batch_sizes == (2, 1, 7)
+    assert torch.export.load(tmp_path / "one.pt2").module()(torch.randn(9, 4)).shape == (9, 3)
+
+
+def test_a_planted_onnx_file_or_a_bad_csv_row_is_one_line(run: Path) -> None:
+    """predict reads an ONNX file's description as untrusted input; a CSV row with an empty
+    cell is named by its line, never taken for a header and dropped."""
+    folder = run.parent / "planted"
+    folder.mkdir()
+    done = run_glassloop("export", str(run), "--format", "onnx", "--output", str(folder / "m.onnx"))
+    assert done.returncode == 0, done.stderr
+    model = onnx.load(str(folder / "m.onnx"))
+    good = dict((p.key, p.value) for p in model.metadata_props)["glassloop.model"]
+    (folder / "rows.csv").write_text(
+        ",".join(["1"] * 63 + [""]) + "\n" + ",".join(["2"] * 64) + "\n"
+    )
+    said = predict_without_torch(folder, "m.onnx", "rows.csv")
+    assert said.returncode == 2 and "'rows.csv' line 1 has a non-numeric or missing value" in (
+        said.stderr
+    ), said.stderr
+    for planted in [{"input_shape": [3, 100000, 100000]}, {"preprocessing": "abc"},
+                    {"class_names": 5}, {"preprocessing": {"scale": "x"}}]:  # fmt: skip
+        description = {**json.loads(good), **planted}
+        del model.metadata_props[:]
+        onnx.helper.set_model_props(model, {"glassloop.model": json.dumps(description)})
+        onnx.save(model, str(folder / "planted.onnx"))
+        said = predict_without_torch(folder, "planted.onnx", str(run.parent / "x.npy"))
+        assert said.returncode == 2 and said.stderr.count("\n") == 1, said.stderr
+        assert "does not describe its inputs" in said.stderr, said.stderr
 
 
 def test_a_text_model_carries_its_tokenizer_and_predicts_lines_without_torch(

@@ -259,3 +259,21 @@ def test_a_killed_trial_resumes_trusted_only_with_the_sweeps_own_model(tmp_path:
     for target, expected in (("net.py:Net", ["--trust-code"]), ("subprocess:Popen", [])):
         (run / "config.json").write_text(json.dumps({"model": {"target": target}}))
         assert sweep._trust(run) == expected
+
+
+def test_the_runs_listing_reads_a_nested_key_from_each_trials_config(tmp_path: Path) -> None:
+    """``glassloop runs SWEEP_DIR`` with a searched key under model.kwargs (a sweep over a
+    model of one's own), read from each trial's config.json."""
+    sweep = tmp_path / "sweep"
+    (sweep / "trial-0000").mkdir(parents=True)
+    keys = ["model.kwargs.width", "optim.lr"]
+    (sweep / "sweep.json").write_text(json.dumps({"metric": "val_loss", "keys": keys}))
+    config = {"model": {"kwargs": {"width": 48}}, "optim": {"lr": 0.01}}
+    (sweep / "trial-0000" / "config.json").write_text(json.dumps(config))
+    (sweep / "trial-0000" / "run.json").write_text(json.dumps({"status": "finished"}))
+    row = {"kind": "epoch", "epoch": 1, "step": 4, "val_loss": 0.25}
+    (sweep / "trial-0000" / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    listed = run_glassloop("runs", str(sweep)).stdout.splitlines()
+    assert listed[1].split() == [
+        "trial-0000", "finished", "1", "0.25", "model.kwargs.width=48,", "optim.lr=0.01"
+    ], listed  # fmt: skip

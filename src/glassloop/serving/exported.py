@@ -34,6 +34,7 @@ from glassloop.errors import GlassloopError, ModelError
 from glassloop.evaluation.evaluate import activated
 from glassloop.serving.onnx_predictor import METADATA
 from glassloop.storage.atomic import atomic_path
+from glassloop.tasks import outputs_are_probabilities
 
 ATOL = 1e-4  # the largest absolute difference an fp32 export may have from the model
 EXTRA_FILE = "glassloop.model.json"  # the same in a torch.export program's archive
@@ -58,11 +59,15 @@ class Served(nn.Module):
     def __init__(self, model: nn.Module, task: str, classes: int | None, keys: list[str]) -> None:
         super().__init__()
         self.model, self.task, self.classes, self.keys = model, task, classes, keys
+        # A model ending in a sigmoid or softmax: its outputs as they are (as predict decides).
+        self.probabilities = outputs_are_probabilities("auto", model, None)
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         named = dict(zip(self.keys, args, strict=True))
         output = self.model(*args) if self.keys == ["input"] else self.model(**named)
-        return activated(output, task=self.task, classes=self.classes)
+        return activated(
+            output, task=self.task, classes=self.classes, probabilities=self.probabilities
+        )
 
 
 def export_program(
@@ -85,7 +90,7 @@ def export_program(
     >>> done.largest_difference < 1e-6, torch.export.load(path).module()(torch.randn(2, 4)).shape
     (True, torch.Size([2, 3]))
     """
-    served, program, batches = _traced(model, example, task)
+    served, program, batches = _traced(model, example, task, description)
     extra = {EXTRA_FILE: json.dumps(description or {}, sort_keys=True)}
     archive = io.BytesIO()  # (torch.export.save takes a buffer or a name ending in .pt2)
     torch.export.save(program, archive, extra_files=extra)
@@ -112,7 +117,7 @@ def export_onnx(
     ``example`` and on batches of 1 and 7. Needs ``pip install 'glassloop[export]'``."""
     import onnxruntime
 
-    served, program, batches = _traced(model, example, task)
+    served, program, batches = _traced(model, example, task, description)
     with quiet():
         onnx_program = torch.onnx.export(program, dynamo=True, verbose=False)
     assert onnx_program is not None
@@ -124,7 +129,7 @@ def export_onnx(
     onnx_program.model.metadata_props[METADATA] = json.dumps(description or {}, sort_keys=True)
     opset = onnx_program.model.opset_imports.get("")
     with atomic_path(Path(path)) as tmp:
-        onnx_program.save(str(tmp))
+        onnx_program.save(str(tmp), external_data=False)  # (one file: 2 GB at most)
         session = onnxruntime.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
 
         def run(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -136,12 +141,14 @@ def export_onnx(
 
 
 def _traced(
-    model: nn.Module, example: Any, task: str
+    model: nn.Module, example: Any, task: str, description: dict[str, Any] | None
 ) -> tuple[Served, torch.export.ExportedProgram, list[dict[str, torch.Tensor]]]:
     """The served model, its program (``torch.export``, non-strict, dynamic batch) and the
     batches to check it on: ``example`` and batches of 1 and 7 rows cut from it (repeated)."""
     inputs = inputs_of(example)
-    classes = getattr(model, "num_classes", None)
+    if _size(inputs) < 2:  # (a batch of one would fix the batch axis at 1)
+        inputs = {key: value[torch.arange(2) % len(value)] for key, value in inputs.items()}
+    classes = (description or {}).get("num_classes", getattr(model, "num_classes", None))
     keys = list(inputs)
     served = Served(model.eval(), task, classes if isinstance(classes, int) else None, keys)
     # The batch axis only: a GRU's trace fixes the length of its sequence (a text model's

@@ -44,11 +44,8 @@ class OnnxPredictor(Inputs):
             ) from None
         spec = self.session.get_modelmeta().custom_metadata_map.get(METADATA)
         try:
-            description = json.loads(spec or "")
-            shape = description["input_shape"]
-            if not (isinstance(shape, list) and all(isinstance(d, int) and d > 0 for d in shape)):
-                raise ValueError(f"input_shape = {shape!r}")
-        except (ValueError, KeyError, TypeError) as err:
+            description = checked(json.loads(spec or ""))
+        except (ValueError, KeyError, TypeError, RecursionError) as err:
             raise GlassloopError(
                 f"predict: '{path}' does not describe its inputs (no usable {METADATA!r} "
                 f"metadata: {err}); export it with glassloop export --format onnx"
@@ -59,12 +56,44 @@ class OnnxPredictor(Inputs):
         """The file's output (the task's prediction: its activation is inside the file)."""
         feed = {}
         for value in self.session.get_inputs():
+            if value.name not in inputs:
+                raise GlassloopError(
+                    f"predict: the file takes {value.name!r}; these inputs give {sorted(inputs)}"
+                )
             given, length = inputs[value.name], value.shape[1] if len(value.shape) > 1 else None
             if isinstance(length, int) and given.ndim == 2 and given.shape[1] != length:
-                # Token ids padded (or cut) to the file's fixed length, as it was exported.
+                if value.name not in ("input_ids", "attention_mask"):  # (a prompt: never cut)
+                    raise GlassloopError(
+                        f"predict: the file takes {length} tokens a row, these rows have "
+                        f"{given.shape[1]}"
+                    )
+                # A text's token ids padded (or cut) to the file's fixed length, as exported.
                 fill = int(self.spec.get("pad_id", 0)) if value.name == "input_ids" else 0
                 padded = np.full((len(given), length), fill, dtype=given.dtype)
                 padded[:, : min(length, given.shape[1])] = given[:, :length]
                 given = padded
             feed[value.name] = given
         return np.asarray(self.session.run(None, feed)[0])
+
+
+MAX_INPUT_VALUES = 1 << 26  # an example's values at most (a 4096x4096 RGB image is 50 M)
+
+
+def checked(description: Any) -> dict[str, Any]:
+    """A file's description, each field of the type and range ``Inputs`` reads (a file is
+    input: a planted one is refused in one line, never a crash or a huge allocation)."""
+    shape = description["input_shape"]
+    if not (isinstance(shape, list) and shape and all(isinstance(d, int) and d > 0 for d in shape)):
+        raise ValueError(f"input_shape = {shape!r}")
+    if int(np.prod(shape, dtype=np.float64)) > MAX_INPUT_VALUES:
+        raise ValueError(f"input_shape = {shape!r} holds over {MAX_INPUT_VALUES:,} values")
+    kinds = {"preprocessing": dict, "class_names": list, "task": str, "num_classes": int}
+    for key, kind in kinds.items():
+        if key in description and not isinstance(description[key], kind):
+            raise ValueError(f"{key} = {description[key]!r} is no {kind.__name__}")
+    numbers = ("scale", "image_to_raw", "mean", "std", "example_means", "max_length")
+    for key in numbers:
+        value = description.get("preprocessing", {}).get(key)
+        if value is not None and not np.issubdtype(np.asarray(value).dtype, np.number):
+            raise ValueError(f"preprocessing {key} = {value!r} is not numbers")
+    return dict(description)

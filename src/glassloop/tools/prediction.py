@@ -132,8 +132,8 @@ class Inputs:
         if not rows:
             raise DataError(f"predict: '{path}' is empty")
         # A first row with a value that is not a number is a header (names); one of numbers
-        # is the first input: never dropped (it once was, silently).
-        named = not all(is_float(cell) for cell in rows[0])
+        # is the first input: never dropped (it once was, silently; and with an empty cell).
+        named = any(cell.strip() and not is_float(cell) for cell in rows[0])
         header, body = (rows[0], rows[1:]) if named else ([], rows)
         if columns and set(columns) <= set(header):
             index = [header.index(c) for c in columns]
@@ -147,12 +147,19 @@ class Inputs:
                     f"features{' (' + ', '.join(columns) + ')' if columns else ''}"
                     f"{'' if named else ' (its first row is numbers: no header)'}"
                 )
+        first = 2 if named else 1  # (names are the file's line numbers; blank lines skipped)
+        lines = [(n, row) for n, row in enumerate(body, first) if any(c.strip() for c in row)]
         try:
-            values = np.array([[float(row[i]) for i in index] for row in body], dtype=np.float32)
-        except (ValueError, IndexError) as err:
-            raise DataError(f"predict: '{path}' has a non-numeric or missing value: {err}") from err
-        first = 2 if named else 1  # (names are the file's line numbers)
-        return values, [f"{path.name}:{n}" for n in range(first, len(body) + first)]
+            values = np.array([[float(row[i]) for i in index] for _, row in lines], np.float32)
+        except (ValueError, IndexError):
+            fits = [
+                len(row) > max(index) and all(is_float(row[i]) for i in index) for _, row in lines
+            ]
+            bad = lines[fits.index(False)][0]
+            raise DataError(
+                f"predict: '{path}' line {bad} has a non-numeric or missing value"
+            ) from None
+        return values.reshape(len(lines), len(index)), [f"{path.name}:{n}" for n, _ in lines]
 
     # ------------------------------------------------------------------------- prediction
     def predict_arrays(self, x: Any, names: list[str] | None = None) -> np.ndarray:
@@ -242,6 +249,8 @@ class Inputs:
                         f"predict: '{path}' is not UTF-8 text (byte {err.start})"
                     ) from err
                 lines = [line for line in text.splitlines() if line.strip()]
+                if not lines:
+                    raise DataError(f"predict: '{path}' holds no text (every line is blank)")
                 outputs.append(self.predict_texts(lines))
                 sources += [f"{path.name}:{i}" for i in range(1, len(lines) + 1)]
             else:

@@ -1,22 +1,22 @@
-"""``glassloop tune --backend ray``: the space searched by Ray Tune on the Ray cluster
-``RAY_ADDRESS`` names (else a local one), values drawn by Optuna's sampler (``OptunaSearch``,
-seeded as the embedded sweep), pruned by Ray's scheduler on the epoch (``"asha"``:
-``ASHAScheduler``). Each trial is a glassloop run in a Ray worker (:func:`run_trial`) in
-``SWEEP_DIR/trial-NNNN`` (a path every node sees), its epoch rows reported with the checkpoint
-saved after each, which Ray copies into its storage (``SWEEP_DIR/ray/``). A trial whose worker
-died is started again and resumes from that checkpoint, exactly; the same command on the same
-folder restores a sweep whose driver died (``Tuner.restore``).
+"""``glassloop tune --backend ray``: the space searched by Ray Tune on the cluster
+``RAY_ADDRESS`` names (else a local one), drawn by Optuna's sampler (``OptunaSearch``), pruned
+by Ray's scheduler on the epoch. Each trial is a glassloop run in a Ray worker
+(:func:`run_trial`, ``SWEEP_DIR/trial-NNNN``), its epoch rows reported with their checkpoints,
+which Ray keeps in ``SWEEP_DIR/ray/``: a trial whose worker died resumes from one, exactly;
+the same command restores a sweep whose driver died (``Tuner.restore``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from glassloop.errors import GlassloopError
 from glassloop.run_dir import layout
 from glassloop.tracking.runs import read_json_object
 from glassloop.tuning.report import TrialRecord, mark_pruned
@@ -41,8 +41,7 @@ def run_ray_sweep(
     import ray
     from ray.tune.search.optuna import OptunaSearch
 
-    # Rows reported without the metric (a checkpoint between epochs) are no error; Ray's
-    # warning on frequent experiment snapshots (one per reported checkpoint) is not ours.
+    # A row without the metric (a lone checkpoint) is no error; Ray's snapshot warning no news.
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     started = not ray.is_initialized()
@@ -139,18 +138,22 @@ def read_results(
         run_dir = folder / Path(result.path).name
         number = int(run_dir.name.removeprefix("trial-"))
         params = {k: json.loads(v) if k in choices else v for k, v in result.config.items()}
-        value, epoch = result.metrics.get(space.metric), result.metrics.get("epoch")
+        value = result.metrics.get(space.metric)
         shown = "-" if value is None else f"{value:.6g}"
         status = read_json_object(run_dir / layout.STATUS).get("status")
-        if result.error is not None:
+        if status == "finished" and value is None:  # (a name the runs never write)
+            names = ", ".join(k for k in result.metrics if k.startswith(("val_", "train_")))
+            raise GlassloopError(f"tune: the trials' rows have no {space.metric!r} ({names})")
+        if result.error is not None or (status == "finished" and not math.isfinite(value)):
             records.append(TrialRecord(number, "fail", params))
-            say(f"trial {number}: failed ({str(result.error).splitlines()[0]})")
-        elif status == "finished" and value is not None:
+            why = str(result.error).splitlines()[0] if result.error else f"{space.metric} {shown}"
+            say(f"trial {number}: failed ({why})")
+        elif status == "finished":
             records.append(TrialRecord(number, "complete", params, float(value)))
             say(f"trial {number}: {space.metric} {shown}")
         else:  # (stopped by the scheduler at a rung: its newest checkpoint is its epoch's)
             if status is not None:
                 mark_pruned(run_dir)
             records.append(TrialRecord(number, "pruned", params))
-            say(f"trial {number}: pruned at epoch {epoch} ({space.metric} {shown})")
+            say(f"trial {number}: pruned at epoch {result.metrics.get('epoch')} ({shown})")
     return records

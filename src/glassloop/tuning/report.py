@@ -21,24 +21,17 @@ from glassloop.storage.redaction import printable
 from glassloop.storage.serialization import write_json
 from glassloop.tracking.runs import list_runs, read_epochs, read_json_object
 
-INDEX = "sweep.json"  # SWEEP_DIR's: the backend, the metric, its direction, the searched keys
+INDEX = "sweep.json"  # SWEEP_DIR's: the backend, the metric, the searched keys
 
 
 @dataclass(frozen=True)
 class TrialRecord:
-    """A trial as the report shows it: its state ("complete", "pruned", "fail", "running"),
-    the values it was given and its metric (a complete trial's)."""
+    """A trial: its state ("complete", "pruned", "fail", "running"), values and metric."""
 
     number: int
     state: str
     params: dict[str, Any]
     value: float | None = None
-
-
-def write_index(folder: Path, backend: str, metric: str, direction: str, keys: list[str]) -> None:
-    """``SWEEP_DIR/sweep.json``: what :func:`list_trials` needs to read the trial folders."""
-    index = {"backend": backend, "metric": metric, "direction": direction, "keys": keys}
-    write_json(folder / INDEX, index)
 
 
 def list_trials(folder: Path) -> str:
@@ -50,11 +43,8 @@ def list_trials(folder: Path) -> str:
     keys = [str(k) for k in keys] if isinstance(keys, list) else []
     rows: list[list[str]] = [["trial", "status", "epoch", metric, "params"]]
     for run in sorted(list_runs(folder), key=lambda summary: summary.path.name):
-        config = read_json_object(run.path / layout.CONFIG).items()
-        flat = {
-            f"{s}.{k}": v for s, part in config if isinstance(part, dict) for k, v in part.items()
-        }
-        values = [f"{key}={json.dumps(flat.get(key))}" for key in keys]
+        config = read_json_object(run.path / layout.CONFIG)
+        values = [f"{key}={json.dumps(_lookup(config, key))}" for key in keys]
         epochs = read_epochs(run.path)
         value = epochs[-1].get(metric) if epochs else None
         got = shown(metric, value) if isinstance(value, float | int) else "-"
@@ -66,6 +56,13 @@ def list_trials(folder: Path) -> str:
         "  ".join(cell.ljust(width) for cell, width in zip(row, [*widths, 0], strict=True)).rstrip()
         for row in aligned
     )
+
+
+def _lookup(config: Any, key: str) -> Any:
+    """The value of a dotted key (``model.kwargs.width``) in a nested config, or None."""
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
 
 
 def mark_pruned(run_dir: Path) -> None:

@@ -36,9 +36,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from glassloop.distributed.preemption import StopSignals, die_with_parent
 from glassloop.errors import GlassloopError
 from glassloop.run_dir import layout
+from glassloop.storage.serialization import write_json
 from glassloop.tracking.runs import read_json_object
 from glassloop.tuning.ray_sweep import run_ray_sweep
-from glassloop.tuning.report import TrialRecord, mark_pruned, summarise, write_index
+from glassloop.tuning.report import INDEX, TrialRecord, mark_pruned, summarise
 from glassloop.tuning.space import Space, read_space, require
 
 if TYPE_CHECKING:
@@ -89,7 +90,8 @@ def tune(
     checked = read_space(space, config, overrides, backend)  # (before anything is written)
     folder = Path(sweep_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    write_index(folder, backend, checked.metric, checked.direction, [p.key for p in checked.params])
+    keys = [p.key for p in checked.params]  # (SWEEP_DIR/sweep.json: what runs DIR reads)
+    write_json(folder / INDEX, {"backend": backend, "metric": checked.metric, "keys": keys})
     if backend == "ray":
         result, records = run_ray_sweep(checked, config, overrides, folder, trials, workers, say)
     else:
@@ -174,9 +176,8 @@ class Sweep:
         raise SweepStopped(self.signals.received or 0)
 
     def _trust(self, run_dir: Path) -> list[str]:
-        """``--trust-code`` for a trial's resume when its config.json names the model class
-        that this sweep's own config (the command line's) names, else nothing: a trial folder
-        planted or copied from elsewhere naming other code is refused by ``train`` (exit 2)."""
+        """``--trust-code`` for a trial's resume when its config.json names the model class this
+        sweep's own config names: a planted trial folder naming other code is refused (exit 2)."""
         from glassloop.config.schema import load_config
 
         ours = load_config(self.config, self.overrides, trust_code=True).model.target
