@@ -15,18 +15,12 @@ from typing import Any
 
 import pytest
 import torch
+from regression_data import linear_batches
 from torch import nn
 
 from glassloop import Callback, ConfigError, Trainer
 from glassloop.options import CheckpointConfig
 from glassloop.step.throughput import TIMING
-
-
-def data(n: int = 64, batch: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 5, generator=g)
-    y = x @ torch.randn(5, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
-    return list(zip(x.split(batch), y.split(batch), strict=True))
 
 
 def lbfgs_model() -> tuple[nn.Module, torch.optim.LBFGS]:
@@ -39,7 +33,7 @@ def hand_lbfgs(epochs: int, accumulate: int = 1) -> tuple[nn.Module, list[float]
     """What the time-sequence example does: ``optimizer.step(closure)``; with
     ``accumulate`` batches, the closure's objective is their sample-weighted mean."""
     model, optimizer = lbfgs_model()
-    batches, losses = data(), []
+    batches, losses = linear_batches(), []
     for _ in range(epochs):
         for i in range(0, len(batches), accumulate):
             window = batches[i : i + accumulate]
@@ -68,7 +62,7 @@ def test_a_closure_optimizer_trains_as_its_hand_loop(accumulate: int) -> None:
         model, optimizer, nn.MSELoss(), device="cpu", progress="none", log_every=1,
         grad_accum_steps=accumulate,
     )  # fmt: skip
-    history = trainer.fit(data(), epochs=2)
+    history = trainer.fit(linear_batches(), epochs=2)
     for ours, theirs in zip(
         model.state_dict().values(), expected.state_dict().values(), strict=True
     ):
@@ -85,13 +79,13 @@ def test_a_closure_optimizer_resumes_exactly(tmp_path: Path) -> None:
         model, optimizer, nn.MSELoss(), device="cpu", progress="none", run_dir=tmp_path / "run",
         checkpoint=CheckpointConfig(every_n_steps=3, every_n_epochs=0),
     )  # fmt: skip
-    first.fit(data(), epochs=1)  # (the last checkpoint: the end of epoch 1, step 4)
+    first.fit(linear_batches(), epochs=1)  # (the last checkpoint: the end of epoch 1, step 4)
     model, optimizer = lbfgs_model()  # a fresh model and optimizer, as a new process builds
     again = Trainer(
         model, optimizer, nn.MSELoss(), device="cpu", progress="none", run_dir=tmp_path / "run",
         checkpoint=CheckpointConfig(every_n_steps=3, every_n_epochs=0),
     )  # fmt: skip
-    again.fit(data(), epochs=3, resume="auto")
+    again.fit(linear_batches(), epochs=3, resume="auto")
     for ours, theirs in zip(
         model.state_dict().values(), expected.state_dict().values(), strict=True
     ):
@@ -335,128 +329,3 @@ def test_a_further_validation_set_that_cannot_be_read_is_one_line(tmp_path: Path
     digits = load_config(None, ["data.name=digits", 'data.val_sets={ood = "x.npz"}'])
     with pytest.raises(ConfigError, match=r"data\.val_sets reads \.npz files"):
         build_parts(digits)
-
-
-# ------------------------------------------------------------------- activation checkpointing
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Dropout(0.1),
-            nn.Linear(4 * width, width),
-        )  # fmt: skip
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.net(x)
-
-
-def blocks_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 32), *(Block(32) for _ in range(3)), nn.Linear(32, 3))
-
-
-def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    """Bytes of the activations autograd keeps for backward in one training forward."""
-    total = [0]
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        total[0] += tensor.numel() * tensor.element_size()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(x).sum().backward()
-    model.zero_grad()
-    return total[0]
-
-
-def test_activation_checkpointing_keeps_less_and_trains_bitwise_the_same() -> None:
-    g = torch.Generator().manual_seed(2)
-    x, y = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
-    batches = list(zip(x.split(16), y.split(16), strict=True))
-    weights, kept = [], []
-    for names in ([], ["Block"]):
-        model = blocks_model()
-        trainer = Trainer(
-            model, torch.optim.AdamW(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(),
-            device="cpu", progress="none", activation_checkpointing=names,
-        )  # fmt: skip
-        torch.manual_seed(5)  # (dropout draws from here, the same in both)
-        trainer.fit(batches, epochs=2)
-        weights.append(model.state_dict())
-        kept.append(saved_bytes(model, x))
-    for name in weights[0]:
-        assert torch.equal(weights[0][name], weights[1][name]), name
-    assert kept[1] < kept[0] / 2, kept  # (only the blocks' inputs are kept for them)
-
-
-def test_an_activation_checkpointing_name_that_matches_nothing_is_one_line() -> None:
-    model = blocks_model()
-    with pytest.raises(ConfigError, match=r"names \['TransformerBlock'\].*it has: .*Block"):
-        Trainer(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-            device="cpu", progress="none", activation_checkpointing=["TransformerBlock"],
-        )  # fmt: skip
-
-
-# ----------------------------------------------------------------------------------- profiling
-def test_profile_writes_a_trace_of_n_steps_and_prints_the_top_operators(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    import json
-
-    model = blocks_model()
-    trainer = Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-        device="cpu", progress="none", run_dir=tmp_path / "run", profile=3,
-    )  # fmt: skip
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g)
-    trainer.fit(list(zip(x.split(16), y.split(16), strict=True)), epochs=1)
-    trace = json.loads((tmp_path / "run" / "profile" / "trace.json").read_text())
-    names = {event.get("name") for event in trace["traceEvents"]}
-    assert "aten::addmm" in names  # the model's linear layers ran inside it
-    out = capsys.readouterr().out
-    assert "profile of 3 steps" in out and "Self CPU" in out
-
-
-# ------------------------------------------------------------------------- the loss-spike guard
-def test_a_loss_spike_stops_the_run_naming_its_step_and_batches(tmp_path: Path) -> None:
-    """A finite but wild batch (targets x1000) at batch 7 of epoch 3: with loss_spike=10 the
-    run stops there, naming step, epoch and batch; nothing after it is saved. Off (0), the
-    same data trains on."""
-    from glassloop.step.guards import LossSpikeError
-
-    batches = data(n=160, batch=16)  # 10 batches an epoch
-    wild = [(x, y * 1000 if i == 6 else y) for i, (x, y) in enumerate(batches)]
-
-    class Epochs:  # clean epochs 1-2, the wild batch in epoch 3
-        def __init__(self) -> None:
-            self.epoch = 0
-
-        def __iter__(self) -> Any:
-            self.epoch += 1
-            return iter(wild if self.epoch == 3 else batches)
-
-    def make(spike: float, run_dir: Path | None) -> Trainer:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
-        return Trainer(
-            model, torch.optim.SGD(model.parameters(), lr=0.05), nn.MSELoss(), device="cpu",
-            progress="none", loss_spike=spike, run_dir=run_dir, log_every=4,
-            checkpoint=CheckpointConfig(every_n_steps=4, every_n_epochs=0),
-        )  # fmt: skip
-
-    with pytest.raises(LossSpikeError, match=r"loss spike at step 27 \(epoch 3, batch 7\)"):
-        make(10.0, tmp_path / "run").fit(Epochs(), epochs=3)
-    latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
-    assert latest == "step-00000024"  # the step-28 row found it; nothing after 27 saved
-    assert len(make(0.0, None).fit(Epochs(), epochs=3)) == 3
-
-    # Resumed from step 24 (epoch 3, batch 4) by a new Trainer: the guard measures step 27
-    # against the same 20 losses as the uninterrupted run (they are in the checkpoint), so
-    # it stops at the same step. (Before: a resume started an empty window and trained on.)
-    resumed, rest = make(10.0, tmp_path / "run"), Epochs()
-    rest.epoch = 2  # its next epoch is the third, the one with the wild batch
-    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000024"
-    with pytest.raises(LossSpikeError, match=r"loss spike at step 27 \(epoch 3, batch 7\)"):
-        resumed.fit(rest, epochs=3, resume=checkpoint)
