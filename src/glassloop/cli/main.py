@@ -591,19 +591,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     from glassloop.errors import GlassloopError, writing
-    from glassloop.tools.prediction import Predictor, format_predictions, write_predictions
+    from glassloop.tools.prediction import (
+        Inputs,
+        Predictor,
+        format_predictions,
+        write_predictions,
+    )
 
     if args.top_k < 1:
         raise GlassloopError("predict: --top-k must be >= 1")
+    predictor: Inputs
     if args.source.endswith(".onnx"):  # (onnxruntime and numpy: no torch on this path)
         from glassloop.serving.onnx_predictor import OnnxPredictor
 
-        onnx = OnnxPredictor(args.source)
-        sources, probs = onnx.predict_files(args.inputs)
-        predictor: Any = onnx
+        predictor = OnnxPredictor(args.source)
     else:
         predictor = Predictor.from_path(args.source, trust_code=args.trust_code)
-        sources, probs = predictor.predict_files(args.inputs)
+    sources, probs = predictor.predict_files(args.inputs)
     for warning in predictor.warnings:
         print(warning, file=sys.stderr)
     predictions = predictor.top_k(sources, probs, args.top_k)
@@ -660,8 +664,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
     root = Path(args.root)
     if not root.is_dir():
         raise GlassloopError(f"runs: '{root}' is not a directory")
-    if (root / "sweep.json").is_file() and not args.tracking:
-        from glassloop.tuning.report import list_trials
+    if (root / "sweep.json").is_file() and not args.tracking:  # (tuning.report.INDEX)
+        from glassloop.tuning.report import list_trials  # (imports torch: only for a sweep)
 
         print(list_trials(root))
         return EXIT_OK

@@ -24,6 +24,7 @@ Ray is an optional extra (``pip install glassloop[ray]``), imported only here.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -86,10 +87,8 @@ class RayReport(Callback):
     def report(self, trainer: AnyTrainer, path: Path | None) -> None:
         """``ray.train.report`` of the pending row (or, for a checkpoint alone, where the run
         stands) with the checkpoint at ``path`` (rank 0's)."""
-        import ray.train
-        import ray.tune
-
-        api = ray.tune if self.tune else ray.train  # (each has its own Checkpoint class)
+        # Ray Tune's trial or Ray Train's worker: each has its own report and Checkpoint.
+        api = importlib.import_module("ray.tune" if self.tune else "ray.train")
         state = trainer.state
         row = self.pending or {"kind": "checkpoint", "epoch": state.epoch, "step": state.step}
         metrics = {k: v for k, v in row.items() if is_number(v) or isinstance(v, str)}

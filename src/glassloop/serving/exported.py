@@ -32,7 +32,7 @@ from torch import nn
 
 from glassloop.errors import GlassloopError, ModelError
 from glassloop.evaluation.evaluate import activated
-from glassloop.serving.onnx_predictor import METADATA
+from glassloop.serving.onnx_predictor import METADATA, require_onnxruntime
 from glassloop.storage.atomic import atomic_path
 from glassloop.tasks import outputs_are_probabilities
 
@@ -115,14 +115,13 @@ def export_onnx(
     ``input`` (or a text model's ``input_ids``, ...), output ``output``, a dynamic batch axis,
     ``description`` in its metadata (``glassloop.model``); checked with onnxruntime on
     ``example`` and on batches of 1 and 7. Needs ``pip install 'glassloop[export]'``."""
-    import onnxruntime
-
+    onnxruntime = require_onnxruntime()
     served, program, batches = _traced(model, example, task, description)
     with quiet():
         onnx_program = torch.onnx.export(program, dynamo=True, verbose=False)
     assert onnx_program is not None
     graph = onnx_program.model.graph
-    for value, key in zip(graph.inputs, inputs_of(example), strict=True):
+    for value, key in zip(graph.inputs, served.keys, strict=True):
         value.name = key  # (torch.export calls them args_0, args_1, ...)
     graph.outputs[0].name = "output"
     names = [value.name for value in graph.inputs]

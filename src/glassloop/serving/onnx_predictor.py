@@ -16,6 +16,7 @@ from glassloop.errors import GlassloopError
 from glassloop.tools.prediction import Inputs
 
 METADATA = "glassloop.model"  # the ONNX metadata key holding the model's description
+TOKEN_INPUTS = ("input_ids", "attention_mask")  # a text model's: the file's fixed length
 
 
 def require_onnxruntime() -> Any:
@@ -62,18 +63,24 @@ class OnnxPredictor(Inputs):
                 )
             given, length = inputs[value.name], value.shape[1] if len(value.shape) > 1 else None
             if isinstance(length, int) and given.ndim == 2 and given.shape[1] != length:
-                if value.name not in ("input_ids", "attention_mask"):  # (a prompt: never cut)
+                if value.name not in TOKEN_INPUTS:  # (a prompt: never cut)
                     raise GlassloopError(
                         f"predict: the file takes {length} tokens a row, these rows have "
                         f"{given.shape[1]}"
                     )
                 # A text's token ids padded (or cut) to the file's fixed length, as exported.
-                fill = int(self.spec.get("pad_id", 0)) if value.name == "input_ids" else 0
-                padded = np.full((len(given), length), fill, dtype=given.dtype)
-                padded[:, : min(length, given.shape[1])] = given[:, :length]
-                given = padded
+                given = fixed_length(given, length, value.name, self.spec)
             feed[value.name] = given
         return np.asarray(self.session.run(None, feed)[0])
+
+
+def fixed_length(values: np.ndarray, length: int, name: str, spec: dict[str, Any]) -> np.ndarray:
+    """A text model's ``input_ids`` (padded with its ``pad_id``) or ``attention_mask``
+    (with 0), ``[batch, tokens]``, padded or cut to ``length`` tokens."""
+    fill = int(spec.get("pad_id", 0)) if name == "input_ids" else 0
+    padded = np.full((len(values), length), fill, dtype=values.dtype)
+    padded[:, : min(length, values.shape[1])] = values[:, :length]
+    return padded
 
 
 MAX_INPUT_VALUES = 1 << 26  # an example's values at most (a 4096x4096 RGB image is 50 M)

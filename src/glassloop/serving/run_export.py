@@ -18,10 +18,9 @@ from glassloop.batch import split_batch
 from glassloop.data.loaders import LoaderPosition
 from glassloop.errors import GlassloopError
 from glassloop.serving.exported import ATOL, Exported, export_onnx, export_program, quiet
+from glassloop.serving.onnx_predictor import TOKEN_INPUTS, OnnxPredictor, fixed_length
 from glassloop.storage.atomic import atomic_path
 from glassloop.tools.run_evaluation import rebuilt
-
-FORMATS = ("onnx", "torch-export")
 
 
 def export_run(
@@ -43,13 +42,11 @@ def export_run(
     batch = next(iter(parts.val_loader))
     if isinstance(parts.val_loader, LoaderPosition):  # (the peek undone: scores read it all)
         parts.val_loader.load_state_dict({"epoch": 0, "batches_consumed": 0})
-    (args, kwargs), _ = split_batch(batch)
-    example: Any = args[0].cpu() if args and not kwargs else {k: v.cpu() for k, v in kwargs.items()}
+    example, _ = batch_inputs(batch)
     description = json.loads(weights.metadata.get("glassloop.model", "{}"))
-    if isinstance(example, dict) and "input_ids" in example:  # (the file's fixed length)
-        length = int(description.get("preprocessing", {}).get("max_length", 256))
-        pad = {"input_ids": int(description.get("pad_id", 0)), "attention_mask": 0}
-        example = {k: _pad(v, length, pad[k]) if k in pad else v for k, v in example.items()}
+    length = int(description.get("preprocessing", {}).get("max_length", 256))
+    for key in set(TOKEN_INPUTS) & set(example):  # (a text's: the file's fixed length)
+        example[key] = fixed_length(example[key], length, key, description)
     export = export_onnx if fmt == "onnx" else export_program
     done = export(model, output, example, task=parts.task, description=description, atol=atol)
     sizes = ", ".join(map(str, done.batch_sizes))
@@ -72,19 +69,18 @@ def export_run(
     return done
 
 
-def _pad(value: torch.Tensor, length: int, fill: int) -> torch.Tensor:
-    """``value`` ([batch, tokens]) padded with ``fill`` (or cut) to ``length`` tokens."""
-    padded = torch.full((value.shape[0], length), fill, dtype=value.dtype)
-    padded[:, : min(length, value.shape[1])] = value[:, :length]
-    return padded
+def batch_inputs(batch: Any) -> tuple[dict[str, np.ndarray], Any]:
+    """A loader's batch as the exported file takes it (``{"input": x}``, or a text model's
+    ``input_ids``, ``attention_mask``, ``lengths``), and its target."""
+    (args, kwargs), target = split_batch(batch)
+    inputs = {"input": args[0]} if args and not kwargs else kwargs
+    return {key: value.cpu().numpy() for key, value in inputs.items()}, target
 
 
 def quantize_int8(path: Path, loader: Any, task: str) -> tuple[str, str, str]:
     """Replace the ONNX file at ``path`` with onnxruntime's dynamic int8 quantization of it;
     the validation accuracy (another task: the mean absolute output) before and after."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    from glassloop.serving.onnx_predictor import OnnxPredictor
 
     scores = []
     with atomic_path(path) as tmp, quiet():
@@ -100,9 +96,8 @@ def _score(predictor: Any, loader: Any, task: str) -> str:
     right = total = 0
     outputs = []
     for batch in loader:
-        (args, kwargs), target = split_batch(batch)
-        inputs = {"input": args[0]} if args and not kwargs else kwargs
-        out = predictor.outputs({k: v.cpu().numpy() for k, v in inputs.items()})
+        inputs, target = batch_inputs(batch)
+        out = predictor.outputs(inputs)
         outputs.append(np.abs(out).mean())
         if task == "classification":
             right += int((out.argmax(-1) == torch.as_tensor(target).numpy()).sum())

@@ -185,7 +185,6 @@ def rebuilt(
     from glassloop.tracking.provenance import recorded_folder
 
     source = Path(source)
-
     weights = read_weights(source)
     config = weights.config
     if config is None:
